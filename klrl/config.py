@@ -1,0 +1,348 @@
+"""Frozen, keyword-only configuration dataclasses, validated in ``__post_init__``.
+
+Every field carries a ``help`` string in its metadata; the command line
+(:mod:`klrl.cli`) is generated from these classes, so ``--kl.beta 0.05`` sets
+``RunConfig.kl.beta``. A bad value raises :class:`ConfigError` (a ``ValueError``)
+whose message starts with the dotted field name, before anything compiles.
+
+KL units are explicit everywhere: ``seq_sum`` is the per-sequence sum of the
+per-token estimate over response tokens (nats per sequence), ``token_mean`` is
+that sum divided by the number of response tokens (nats per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
+KL_UNITS = ("seq_sum", "token_mean")
+PLACEMENTS = ("reward", "sequence", "loss", "reward+loss")
+CONTROLLERS = ("fixed", "proportional", "band", "pi", "dual")
+ADVANTAGES = ("gae", "grpo", "rloo")
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule. The message names the field."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _check(cond: bool, name: str, rule: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {rule}")
+
+
+def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, name, f"must be one of {', '.join(choices)} (got {value!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """GPT-2-style decoder: learned positions, pre-LayerNorm blocks, GELU MLP."""
+
+    n_layers: int = _f(2, "number of transformer blocks")
+    n_heads: int = _f(4, "attention heads per block")
+    d_model: int = _f(64, "residual stream width")
+    mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output projection")
+    value_model: str = _f(
+        "head", "value function: 'head' (scalar head on the policy trunk) or 'separate' model"
+    )
+    dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+
+    def __post_init__(self) -> None:
+        _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
+        _check(self.n_heads >= 1, "model.n_heads", "must be >= 1")
+        _check(self.d_model >= 1, "model.d_model", "must be >= 1")
+        _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
+        _check(self.mlp_ratio >= 1, "model.mlp_ratio", "must be >= 1")
+        _choice(self.value_model, "model.value_model", ("head", "separate"))
+        _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How responses are sampled in the rollout."""
+
+    response_len: int = _f(16, "maximum number of response tokens")
+    temperature: float = _f(1.0, "sampling temperature; log-probs for PPO and KL use the same temperature")
+    top_k: int = _f(
+        0, "sample from the k most likely tokens only (0 = off); log-probs stay those of the full policy"
+    )
+    use_eos: bool = _f(
+        True, "an EOS token ends a response; if false every response has exactly response_len tokens"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.response_len >= 1, "sampling.response_len", "must be >= 1")
+        _check(self.temperature > 0, "sampling.temperature", "must be > 0")
+        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLConfig:
+    """Where the KL to the reference enters, with which estimator and coefficient."""
+
+    beta: float = _f(0.05, "initial KL coefficient in the reward (the controller starts here)")
+    estimator: str = _f("k1", "per-token estimator in the reward: k1, k2, k3, abs, full")
+    placement: str = _f("reward", "reward (per token), sequence (sum at last token), loss, or reward+loss")
+    loss_coef: float = _f(0.0, "initial coefficient of the KL term in the policy loss")
+    loss_estimator: str = _f("k3", "per-token estimator of the loss term: k1, k2, k3, abs, full")
+    loss_agg: str = _f("token_mean", "aggregation of the loss term: token_mean or seq_mean")
+    clamp: float = _f(0.0, "clamp log-ratios and estimates to +-clamp (0 = off)")
+    ref_update_every: int = _f(
+        0, "move the reference towards the policy every M iterations (0 = frozen reference)"
+    )
+    ref_mix: float = _f(
+        1.0, "reference update weight alpha: ref <- (1 - alpha) ref + alpha policy (1 = copy)"
+    )
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.beta) and self.beta >= 0, "kl.beta", "must be >= 0")
+        _choice(self.estimator, "kl.estimator", ESTIMATORS)
+        _choice(self.placement, "kl.placement", PLACEMENTS)
+        _check(math.isfinite(self.loss_coef) and self.loss_coef >= 0, "kl.loss_coef", "must be >= 0")
+        _choice(self.loss_estimator, "kl.loss_estimator", ESTIMATORS)
+        _choice(self.loss_agg, "kl.loss_agg", ("token_mean", "seq_mean"))
+        _check(self.clamp >= 0, "kl.clamp", "must be >= 0")
+        _check(self.ref_update_every >= 0, "kl.ref_update_every", "must be >= 0")
+        _check(0 < self.ref_mix <= 1, "kl.ref_mix", "must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """The beta controller. Its state (beta included) lives in the train state."""
+
+    kind: str = _f("fixed", "fixed, proportional (Ziegler 2019), band (PPO paper), pi, dual (Lagrangian)")
+    target: float = _f(6.0, "KL target, in the unit named by ctrl.unit")
+    unit: str = _f(
+        "seq_sum",
+        "KL unit the controller sees and targets: seq_sum (nats/sequence) or token_mean (nats/token)",
+    )
+    estimator: str = _f(
+        "k1", "per-token estimator whose aggregate feeds the controller: k1, k2, k3, abs, full"
+    )
+    drives: str = _f(
+        "reward", "which coefficient the controller drives: reward (kl.beta) or loss (kl.loss_coef)"
+    )
+    horizon: float = _f(10000.0, "proportional: horizon in sequences")
+    clip: float = _f(0.2, "proportional: clip of the relative error")
+    band: float = _f(1.5, "band: KL above target*band doubles beta, below target/band halves it")
+    factor: float = _f(2.0, "band: multiplicative factor")
+    kp: float = _f(0.1, "pi: proportional gain on e = (KL - target)/target")
+    ki: float = _f(0.01, "pi: integral gain")
+    integral_max: float = _f(10.0, "pi: anti-windup clamp of the error integral")
+    step_clip: float = _f(0.5, "pi: clip of each multiplicative step |Kp e + Ki sum e|")
+    lr: float = _f(0.01, "dual: dual-ascent step size eta")
+    warmup_iters: int = _f(0, "hold beta fixed at warmup_beta for this many iterations, then hand over")
+    warmup_beta: float = _f(0.1, "beta during warm-up (also the handed-over starting value)")
+    beta_min: float = _f(0.0, "lower bound on beta")
+    beta_max: float = _f(1e6, "upper bound on beta")
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, "ctrl.kind", CONTROLLERS)
+        _check(math.isfinite(self.target) and self.target > 0, "ctrl.target", "must be > 0")
+        _choice(self.unit, "ctrl.unit", KL_UNITS)
+        _choice(self.estimator, "ctrl.estimator", ESTIMATORS)
+        _choice(self.drives, "ctrl.drives", ("reward", "loss"))
+        _check(self.horizon > 0, "ctrl.horizon", "must be > 0")
+        _check(self.clip > 0, "ctrl.clip", "must be > 0")
+        _check(self.band > 1, "ctrl.band", "must be > 1")
+        _check(self.factor > 1, "ctrl.factor", "must be > 1")
+        _check(self.kp >= 0, "ctrl.kp", "must be >= 0")
+        _check(self.ki >= 0, "ctrl.ki", "must be >= 0")
+        _check(self.integral_max > 0, "ctrl.integral_max", "must be > 0")
+        _check(0 < self.step_clip < 1, "ctrl.step_clip", "must be in (0, 1)")
+        _check(self.lr > 0, "ctrl.lr", "must be > 0")
+        _check(self.warmup_iters >= 0, "ctrl.warmup_iters", "must be >= 0")
+        _check(self.warmup_beta >= 0, "ctrl.warmup_beta", "must be >= 0")
+        _check(self.beta_min >= 0, "ctrl.beta_min", "must be >= 0")
+        _check(self.beta_max >= self.beta_min, "ctrl.beta_max", "must be >= ctrl.beta_min")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """PPO update and advantage estimation."""
+
+    epochs: int = _f(4, "PPO epochs over each batch")
+    minibatches: int = _f(4, "minibatches per epoch (must divide the batch)")
+    clip: float = _f(0.2, "policy ratio clip range")
+    vf_clip: float = _f(0.2, "value clip range")
+    vf_coef: float = _f(0.1, "value loss coefficient")
+    ent_coef: float = _f(0.0, "entropy bonus coefficient")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _f(0.95, "GAE lambda")
+    whiten: bool = _f(True, "whiten advantages (masked, over the global batch)")
+    advantage: str = _f("gae", "gae (value function), grpo (group-normalised), rloo (leave-one-out)")
+    group_size: int = _f(1, "responses per prompt (grpo and rloo need >= 2)")
+    group_std: bool = _f(True, "grpo: divide by the group's standard deviation")
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
+        _check(self.minibatches >= 1, "ppo.minibatches", "must be >= 1")
+        _check(self.clip > 0, "ppo.clip", "must be > 0")
+        _check(self.vf_clip > 0, "ppo.vf_clip", "must be > 0")
+        _check(self.vf_coef >= 0, "ppo.vf_coef", "must be >= 0")
+        _check(0 <= self.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "ppo.lam", "must be in [0, 1]")
+        _choice(self.advantage, "ppo.advantage", ADVANTAGES)
+        _check(self.group_size >= 1, "ppo.group_size", "must be >= 1")
+        if self.advantage in ("grpo", "rloo"):
+            _check(self.group_size >= 2, "ppo.group_size", f"must be >= 2 for ppo.advantage={self.advantage}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
+
+    lr: float = _f(3e-4, "peak learning rate")
+    b1: float = _f(0.9, "Adam beta1")
+    b2: float = _f(0.95, "Adam beta2")
+    eps: float = _f(1e-8, "Adam epsilon")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "global-norm gradient clip (0 = off)")
+    schedule: str = _f("constant", "constant, linear (decay to 0) or cosine, after warm-up")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "must be > 0")
+        _check(0 <= self.b1 < 1, "optim.b1", "must be in [0, 1)")
+        _check(0 <= self.b2 < 1, "optim.b2", "must be in [0, 1)")
+        _check(self.eps > 0, "optim.eps", "must be > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
+        _choice(self.schedule, "optim.schedule", ("constant", "linear", "cosine"))
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The built-in task: a synthetic language, a pretrained reference, a reward."""
+
+    name: str = _f("wordclass", "task: wordclass (fraction of positive words)")
+    seed: int = _f(0, "seed of the synthetic language")
+    prompt_len: int = _f(8, "prompt length in tokens (left-padded)")
+    prompt_pool: int = _f(4096, "number of distinct prompts sampled from the language")
+    pretrain_steps: int = _f(600, "reference pretraining steps")
+    pretrain_batch: int = _f(64, "reference pretraining batch (sequences)")
+    pretrain_lr: float = _f(3e-3, "reference pretraining learning rate")
+    pretrain_len: int = _f(32, "reference pretraining sequence length")
+    cache_dir: str = _f("", "where pretrained models are cached ('' = ~/.cache/klrl)")
+
+    def __post_init__(self) -> None:
+        _choice(self.name, "task.name", ("wordclass",))
+        _check(self.prompt_len >= 1, "task.prompt_len", "must be >= 1")
+        _check(self.prompt_pool >= 1, "task.prompt_pool", "must be >= 1")
+        _check(self.pretrain_steps >= 0, "task.pretrain_steps", "must be >= 0")
+        _check(self.pretrain_batch >= 1, "task.pretrain_batch", "must be >= 1")
+        _check(self.pretrain_lr > 0, "task.pretrain_lr", "must be > 0")
+        _check(self.pretrain_len >= 2, "task.pretrain_len", "must be >= 2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The outer loop."""
+
+    iterations: int = _f(100, "PPO iterations")
+    batch_size: int = _f(64, "global batch: sequences sampled per iteration (prompts x group_size)")
+    seed: int = _f(0, "seed of the run (parameters of a fresh value model, sampling, minibatch order)")
+    devices: int = _f(0, "devices on the 'data' mesh axis (0 = all local devices)")
+    out_dir: str = _f("runs", "parent directory of new run directories")
+    name: str = _f("", "run directory name ('' = timestamp)")
+    log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
+    quiet: bool = _f(False, "print only the summary")
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 1, "train.iterations", "must be >= 1")
+        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _check(self.devices >= 0, "train.devices", "must be >= 0")
+        _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a run needs. Cross-field rules are checked here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    ctrl: ControllerConfig = field(default_factory=ControllerConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        b = self.train.batch_size
+        _check(
+            b % self.ppo.minibatches == 0,
+            "ppo.minibatches",
+            f"must divide train.batch_size ({b} % {self.ppo.minibatches} != 0)",
+        )
+        _check(
+            b % self.ppo.group_size == 0,
+            "ppo.group_size",
+            f"must divide train.batch_size ({b} % {self.ppo.group_size} != 0)",
+        )
+        if self.ppo.group_size > 1:
+            mb = b // self.ppo.minibatches
+            _check(mb >= 1, "ppo.minibatches", "leaves empty minibatches")
+
+    # ---- helpers -------------------------------------------------------
+    def replace(self, **sections: Any) -> RunConfig:
+        """``cfg.replace(kl={'beta': 0.1})`` returns a new, re-validated config."""
+        new = {}
+        for name, value in sections.items():
+            cur = getattr(self, name)
+            new[name] = dataclasses.replace(cur, **value) if isinstance(value, dict) else value
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                sub = f.default_factory  # type: ignore[misc]
+                sub_cls = type(sub())
+                known = {g.name for g in dataclasses.fields(sub_cls)}
+                unknown = set(d[f.name]) - known
+                _check(not unknown, f"{f.name}.{sorted(unknown)[0] if unknown else ''}", "unknown field")
+                kwargs[f.name] = sub_cls(**d[f.name])
+        return cls(**kwargs)
+
+    def hash(self, *sections: str) -> str:
+        """A stable short hash of the named sections (all if none)."""
+        d = self.to_dict()
+        if sections:
+            d = {k: d[k] for k in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_devices(cfg: RunConfig, n_devices: int) -> None:
+    """Rules that need the device count; run before anything compiles."""
+    b = cfg.train.batch_size
+    _check(
+        b % n_devices == 0,
+        "train.batch_size",
+        f"must be divisible by the device count ({b} % {n_devices} != 0)",
+    )
+    _check(
+        (b // cfg.ppo.minibatches) % n_devices == 0,
+        "ppo.minibatches",
+        f"each minibatch ({b // cfg.ppo.minibatches}) must split evenly over {n_devices} devices",
+    )
+    _check(
+        (b // n_devices) % cfg.ppo.group_size == 0,
+        "ppo.group_size",
+        f"each device's share ({b // n_devices}) must hold whole groups of {cfg.ppo.group_size}",
+    )

@@ -1,0 +1,1 @@
+"""Run directories, metrics.jsonl, TensorBoard event files and orbax checkpoints."""

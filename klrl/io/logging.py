@@ -1,0 +1,132 @@
+"""Run directories and metric sinks: ``metrics.jsonl`` and TensorBoard (tensorboardX).
+
+Every iteration appends one JSON object (``{"iteration": i, "<slash/name>": value, ...}``)
+to ``metrics.jsonl`` and the same scalars to the event file, under the same names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tensorboardX import SummaryWriter
+
+from klrl.config import RunConfig
+
+
+def new_run_dir(cfg: RunConfig) -> Path:
+    """``<out_dir>/<name or timestamp>``; a taken name gets a numeric suffix, nothing is overwritten."""
+    root = Path(cfg.train.out_dir)
+    base = cfg.train.name or time.strftime("%Y%m%d-%H%M%S")
+    path, k = root / base, 1
+    while path.exists():
+        path, k = root / f"{base}-{k}", k + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def _clean(v: Any) -> Any:
+    v = float(v)
+    return v if math.isfinite(v) else str(v)  # JSON has no NaN; keep it visible as "nan"/"inf"
+
+
+class MetricsWriter:
+    """Appends metrics to ``metrics.jsonl`` and a TensorBoard event file."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, hparams: dict[str, Any] | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._f = open(self.path, "a", buffering=1)
+        self._tb = SummaryWriter(str(self.run_dir / "tb")) if tensorboard else None
+        self._hparams = hparams
+
+    def write(self, iteration: int, metrics: dict[str, Any]) -> None:
+        row = {"iteration": int(iteration), **{k: _clean(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, float(v), int(iteration))
+
+    def event(self, iteration: int, kind: str, message: str) -> None:
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": int(iteration), "event": kind, "message": message}) + "\n")
+        if self._tb is not None:
+            self._tb.add_text(f"events/{kind}", message, int(iteration))
+
+    def close(self, final: dict[str, Any] | None = None) -> None:
+        if self._tb is not None:
+            if self._hparams is not None:
+                metrics = {
+                    f"final/{k}": float(v) for k, v in (final or {}).items() if math.isfinite(float(v))
+                }
+                self._tb.add_hparams(self._hparams, metrics, name="hparams", global_step=0)
+            self._tb.close()
+        self._f.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl``; a torn last line (a crash mid-write) is ignored."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
+
+
+def hparams_of(cfg: RunConfig) -> dict[str, Any]:
+    """The hyper-parameters a beta study compares, flat, for TensorBoard's hparams view."""
+    c, k = cfg.ctrl, cfg.kl
+    return {
+        "kl/beta": k.beta,
+        "kl/estimator": k.estimator,
+        "kl/placement": k.placement,
+        "kl/loss_coef": k.loss_coef,
+        "ctrl/kind": c.kind,
+        "ctrl/target": c.target,
+        "ctrl/unit": c.unit,
+        "ctrl/horizon": c.horizon,
+        "ctrl/kp": c.kp,
+        "ctrl/ki": c.ki,
+        "ctrl/warmup_iters": c.warmup_iters,
+        "ppo/advantage": cfg.ppo.advantage,
+        "optim/lr": cfg.optim.lr,
+        "train/seed": cfg.train.seed,
+    }
+
+
+class Progress:
+    """A progress line with ETA on a terminal; plain periodic lines otherwise."""
+
+    KEYS = (("reward/task", "R"), ("kl/seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
+
+    def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None):
+        self.total, self.every, self.quiet = total, every, quiet
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.time()
+
+    def update(self, i: int, metrics: dict[str, Any], extra: str = "") -> None:
+        if self.quiet:
+            return
+        done = i + 1
+        el = time.time() - self.t0
+        eta = el / done * (self.total - done)
+        vals = " ".join(f"{n} {float(metrics[k]):.4g}" for k, n in self.KEYS if k in metrics)
+        line = f"[{done}/{self.total}] {vals} {extra} | {el:.0f}s, eta {eta:.0f}s"
+        if self.tty:
+            width = 24
+            fill = int(width * done / self.total)
+            self.stream.write("\r|" + "#" * fill + "." * (width - fill) + "| " + line + "\x1b[K")
+            if done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        elif done % self.every == 0 or done == self.total:
+            print(line, file=self.stream, flush=True)

@@ -1,0 +1,177 @@
+"""A GPT-2-style decoder in flax: full teacher-forced forward and KV-cache decoding.
+
+Learned positions, pre-LayerNorm blocks, GELU MLP, optional tied embeddings,
+optional scalar head. The same module serves as policy (LM head, optionally a
+value head on the trunk), as a separate value model and as a reward model
+(scalar head only).
+
+Shapes: tokens ``[B, T]``; ``positions [B, T]`` (left padding shifts them);
+``key_mask [B, S]`` marks which cache slots hold real tokens. The KV cache is an
+explicit pytree ``{'k': [L, B, S, H, Dh], 'v': [L, B, S, H, Dh]}`` threaded by
+the caller, so decoding is a plain ``lax.scan``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from klrl.config import ModelConfig
+
+Array = jax.Array
+NEG_INF = -1e9
+
+
+class ModelOutput(NamedTuple):
+    logits: Array | None  # [B, T, V] float32, None without an LM head
+    hidden: Array  # [B, T, D] final (post-LayerNorm) hidden states
+    value: Array | None  # [B, T] float32 scalar head, None without one
+    cache: dict[str, Array] | None
+
+
+class Block(nn.Module):
+    d_model: int
+    n_heads: int
+    mlp_ratio: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, cache: tuple[Array, Array] | None, index: Array | None):
+        b, t, d = x.shape
+        h, dh = self.n_heads, d // self.n_heads
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
+        y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
+        qkv = dense(3 * d, "qkv")(y).reshape(b, t, 3, h, dh)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if cache is not None:
+            ck, cv = cache
+            k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), index, axis=1)
+            new_cache = (k, v)
+        else:
+            new_cache = None
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k.astype(q.dtype)).astype(jnp.float32) / jnp.sqrt(dh)
+        att = jnp.where(mask[:, None], att, NEG_INF)
+        att = jax.nn.softmax(att, axis=-1).astype(self.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", att, v.astype(self.dtype)).reshape(b, t, d)
+        x = x + dense(d, "proj")(y)
+        y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
+        y = dense(self.mlp_ratio * d, "fc")(y)
+        y = dense(d, "out")(nn.gelu(y, approximate=True))
+        return x + y, new_cache
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``lm_head`` and ``scalar_head`` select the heads."""
+
+    cfg: ModelConfig
+    vocab_size: int
+    max_len: int
+    lm_head: bool = True
+    scalar_head: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array,
+        mask: Array,
+        cache: dict[str, Array] | None = None,
+        index: Array | int | None = None,
+    ) -> ModelOutput:
+        """``mask [B, T, S]``: query t may attend key s (causality and padding folded in).
+
+        Without a cache S = T. With a cache the T new tokens are written at slot ``index``.
+        """
+        cfg = self.cfg
+        dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+        wte = nn.Embed(self.vocab_size, cfg.d_model, name="wte")
+        wpe = nn.Embed(self.max_len, cfg.d_model, name="wpe")
+        x = (wte(tokens) + wpe(positions)).astype(dtype)
+        new_k, new_v = [], []
+        for i in range(cfg.n_layers):
+            layer_cache = None if cache is None else (cache["k"][i], cache["v"][i])
+            x, nc = Block(cfg.d_model, cfg.n_heads, cfg.mlp_ratio, dtype, name=f"h{i}")(
+                x, mask, layer_cache, index
+            )
+            if nc is not None:
+                new_k.append(nc[0])
+                new_v.append(nc[1])
+        x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
+        logits = None
+        if self.lm_head:
+            if cfg.tie_embeddings:
+                logits = wte.attend(x)
+            else:
+                logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, name="lm")(x)
+            logits = logits.astype(jnp.float32)
+        value = None
+        if self.scalar_head:
+            value = nn.Dense(1, dtype=jnp.float32, name="v_head")(x.astype(jnp.float32))[..., 0]
+        out_cache = None if cache is None else {"k": jnp.stack(new_k), "v": jnp.stack(new_v)}
+        return ModelOutput(logits, x, value, out_cache)
+
+
+# ---- helpers shared by rollout, scoring and the update ----------------------
+
+
+def positions_from_mask(mask: Array) -> Array:
+    """Position ids for left-padded rows: the first real token gets 0."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(key_mask: Array) -> Array:
+    """``[B, S] -> [B, S, S]``: causal attention restricted to real keys.
+
+    A padded query attends to itself so its softmax stays defined.
+    """
+    s = key_mask.shape[-1]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    m = causal[None] & key_mask.astype(bool)[:, None, :]
+    return m | jnp.eye(s, dtype=bool)[None]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict[str, Array]:
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.d_model // cfg.n_heads)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def forward(model: GPT, params: Any, tokens: Array, key_mask: Array) -> ModelOutput:
+    """Teacher-forced forward of whole left-padded sequences ``[B, S]``."""
+    return model.apply({"params": params}, tokens, positions_from_mask(key_mask), causal_mask(key_mask))
+
+
+def token_logprobs(logits: Array, tokens: Array) -> Array:
+    """``log softmax(logits)[..., token]`` in float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def entropy(logits: Array) -> Array:
+    """Entropy of the softmax over the last axis, in nats."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def init_params(model: GPT, key: Array, seq_len: int) -> Any:
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    mask = jnp.ones((1, seq_len), jnp.float32)
+    return model.init(key, tokens, positions_from_mask(mask), causal_mask(mask))["params"]
+
+
+def matmul_flops(cfg: ModelConfig, vocab: int, tokens: int, context: int, lm_head: bool = True) -> int:
+    """Matmul FLOPs (2 per multiply-add) of a forward over ``tokens`` positions.
+
+    ``context`` is the number of keys each query attends to (for the attention
+    score and mixing matmuls). Counted: qkv, output projection, MLP, attention
+    scores and mixing, and the LM head if present. Backward = 2x forward.
+    """
+    d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    per_token = cfg.n_layers * (2 * d * 3 * d + 2 * d * d + 2 * 2 * d * f + 2 * 2 * context * d)
+    if lm_head:
+        per_token += 2 * d * vocab
+    return int(per_token * tokens)

@@ -1,0 +1,127 @@
+"""Prompts -> responses: KV-cache sampling inside ``lax.scan``.
+
+Prompts are left-padded to a fixed length P with a prompt mask, so every
+response starts at slot P of a cache of length S = P + R. Each step samples a
+token from ``softmax(logits / temperature)`` (optionally restricted to the top
+k), records its log-probability under the *full* tempered policy (the
+distribution PPO's ratio and the KL use; top-k only changes which token is
+drawn), and, for a value head on the trunk, the value V(s_t) of the state that
+produced it. An EOS ends a response: it is kept (mask 1) and every later
+position is PAD with mask 0. Randomness is per example: ``keys[b]`` and the step
+index alone decide example b's draw, so results do not depend on how the batch
+is split over devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from klrl.config import SamplingConfig
+from klrl.model import GPT, causal_mask, init_cache, positions_from_mask
+
+Array = jax.Array
+
+
+class Rollout(NamedTuple):
+    prompt: Array  # [B, P] int32, left-padded
+    prompt_mask: Array  # [B, P] float32
+    response: Array  # [B, R] int32, PAD after EOS
+    mask: Array  # [B, R] float32 response mask (EOS included)
+    logp: Array  # [B, R] behaviour log-probs under the tempered full policy
+    value: Array | None  # [B, R] V(s_t) from a trunk value head, else None
+    logits: Array | None  # [B, R, V] tempered policy logits (for exact KL), else None
+
+
+def sequence(prompt: Array, prompt_mask: Array, response: Array, mask: Array) -> tuple[Array, Array]:
+    """Concatenate prompt and response into ``[B, P + R]`` tokens and key mask.
+
+    The response part of the key mask is all ones: positions after EOS only
+    follow the real tokens, so they never influence them.
+    """
+    tokens = jnp.concatenate([prompt, response], axis=1)
+    key_mask = jnp.concatenate([prompt_mask, jnp.ones_like(mask)], axis=1)
+    return tokens, key_mask
+
+
+def response_slice(x: Array, prompt_len: int, response_len: int) -> Array:
+    """The positions whose outputs predict response tokens: ``x[:, P-1 : P+R-1]``."""
+    return x[:, prompt_len - 1 : prompt_len + response_len - 1]
+
+
+def _sample(logits: Array, keys: Array, temperature: float, top_k: int) -> tuple[Array, Array, Array]:
+    scaled = logits / temperature
+    draw_from = scaled
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        draw_from = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    tok = jax.vmap(jax.random.categorical)(keys, draw_from).astype(jnp.int32)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], scaled
+
+
+def generate(
+    model: GPT,
+    params: Any,
+    prompt: Array,
+    prompt_mask: Array,
+    keys: Array,
+    cfg: SamplingConfig,
+    eos_id: int,
+    pad_id: int = 0,
+    keep_logits: bool = False,
+) -> Rollout:
+    """Sample ``cfg.response_len`` tokens for each prompt with a KV cache.
+
+    ``keys [B]`` are per-example PRNG keys; step t uses ``fold_in(keys[b], t)``.
+    """
+    b, p = prompt.shape
+    r = cfg.response_len
+    s = p + r
+    key_mask = jnp.concatenate([prompt_mask, jnp.ones((b, r), prompt_mask.dtype)], axis=1)
+    full_mask = causal_mask(key_mask)  # [B, S, S]
+    positions = positions_from_mask(key_mask)  # [B, S]
+    cache = init_cache(model.cfg, b, s)
+
+    out = model.apply({"params": params}, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
+    cache = out.cache
+    logits = out.logits[:, -1]
+    value = out.value[:, -1] if out.value is not None else jnp.zeros((b,), jnp.float32)
+    done = jnp.zeros((b,), bool)
+
+    def sample_step(logits, value, done, t):
+        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+        tok, logp, scaled = _sample(logits, step_keys, cfg.temperature, cfg.top_k)
+        valid = ~done
+        tok = jnp.where(valid, tok, pad_id)
+        new_done = done | (valid & (tok == eos_id)) if cfg.use_eos else done
+        ys = (tok, valid.astype(jnp.float32), logp, value, scaled if keep_logits else None)
+        return new_done, tok, ys
+
+    def body(carry, t):
+        cache, logits, value, done = carry
+        done, tok, ys = sample_step(logits, value, done, t)
+        slot = p + t
+        mask_t = jax.lax.dynamic_slice_in_dim(full_mask, slot, 1, axis=1)  # [B, 1, S]
+        pos_t = jax.lax.dynamic_slice_in_dim(positions, slot, 1, axis=1)
+        o = model.apply({"params": params}, tok[:, None], pos_t, mask_t, cache, slot)
+        v = o.value[:, 0] if o.value is not None else value
+        return (o.cache, o.logits[:, 0], v, done), ys
+
+    (cache, logits, value, done), ys = jax.lax.scan(body, (cache, logits, value, done), jnp.arange(r - 1))
+    _, _, last = sample_step(logits, value, done, r - 1)
+    stacked = jax.tree.map(
+        lambda a, x: jnp.concatenate([jnp.moveaxis(a, 0, 1), x[:, None]], axis=1), ys, last
+    )
+    tok, valid, logp, val, lg = stacked
+    return Rollout(
+        prompt=prompt,
+        prompt_mask=prompt_mask.astype(jnp.float32),
+        response=tok,
+        mask=valid,
+        logp=logp * valid,
+        value=val * valid if out.value is not None else None,
+        logits=lg,
+    )

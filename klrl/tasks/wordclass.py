@@ -1,0 +1,88 @@
+"""The built-in task of the default run: make positive words frequent.
+
+Language: the synthetic HMM language of :mod:`klrl.tasks.language`.
+Reference: a small GPT pretrained on samples of it (cached by config hash).
+Reward: the fraction of response tokens that are positive-sentiment words,
+a JAX function of the tokens. It is hackable on purpose (repeating one positive
+word maximises it); the research testbed adds a gold reward and a learned proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from klrl.config import RunConfig
+from klrl.model import GPT
+from klrl.tasks import language as L
+from klrl.tasks.base import Task
+from klrl.tasks.pretrain import cached, model_payload, pretrain
+
+Array = jax.Array
+
+
+def positive_fraction(is_positive: Array, tokens: Array, mask: Array) -> Array:
+    """``[B]``: sum_t m_t [y_t positive] / max(sum_t m_t, 1)."""
+    hit = is_positive[tokens].astype(jnp.float32) * mask
+    return jnp.sum(hit, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)
+
+
+def reference_policy(
+    cfg: RunConfig, lang: L.Language, max_len: int, log: Callable[[str], None] | None = None
+):
+    """Pretrain (or load from the cache) the reference policy on the language."""
+    t = cfg.task
+    model = GPT(cfg.model, lang.vocab_size, max_len)
+    payload = {
+        "kind": "reference",
+        "language_seed": t.seed,
+        "words": len(lang.words),
+        **model_payload(cfg.model, lang.vocab_size, max_len),
+        "steps": t.pretrain_steps,
+        "batch": t.pretrain_batch,
+        "lr": t.pretrain_lr,
+        "seq_len": t.pretrain_len,
+    }
+
+    def build():
+        return pretrain(
+            model,
+            lambda k, n: L.sample(lang, k, n, t.pretrain_len),
+            key=jax.random.key(t.seed + 1000),
+            steps=t.pretrain_steps,
+            batch=t.pretrain_batch,
+            lr=t.pretrain_lr,
+            seq_len=max_len,
+            log=log,
+        )
+
+    return cached("ref", payload, build, t.cache_dir, log)
+
+
+def make_task(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
+    t = cfg.task
+    lang = L.make_language(t.seed)
+    max_len = max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len)
+    params, info = reference_policy(cfg, lang, max_len, log)
+    prompts, pmask = L.prompts(lang, jax.random.key(t.seed + 2000), t.prompt_pool, t.prompt_len)
+    info = dict(info, entropy_rate=L.entropy_rate(lang, jax.random.key(t.seed + 3000), 2048, 128))
+    env = {"prompts": prompts, "prompt_mask": pmask, "is_positive": lang.is_positive}
+
+    def reward_fn(env, ro):
+        return positive_fraction(env["is_positive"], ro.response, ro.mask)
+
+    return Task(
+        name="wordclass",
+        vocab_size=lang.vocab_size,
+        eos_id=L.EOS,
+        pad_id=L.PAD,
+        prompt_len=t.prompt_len,
+        max_len=max_len,
+        env=env,
+        ref_params=params,
+        reward_fn=reward_fn,
+        info=info,
+        decode=lambda tokens, mask=None: L.decode(lang, tokens, mask),
+    )
