@@ -205,7 +205,10 @@ class OptimConfig:
     lr: float = _f(3e-4, "peak learning rate")
     b1: float = _f(0.9, "Adam beta1")
     b2: float = _f(0.95, "Adam beta2")
-    eps: float = _f(1e-8, "Adam epsilon")
+    eps: float = _f(
+        1e-5,
+        "Adam epsilon (1e-5 as in PPO2 baselines: Adam would amplify float noise in near-zero gradients)",
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "global-norm gradient clip (0 = off)")
     schedule: str = _f("constant", "constant, linear (decay to 0) or cosine, after warm-up")

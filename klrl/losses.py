@@ -34,12 +34,15 @@ def clipped_value_loss(value: Array, old_value: Array, returns: Array, clip: flo
     """Clipped value loss (PPO2 baselines; Ziegler et al. 2019).
 
     v_c = old_v + clip(v - old_v, -eps, eps);  L_t = 0.5 * max((v - G)^2, (v_c - G)^2).
-    Returns ``(loss_t, clipped_t)``.
+    Returns ``(loss_t, clipped_t)``; ``clipped_t`` is 1 where the clip is active
+    (|v - old_v| > eps) and the clipped branch is the larger one. (Comparing the
+    two branches alone would count float ties where v ~ old_v.)
     """
     v_clipped = old_value + jnp.clip(value - old_value, -clip, clip)
     a = jnp.square(value - returns)
     b = jnp.square(v_clipped - returns)
-    return 0.5 * jnp.maximum(a, b), (b > a).astype(jnp.float32)
+    active = (jnp.abs(value - old_value) > clip) & (b > a)
+    return 0.5 * jnp.maximum(a, b), active.astype(jnp.float32)
 
 
 def approx_kl(logp: Array, old_logp: Array) -> Array:
