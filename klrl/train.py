@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from klrl import advantages as adv_lib
 from klrl import kl as kl_lib
@@ -140,7 +141,7 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
         params = {"policy": pol, "value": init_params(value_model, k_value, max_len) if separate else None}
         b_r = kl_cfg.beta if beta is None else beta
         driven, other = (b_r, kl_cfg.loss_coef) if drives_reward else (kl_cfg.loss_coef, b_r)
-        return TrainState(
+        state = TrainState(
             params=params,
             ref_params=jax.tree.map(jnp.copy, task.ref_params),
             opt_state=optimizer.init(params),
@@ -150,6 +151,8 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             iteration=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
         )
+        # replicated on the mesh, as ``step`` returns it: otherwise the second call recompiles
+        return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
 
     def policy_out(pol_params, tokens, key_mask):
         out = forward(policy, pol_params, tokens, key_mask)
@@ -319,7 +322,8 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             "value/explained_variance": losses.explained_variance(batch["value"], batch["ret"], g_mask)
             if critic
             else jnp.float32(0.0),
-            **{k: seq_mean(v) for k, v in evals.items()},
+            "eval/ref_ppl": jnp.exp(-total(jnp.sum(ref_logp)) / jnp.maximum(total(jnp.sum(mask)), 1.0)),
+            **{k: seq_mean(v) for k, v in evals.items() if not k.startswith("_")},
             **stats,
         }
         if task.batch_eval_fn is not None:

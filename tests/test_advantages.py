@@ -1,0 +1,118 @@
+"""Tests of klrl.advantages against Python-loop / NumPy references and hand-computed values."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from klrl import advantages as A
+
+
+def _gae_reference(rewards, values, lengths, gamma, lam):
+    """Plain Python loop over each row's first ``length`` positions; zeros after."""
+    b, t = rewards.shape
+    adv = np.zeros((b, t))
+    ret = np.zeros((b, t))
+    for i in range(b):
+        n = lengths[i]
+        last = 0.0
+        for j in reversed(range(n)):
+            next_v = values[i, j + 1] if j + 1 < n else 0.0
+            delta = rewards[i, j] + gamma * next_v - values[i, j]
+            last = delta + gamma * lam * last
+            adv[i, j] = last
+            ret[i, j] = last + values[i, j]
+    return adv, ret
+
+
+def _random_case(seed: int, b: int = 7, t: int = 9):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, t + 1, size=b)
+    lengths[:3] = [0, 1, t]  # an empty row, a one-token row and a full row
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+    # garbage at masked positions: it must not leak into the result
+    rewards = rng.normal(size=(b, t)).astype(np.float32)
+    values = rng.normal(size=(b, t)).astype(np.float32)
+    return rewards, values, mask, lengths
+
+
+gae_jit = jax.jit(A.gae, static_argnums=(3, 4))
+
+
+@pytest.mark.parametrize("seed,gamma,lam", [(0, 0.9, 0.8), (1, 0.99, 0.5), (2, 0.7, 0.95), (3, 1.0, 1.0)])
+def test_gae_matches_python_loop(seed: int, gamma: float, lam: float) -> None:
+    rewards, values, mask, lengths = _random_case(seed)
+    adv, ret = gae_jit(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma, lam)
+    ref_adv, ref_ret = _gae_reference(
+        rewards.astype(np.float64), values.astype(np.float64), lengths, gamma, lam
+    )
+    np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret), ref_ret, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(adv)[mask == 0] == 0) and np.all(np.asarray(ret)[mask == 0] == 0)
+
+
+def test_gae_hand_values() -> None:
+    # one row of length 2 (of 3): r = [1, 2, x], V = [0.5, 1, x], gamma 0.5, lam 0.5
+    # delta_1 = 2 - 1 = 1; A_1 = 1
+    # delta_0 = 1 + 0.5 * 1 - 0.5 = 1; A_0 = 1 + 0.25 * 1 = 1.25
+    r = jnp.array([[1.0, 2.0, 7.0]])
+    v = jnp.array([[0.5, 1.0, 9.0]])
+    m = jnp.array([[1.0, 1.0, 0.0]])
+    adv, ret = A.gae(r, v, m, 0.5, 0.5)
+    np.testing.assert_allclose(np.asarray(adv), [[1.25, 1.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ret), [[1.75, 2.0, 0.0]], rtol=1e-6)
+
+
+def test_whiten_matches_numpy() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.normal(3.0, 2.0, size=(6, 10)).astype(np.float32)
+    lengths = rng.integers(1, 11, size=6)
+    mask = (np.arange(10)[None] < lengths[:, None]).astype(np.float32)
+    sel = x[mask > 0].astype(np.float64)
+    mean, var = sel.mean(), sel.var()
+    ref = (x - mean) / np.sqrt(var + 1e-8) * mask
+    np.testing.assert_allclose(
+        np.asarray(A.whiten(jnp.asarray(x), jnp.asarray(mask))), ref, rtol=1e-5, atol=1e-5
+    )
+    ref_keep = ((x - mean) / np.sqrt(var + 1e-8) + mean) * mask
+    out = A.whiten(jnp.asarray(x), jnp.asarray(mask), shift_mean=False)
+    np.testing.assert_allclose(np.asarray(out), ref_keep, rtol=1e-5, atol=1e-5)
+    m, v = A.masked_moments(jnp.asarray(x), jnp.asarray(mask))
+    np.testing.assert_allclose([float(m), float(v)], [mean, var], rtol=1e-5)
+
+
+def test_whiten_global_statistics_under_vmap_axis() -> None:
+    """With an axis name the moments are over all shards together (here: a vmapped axis)."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(4, 3, 5)).astype(np.float32)
+    mask = (rng.random((4, 3, 5)) < 0.7).astype(np.float32)
+    out = jax.vmap(lambda a, m: A.whiten(a, m, axis_name="data"), axis_name="data")(x, mask)
+    sel = x[mask > 0].astype(np.float64)
+    ref = (x - sel.mean()) / np.sqrt(sel.var() + 1e-8) * mask
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_grpo_hand_values() -> None:
+    # groups of 3: [1, 2, 3] (mean 2, population std sqrt(2/3)), [5, 5, 5] (all equal)
+    r = jnp.array([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    s = np.sqrt(2.0 / 3.0)
+    np.testing.assert_allclose(
+        np.asarray(A.grpo(r, 3)), [-1 / (s + 1e-6), 0.0, 1 / (s + 1e-6), 0.0, 0.0, 0.0], rtol=1e-5
+    )
+    np.testing.assert_allclose(np.asarray(A.grpo(r, 3, use_std=False)), [-1.0, 0.0, 1.0, 0, 0, 0], atol=1e-6)
+    # groups of 2: [0, 4] -> mean 2, std 2 -> [-1, 1]; [3, 3] -> zeros
+    r2 = jnp.array([0.0, 4.0, 3.0, 3.0])
+    np.testing.assert_allclose(np.asarray(A.grpo(r2, 2)), [-2 / (2 + 1e-6), 2 / (2 + 1e-6), 0, 0], rtol=1e-6)
+
+
+def test_rloo_hand_values() -> None:
+    # [1, 2, 3]: baselines (2+3)/2 = 2.5, (1+3)/2 = 2, (1+2)/2 = 1.5 -> [-1.5, 0, 1.5]
+    # [5, 5, 5]: zeros; [0, 6, 0]: baselines 3, 0, 3 -> [-3, 6, -3]
+    r = jnp.array([1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 0.0, 6.0, 0.0])
+    np.testing.assert_allclose(np.asarray(A.rloo(r, 3)), [-1.5, 0, 1.5, 0, 0, 0, -3, 6, -3], atol=1e-6)
+    # equals G/(G-1) (R - mean)
+    np.testing.assert_allclose(
+        np.asarray(A.rloo(r, 3)), 1.5 * np.asarray(A.grpo(r, 3, use_std=False)), atol=1e-6
+    )

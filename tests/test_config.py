@@ -1,0 +1,189 @@
+"""Tests of klrl.config: every rule raises ConfigError naming its field; replace; round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from klrl.config import (
+    ConfigError,
+    ControllerConfig,
+    KLConfig,
+    ModelConfig,
+    OptimConfig,
+    PPOConfig,
+    RunConfig,
+    SamplingConfig,
+    TaskConfig,
+    TrainConfig,
+    check_devices,
+)
+
+nan, inf = float("nan"), float("inf")
+
+# (section class, bad keyword arguments, field the message must start with)
+RULES = [
+    (ModelConfig, {"n_layers": 0}, "model.n_layers"),
+    (ModelConfig, {"n_heads": 0}, "model.n_heads"),
+    (ModelConfig, {"d_model": 0}, "model.d_model"),
+    (ModelConfig, {"d_model": 30, "n_heads": 4}, "model.d_model"),
+    (ModelConfig, {"mlp_ratio": 0}, "model.mlp_ratio"),
+    (ModelConfig, {"value_model": "both"}, "model.value_model"),
+    (ModelConfig, {"dtype": "float16"}, "model.dtype"),
+    (SamplingConfig, {"response_len": 0}, "sampling.response_len"),
+    (SamplingConfig, {"temperature": 0.0}, "sampling.temperature"),
+    (SamplingConfig, {"top_k": -1}, "sampling.top_k"),
+    (KLConfig, {"beta": -0.1}, "kl.beta"),
+    (KLConfig, {"beta": nan}, "kl.beta"),
+    (KLConfig, {"beta": inf}, "kl.beta"),
+    (KLConfig, {"estimator": "k4"}, "kl.estimator"),
+    (KLConfig, {"placement": "advantage"}, "kl.placement"),
+    (KLConfig, {"loss_coef": -1.0}, "kl.loss_coef"),
+    (KLConfig, {"loss_estimator": "k9"}, "kl.loss_estimator"),
+    (KLConfig, {"loss_agg": "sum"}, "kl.loss_agg"),
+    (KLConfig, {"clamp": -1.0}, "kl.clamp"),
+    (KLConfig, {"ref_update_every": -1}, "kl.ref_update_every"),
+    (KLConfig, {"ref_mix": 0.0}, "kl.ref_mix"),
+    (KLConfig, {"ref_mix": 1.5}, "kl.ref_mix"),
+    (ControllerConfig, {"kind": "pid"}, "ctrl.kind"),
+    (ControllerConfig, {"target": 0.0}, "ctrl.target"),
+    (ControllerConfig, {"target": -1.0}, "ctrl.target"),
+    (ControllerConfig, {"target": nan}, "ctrl.target"),
+    (ControllerConfig, {"unit": "nats"}, "ctrl.unit"),
+    (ControllerConfig, {"estimator": "k0"}, "ctrl.estimator"),
+    (ControllerConfig, {"drives": "both"}, "ctrl.drives"),
+    (ControllerConfig, {"horizon": 0.0}, "ctrl.horizon"),
+    (ControllerConfig, {"horizon": -5.0}, "ctrl.horizon"),
+    (ControllerConfig, {"clip": 0.0}, "ctrl.clip"),
+    (ControllerConfig, {"band": 1.0}, "ctrl.band"),
+    (ControllerConfig, {"factor": 1.0}, "ctrl.factor"),
+    (ControllerConfig, {"kp": -0.1}, "ctrl.kp"),
+    (ControllerConfig, {"ki": -0.1}, "ctrl.ki"),
+    (ControllerConfig, {"integral_max": 0.0}, "ctrl.integral_max"),
+    (ControllerConfig, {"step_clip": 1.0}, "ctrl.step_clip"),
+    (ControllerConfig, {"step_clip": 0.0}, "ctrl.step_clip"),
+    (ControllerConfig, {"lr": 0.0}, "ctrl.lr"),
+    (ControllerConfig, {"warmup_iters": -1}, "ctrl.warmup_iters"),
+    (ControllerConfig, {"warmup_beta": -1.0}, "ctrl.warmup_beta"),
+    (ControllerConfig, {"beta_min": -1.0}, "ctrl.beta_min"),
+    (ControllerConfig, {"beta_min": 2.0, "beta_max": 1.0}, "ctrl.beta_max"),
+    (PPOConfig, {"epochs": 0}, "ppo.epochs"),
+    (PPOConfig, {"minibatches": 0}, "ppo.minibatches"),
+    (PPOConfig, {"clip": 0.0}, "ppo.clip"),
+    (PPOConfig, {"vf_clip": 0.0}, "ppo.vf_clip"),
+    (PPOConfig, {"vf_coef": -1.0}, "ppo.vf_coef"),
+    (PPOConfig, {"gamma": 1.5}, "ppo.gamma"),
+    (PPOConfig, {"lam": -0.1}, "ppo.lam"),
+    (PPOConfig, {"advantage": "vtrace"}, "ppo.advantage"),
+    (PPOConfig, {"group_size": 0}, "ppo.group_size"),
+    (PPOConfig, {"advantage": "grpo", "group_size": 1}, "ppo.group_size"),
+    (PPOConfig, {"advantage": "rloo", "group_size": 1}, "ppo.group_size"),
+    (OptimConfig, {"lr": 0.0}, "optim.lr"),
+    (OptimConfig, {"lr": nan}, "optim.lr"),
+    (OptimConfig, {"b1": 1.0}, "optim.b1"),
+    (OptimConfig, {"b2": -0.1}, "optim.b2"),
+    (OptimConfig, {"eps": 0.0}, "optim.eps"),
+    (OptimConfig, {"weight_decay": -1.0}, "optim.weight_decay"),
+    (OptimConfig, {"max_grad_norm": -1.0}, "optim.max_grad_norm"),
+    (OptimConfig, {"schedule": "step"}, "optim.schedule"),
+    (OptimConfig, {"warmup_steps": -1}, "optim.warmup_steps"),
+    (TaskConfig, {"name": "chess"}, "task.name"),
+    (TaskConfig, {"prompt_len": 0}, "task.prompt_len"),
+    (TaskConfig, {"prompt_pool": 0}, "task.prompt_pool"),
+    (TaskConfig, {"pretrain_steps": -1}, "task.pretrain_steps"),
+    (TaskConfig, {"pretrain_batch": 0}, "task.pretrain_batch"),
+    (TaskConfig, {"pretrain_lr": 0.0}, "task.pretrain_lr"),
+    (TaskConfig, {"pretrain_len": 1}, "task.pretrain_len"),
+    (TrainConfig, {"iterations": 0}, "train.iterations"),
+    (TrainConfig, {"batch_size": 0}, "train.batch_size"),
+    (TrainConfig, {"batch_size": -4}, "train.batch_size"),
+    (TrainConfig, {"devices": -1}, "train.devices"),
+    (TrainConfig, {"log_every": 0}, "train.log_every"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,name", RULES, ids=[f"{n}-{i}" for i, (_, _, n) in enumerate(RULES)])
+def test_rule_names_field(cls, kwargs, name) -> None:
+    with pytest.raises(ConfigError) as e:
+        cls(**kwargs)
+    assert str(e.value).startswith(name + ":"), str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_every_section_default_is_valid_and_every_field_has_help() -> None:
+    cfg = RunConfig()
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        for f in dataclasses.fields(sub):
+            assert f.metadata.get("help"), f"{section.name}.{f.name} has no help"
+
+
+@pytest.mark.parametrize(
+    "sections,name",
+    [
+        ({"train": {"batch_size": 6}}, "ppo.minibatches"),  # 6 % 4 != 0
+        ({"train": {"batch_size": 8}, "ppo": {"minibatches": 3}}, "ppo.minibatches"),
+        ({"train": {"batch_size": 8}, "ppo": {"minibatches": 2, "group_size": 3}}, "ppo.group_size"),
+    ],
+)
+def test_cross_field_rules(sections, name) -> None:
+    with pytest.raises(ConfigError) as e:
+        RunConfig().replace(**sections)
+    assert str(e.value).startswith(name + ":"), str(e.value)
+
+
+def test_replace_revalidates_and_is_pure() -> None:
+    cfg = RunConfig()
+    new = cfg.replace(kl={"beta": 0.2}, train={"batch_size": 32})
+    assert new.kl.beta == 0.2 and new.train.batch_size == 32
+    assert new.kl.estimator == cfg.kl.estimator  # other fields kept
+    assert cfg.kl.beta == 0.05 and cfg.train.batch_size == 64  # the original is untouched
+    with pytest.raises(ConfigError, match=r"^kl\.beta:"):
+        cfg.replace(kl={"beta": -1.0})
+    with pytest.raises(ConfigError, match=r"^ctrl\.horizon:"):
+        cfg.replace(ctrl={"horizon": 0.0})
+    # a whole section object is accepted too, and the cross-field rules still run
+    with pytest.raises(ConfigError, match=r"^ppo\.minibatches:"):
+        cfg.replace(ppo=PPOConfig(minibatches=5))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kl.beta = 1.0  # type: ignore[misc]
+
+
+def test_dict_round_trip() -> None:
+    cfg = RunConfig().replace(
+        kl={"beta": 0.3, "placement": "sequence"},
+        ctrl={"kind": "pi", "target": 2.5},
+        ppo={"advantage": "rloo", "group_size": 4},
+        sampling={"use_eos": False, "top_k": 5},
+        task={"cache_dir": "/tmp/x"},
+    )
+    d = cfg.to_dict()
+    back = RunConfig.from_dict(json.loads(json.dumps(d)))
+    assert back == cfg
+    assert back.hash() == cfg.hash() and back.hash("kl") == cfg.hash("kl")
+    assert cfg.hash("kl") != RunConfig().hash("kl")
+    assert RunConfig.from_dict({}) == RunConfig()  # missing sections take defaults
+    assert RunConfig.from_dict({"kl": {"beta": 0.1}}).kl.beta == 0.1
+
+
+def test_from_dict_rejects_unknown_and_bad_fields() -> None:
+    with pytest.raises(ConfigError, match=r"^kl\.betta:"):
+        RunConfig.from_dict({"kl": {"betta": 0.1}})
+    with pytest.raises(ConfigError, match=r"^kl\.beta:"):
+        RunConfig.from_dict({"kl": {"beta": -0.1}})
+
+
+def test_check_devices() -> None:
+    cfg = RunConfig().replace(train={"batch_size": 16}, ppo={"minibatches": 2})
+    check_devices(cfg, 1)
+    check_devices(cfg, 4)  # 16 / 4 and minibatch 8 / 4
+    with pytest.raises(ConfigError, match=r"^train\.batch_size:"):
+        check_devices(cfg, 3)
+    with pytest.raises(ConfigError, match=r"^ppo\.minibatches:"):
+        check_devices(cfg, 16)  # minibatch of 8 cannot split over 16 devices
+    grouped = RunConfig().replace(train={"batch_size": 16}, ppo={"minibatches": 1, "group_size": 8})
+    check_devices(grouped, 2)
+    with pytest.raises(ConfigError, match=r"^ppo\.group_size:"):
+        check_devices(grouped, 4)  # 4 per device cannot hold a group of 8

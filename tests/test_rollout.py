@@ -1,0 +1,155 @@
+"""Tests of klrl.rollout on the pretrained tiny reference (which really does emit EOS):
+KV-cache log-probs, values and logits vs a teacher-forced forward, EOS masking, top-k,
+and per-example keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from klrl.config import SamplingConfig
+from klrl.model import GPT, forward, init_params, token_logprobs
+from klrl.rollout import generate, response_slice, sequence
+
+N = 64  # examples per rollout
+R_LEN = 8
+BASE = SamplingConfig(response_len=R_LEN, temperature=1.3)
+
+
+class Setup:
+    """The policy (pretrained trunk + a fresh value head), prompts, keys and compiled functions."""
+
+    def __init__(self, cfg, task) -> None:
+        self.task = task
+        self.policy = GPT(cfg.model, task.vocab_size, task.max_len, lm_head=True, scalar_head=True)
+        fresh = jax.jit(lambda k: init_params(self.policy, k, task.max_len))(jax.random.PRNGKey(3))
+        self.params = dict(task.ref_params, v_head=fresh["v_head"])
+        self.prompt = task.env["prompts"][:N]
+        self.prompt_mask = task.env["prompt_mask"][:N]
+        self.keys = jax.random.split(jax.random.PRNGKey(42), N)
+        self._gen: dict[SamplingConfig, object] = {}
+        self.forward = jax.jit(lambda p, t, m: forward(self.policy, p, t, m))
+        self._rollouts: dict[SamplingConfig, object] = {}
+
+    def generate(self, scfg: SamplingConfig, prompt=None, prompt_mask=None, keys=None):
+        if scfg not in self._gen:
+            t = self.task
+            self._gen[scfg] = jax.jit(
+                lambda p, pr, pm, k: generate(self.policy, p, pr, pm, k, scfg, t.eos_id, t.pad_id, True)
+            )
+        if prompt is None:
+            if scfg not in self._rollouts:
+                self._rollouts[scfg] = self._gen[scfg](self.params, self.prompt, self.prompt_mask, self.keys)
+            return self._rollouts[scfg]
+        return self._gen[scfg](self.params, prompt, prompt_mask, keys)
+
+    def teacher_forced(self, ro, temperature: float):
+        """Tempered logits, log-probs of the sampled tokens and values from one full forward."""
+        tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
+        out = self.forward(self.params, tokens, key_mask)
+        p = ro.prompt.shape[1]
+        logits = response_slice(out.logits, p, R_LEN) / temperature
+        return logits, token_logprobs(logits, ro.response), response_slice(out.value, p, R_LEN)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_cfg, tiny_task) -> Setup:
+    return Setup(tiny_cfg, tiny_task)
+
+
+def _np(x):
+    return np.asarray(x)
+
+
+def _check_parity(setup: Setup, ro, temperature: float) -> None:
+    logits, logp, value = setup.teacher_forced(ro, temperature)
+    m = _np(ro.mask) > 0
+    np.testing.assert_allclose(_np(ro.logp)[m], _np(logp)[m], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_np(ro.value)[m], _np(value)[m], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_np(ro.logits)[m], _np(logits)[m], atol=1e-5, rtol=1e-5)
+    # masked positions carry zeros, not stale numbers
+    assert np.all(_np(ro.logp)[~m] == 0) and np.all(_np(ro.value)[~m] == 0)
+
+
+def test_logp_and_values_match_teacher_forcing(setup: Setup) -> None:
+    ro = setup.generate(BASE)
+    assert ro.response.shape == ro.mask.shape == ro.logp.shape == ro.value.shape == (N, R_LEN)
+    assert ro.logits.shape == (N, R_LEN, setup.task.vocab_size)
+    lengths = _np(ro.mask).sum(-1)
+    # the parity check must cover responses cut short by EOS as well as full-length ones
+    assert np.any(lengths < R_LEN - 1), lengths
+    assert np.any(lengths == R_LEN), lengths
+    _check_parity(setup, ro, BASE.temperature)
+
+
+def test_eos_masking(setup: Setup) -> None:
+    ro = setup.generate(BASE)
+    resp, mask = _np(ro.response), _np(ro.mask)
+    eos, pad = setup.task.eos_id, setup.task.pad_id
+    n_early = 0
+    for b in range(N):
+        hits = np.flatnonzero(resp[b] == eos)
+        if hits.size == 0:
+            assert np.all(mask[b] == 1), (resp[b], mask[b])
+            continue
+        e = hits[0]
+        n_early += e < R_LEN - 1
+        assert np.all(mask[b, : e + 1] == 1), (resp[b], mask[b])  # EOS itself is kept
+        assert np.all(mask[b, e + 1 :] == 0), (resp[b], mask[b])
+        assert np.all(resp[b, e + 1 :] == pad), resp[b]
+    assert n_early > 0
+    # mask is contiguous from the start: it never switches back on
+    assert np.all(np.diff(mask, axis=1) <= 0)
+
+
+def test_no_eos_gives_full_masks(setup: Setup) -> None:
+    scfg = dataclasses.replace(BASE, use_eos=False)
+    ro = setup.generate(scfg)
+    assert np.all(_np(ro.mask) == 1)
+    # same keys as BASE: identical tokens up to each row's first EOS, and EOS really was sampled
+    base = setup.generate(BASE)
+    resp, base_resp, base_mask = _np(ro.response), _np(base.response), _np(base.mask) > 0
+    np.testing.assert_array_equal(resp[base_mask], base_resp[base_mask])
+    assert np.any(resp[:, :-1] == setup.task.eos_id)
+    _check_parity(setup, ro, scfg.temperature)
+
+
+def test_top_k_never_draws_outside_top_k(setup: Setup) -> None:
+    k = 3
+    scfg = dataclasses.replace(BASE, top_k=k, temperature=2.0)
+    ro = setup.generate(scfg)
+    logits, resp, m = _np(ro.logits), _np(ro.response), _np(ro.mask) > 0
+    chosen = np.take_along_axis(logits, resp[..., None], axis=-1)[..., 0]
+    rank = (logits > chosen[..., None]).sum(-1)  # number of strictly better tokens
+    assert np.all(rank[m] < k), rank[m].max()
+    # with temperature 2 the 2nd and 3rd choices are drawn too, not just the argmax
+    assert np.any(rank[m] > 0)
+    # the recorded log-prob is that of the full (untruncated) tempered policy
+    _check_parity(setup, ro, scfg.temperature)
+
+
+def test_rollout_does_not_depend_on_batch_split(setup: Setup) -> None:
+    base = setup.generate(BASE)
+    sl = slice(4, 8)
+    part = setup.generate(BASE, setup.prompt[sl], setup.prompt_mask[sl], setup.keys[sl])
+    np.testing.assert_array_equal(_np(part.response), _np(base.response)[sl])
+    np.testing.assert_array_equal(_np(part.mask), _np(base.mask)[sl])
+    np.testing.assert_allclose(_np(part.logp), _np(base.logp)[sl], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_np(part.value), _np(base.value)[sl], atol=1e-5, rtol=1e-5)
+    # and a different key does change the sample
+    other = setup.generate(BASE, setup.prompt[sl], setup.prompt_mask[sl], setup.keys[sl][::-1])
+    assert not np.array_equal(_np(other.response), _np(base.response)[sl])
+
+
+def test_rollout_without_value_head(setup: Setup) -> None:
+    """A policy without a trunk value head records no values (separate critic / critic-free)."""
+    plain = setup.policy.clone(scalar_head=False)
+    t = setup.task
+    ro = jax.jit(
+        lambda p: generate(plain, p, setup.prompt[:4], setup.prompt_mask[:4], setup.keys[:4], BASE, t.eos_id)
+    )(t.ref_params)
+    assert ro.value is None and ro.logits is None
+    np.testing.assert_array_equal(_np(ro.response), _np(setup.generate(BASE).response)[:4])

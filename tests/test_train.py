@@ -1,0 +1,243 @@
+"""Tests of the compiled PPO-KL iteration: beta control inside the jitted step, the non-finite
+guard, a short run that learns, and 1-device vs 4-device parity (in a subprocess)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import klrl
+from klrl import control
+from klrl.config import ControllerConfig, RunConfig
+from klrl.train import make_train
+
+HORIZON = 100.0  # proportional: beta *= 1 +- 0.2 * 16 / 100 per iteration once the error is clipped
+
+
+def _perturbed(tree, scale: float, seed: int):
+    """``tree`` plus Gaussian noise (NumPy, so every process gets the same numbers)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: x + scale * rng.standard_normal(x.shape).astype(np.float32), tree)
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+class Bench:
+    """One compiled step shared by the controller and guard tests.
+
+    The task's reward is ``positive fraction + env['reward_bias']``: with a bias of 0 it is the
+    task reward, with NaN every reward is NaN, and both use the same compiled step. The reference
+    is perturbed away from the initial policy so the KL is clearly positive from iteration 0.
+    """
+
+    def __init__(self, cfg: RunConfig, task) -> None:
+        base = task.reward_fn
+        self.task = dataclasses.replace(
+            task,
+            env={**task.env, "reward_bias": jnp.zeros((), jnp.float32)},
+            reward_fn=lambda env, ro: base(env, ro) + env["reward_bias"],
+        )
+        self.cfg = cfg
+        self.train = make_train(cfg, self.task)
+        self.replicated = NamedSharding(self.train.mesh, P())
+
+    def env(self, bias: float):
+        return {**self.task.env, "reward_bias": jnp.asarray(bias, jnp.float32)}
+
+    def state(self, ctrl_cfg: ControllerConfig, beta: float = 0.05):
+        s = self.train.init(0)
+        ref = _perturbed(_host(s.ref_params), 0.05, seed=1)
+        s = s._replace(ref_params=ref, ctrl=control.from_config(ctrl_cfg).init(beta))
+        return jax.device_put(s, self.replicated)  # same placement as the step's output: no recompile
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_cfg, tiny_task) -> Bench:
+    cfg = tiny_cfg.replace(ctrl={"estimator": "full", "horizon": HORIZON})
+    return Bench(cfg, tiny_task)
+
+
+def _prop(target: float) -> ControllerConfig:
+    return ControllerConfig(kind="proportional", target=target, horizon=HORIZON, clip=0.2)
+
+
+@pytest.mark.parametrize(
+    "name,ctrl_cfg,factor",
+    [
+        ("kl_above_target", _prop(1e-3), 1.0 + 0.2 * 16 / HORIZON),
+        ("kl_below_target", _prop(1e6), 1.0 - 0.2 * 16 / HORIZON),
+        ("fixed", ControllerConfig(kind="fixed", target=1e-3), 1.0),
+    ],
+)
+def test_beta_moves_inside_the_jitted_step(bench: Bench, name, ctrl_cfg, factor) -> None:
+    state = bench.state(ctrl_cfg, beta=0.05)
+    env = bench.env(0.0)
+    expected = np.float32(0.05)
+    betas = [float(state.ctrl.beta)]
+    for _ in range(3):
+        state, m = bench.train.step(state, env)
+        beta = float(state.ctrl.beta)
+        kl = float(m["ctrl/kl_observed_seq_sum"])
+        assert m["guard/skipped"] == 0
+        assert np.isfinite(kl) and kl > 0  # exact KL to a perturbed reference
+        if name == "kl_above_target":
+            assert kl > 1.2 * ctrl_cfg.target  # relative error clipped at +0.2
+        if name == "kl_below_target":
+            assert kl < 0.8 * ctrl_cfg.target
+        expected = np.float32(expected * np.float32(factor))
+        np.testing.assert_allclose(beta, expected, rtol=1e-6)
+        assert float(m["ctrl/beta"]) == beta  # the metric reports the updated coefficient
+        betas.append(beta)
+    diffs = np.diff(betas)
+    if name == "kl_above_target":
+        assert np.all(diffs > 0), betas
+    elif name == "kl_below_target":
+        assert np.all(diffs < 0), betas
+    else:
+        assert np.all(diffs == 0), betas
+    assert int(state.iteration) == 3 and int(state.ctrl.steps) == 3
+    # one compiled step serves every controller kind (the kind is state, not code) and is not
+    # recompiled for the state the step itself returns
+    cache_size = getattr(bench.train.step, "_cache_size", None)
+    if cache_size is not None:
+        assert cache_size() == 1
+
+
+def test_nonfinite_reward_skips_the_update(bench: Bench) -> None:
+    state = bench.state(_prop(1e-3), beta=0.05)
+    state, m = bench.train.step(state, bench.env(0.0))  # a normal iteration first: Adam state is non-trivial
+    assert m["guard/skipped"] == 0
+    before = _host(state)
+    state, m = bench.train.step(state, bench.env(float("nan")))
+    assert float(m["guard/skipped"]) == 1.0
+    assert float(m["guard/consecutive_skips"]) == 1.0
+    assert np.isnan(float(m["reward/task"]))
+    after = _host(state)
+    # parameters, optimiser state, reference and controller (beta) are exactly unchanged
+    for part in ("params", "opt_state", "ref_params", "ctrl", "other_coef", "rng"):
+        jax.tree.map(np.testing.assert_array_equal, getattr(after, part), getattr(before, part))
+    assert int(after.iteration) == int(before.iteration) + 1
+    assert int(after.skipped) == 1
+    # the count of consecutive skips grows, and a finite iteration resets it and updates again
+    state, m = bench.train.step(state, bench.env(float("nan")))
+    assert float(m["guard/consecutive_skips"]) == 2.0 and int(state.skipped) == 2
+    state, m = bench.train.step(state, bench.env(0.0))
+    assert float(m["guard/skipped"]) == 0.0 and int(state.skipped) == 0
+    new = _host(state)
+    assert not np.array_equal(
+        new.params["policy"]["wte"]["embedding"], before.params["policy"]["wte"]["embedding"]
+    )
+    assert float(new.ctrl.beta) > float(before.ctrl.beta)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(new.params))
+
+
+def test_short_run_improves_task_reward(tiny_cfg, tiny_task) -> None:
+    cfg = tiny_cfg.replace(optim={"lr": 1e-3}, train={"iterations": 30}, kl={"beta": 0.01})
+    result = klrl.run(cfg, task=tiny_task, write=False)
+    r = result.metrics["reward/task"]
+    assert r.shape == (30,) and np.all(np.isfinite(r))
+    first, last = float(np.mean(r[:5])), float(np.mean(r[-5:]))
+    assert last > first + 0.1, (first, last, r)
+    assert np.all(result.metrics["guard/skipped"] == 0)
+    assert int(result.state.iteration) == 30
+    s = result.summary()
+    assert s["reward/task"]["end"] > s["reward/task"]["start"]
+
+
+# ---- 1 vs 4 devices ---------------------------------------------------------------------------
+
+PARITY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from klrl.config import RunConfig
+    from klrl.tasks.wordclass import make_task
+    from klrl.train import make_train
+
+    cfg_path, out_path = sys.argv[1], sys.argv[2]
+    assert jax.device_count() == 4, jax.devices()
+    cfg = RunConfig.from_dict(json.load(open(cfg_path)))
+    task = make_task(cfg)  # the reference comes from the session's cache: no pretraining here
+    rng = np.random.default_rng(1)
+    ref = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32),
+                       task.ref_params)
+    out = {}
+    for n in (4, 1):
+        c = cfg.replace(train={"devices": n})
+        tr = make_train(c, task)
+        assert tr.mesh.shape["data"] == n
+        s = tr.init(c.train.seed)
+        s = jax.device_put(s._replace(ref_params=ref), NamedSharding(tr.mesh, P()))
+        for i in range(3):
+            s, m = tr.step(s, task.env)
+            out[f"{n}/beta/{i}"] = np.asarray(s.ctrl.beta)
+            for k, v in m.items():
+                out[f"{n}/metric/{i}/{k}"] = np.asarray(v)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(s.params):
+            out[f"{n}/param/{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    np.savez(out_path, **out)
+    """
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parity_run(request, tmp_path_factory):
+    """Start the 4-device subprocess at the top of the module so it overlaps the other tests."""
+    if not any(item.name == "test_one_vs_four_devices" for item in request.session.items):
+        yield None  # parity test deselected: start nothing
+        return
+    tiny_cfg = request.getfixturevalue("tiny_cfg")
+    request.getfixturevalue("tiny_task")  # the reference is pretrained and cached before the subprocess
+    d = tmp_path_factory.mktemp("parity")
+    # dual ascent on the exact KL: beta follows the observed KL continuously, so it checks the KL too
+    cfg = tiny_cfg.replace(
+        ctrl={"kind": "dual", "lr": 1.0, "target": 0.5, "estimator": "full"}, kl={"beta": 0.1}
+    )
+    (d / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    (d / "parity.py").write_text(PARITY_SCRIPT)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, str(d / "parity.py"), str(d / "cfg.json"), str(d / "out.npz")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    handle = {"proc": proc, "out": d / "out.npz"}
+    yield handle
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_one_vs_four_devices(parity_run) -> None:
+    proc = parity_run["proc"]
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    out = dict(np.load(parity_run["out"]))
+    betas = {n: np.array([out[f"{n}/beta/{i}"] for i in range(3)]) for n in (4, 1)}
+    assert np.all(np.abs(np.diff(np.concatenate([[0.1], betas[1]]))) > 1e-3), betas  # beta really moves
+    np.testing.assert_allclose(betas[4], betas[1], rtol=1e-4, err_msg="beta trajectory")
+    params = sorted(k.split("/", 2)[2] for k in out if k.startswith("1/param/"))
+    assert params
+    for k in params:
+        a, b = out[f"4/param/{k}"], out[f"1/param/{k}"]
+        scale = max(float(np.max(np.abs(b))), 1e-3)
+        err = float(np.max(np.abs(a - b)))
+        assert err <= 1e-4 * scale, f"{k}: max |diff| {err:.3g} vs max |param| {scale:.3g}"
+    metrics = sorted({k.split("/", 3)[3] for k in out if k.startswith("1/metric/")})
+    for i in range(3):
+        for k in metrics:
+            a, b = float(out[f"4/metric/{i}/{k}"]), float(out[f"1/metric/{i}/{k}"])
+            assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), f"iteration {i} {k}: 4 devices {a} vs 1 device {b}"
