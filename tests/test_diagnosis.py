@@ -1,0 +1,62 @@
+"""The regime diagnosis on synthetic metric traces built to show each regime."""
+
+import numpy as np
+
+from klrl.config import DiagnosisConfig
+from klrl.diagnosis import Tracker, beta_trend, diagnose, final_regime, timeline
+
+CFG = DiagnosisConfig(window=20)
+T = 100
+t = np.arange(T, dtype=float)
+
+
+def trace(kl, proxy, gold=None, ppl=None, beta=None):
+    h = {"kl/exact_seq_sum": kl, "reward/proxy": proxy}
+    if gold is not None:
+        h["reward/gold"] = gold
+    if ppl is not None:
+        h["eval/oracle_ppl"] = ppl
+    if beta is not None:
+        h["ctrl/beta"] = beta
+    return h
+
+
+def test_frozen():
+    h = trace(kl=np.full(T, 0.02), proxy=0.5 + 1e-4 * t, gold=0.1 + 0 * t, ppl=np.full(T, 10.0))
+    assert final_regime(h, CFG) == "frozen"
+    regime, why = diagnose(h, T - 1, CFG)
+    assert "KL" in why
+
+
+def test_hacking_by_gold_falling_while_proxy_rises():
+    gold = np.where(t < 50, 0.01 * t, 0.5 - 0.02 * (t - 50))
+    h = trace(kl=1 + t, proxy=0.05 * t, gold=gold, ppl=np.full(T, 10.0))
+    assert diagnose(h, 40, CFG)[0] == "healthy"  # gold still rising with the proxy
+    assert diagnose(h, T - 1, CFG)[0] == "hacking"
+    events = timeline(h, CFG)
+    regimes = [e["regime"] for e in events]
+    assert regimes[0] == "healthy" and regimes[-1] == "hacking"
+    assert 50 < events[-1]["iteration"] < 75  # fires once the window sees gold falling
+
+
+def test_hacking_by_perplexity():
+    ppl = 10 * (1 + 0.004 * t)  # 40% above the start at the end, crosses 10% at t = 25
+    h = trace(kl=1 + t, proxy=0.01 * t, gold=0.01 * t, ppl=ppl)
+    assert diagnose(h, 15, CFG)[0] == "healthy"
+    assert diagnose(h, T - 1, CFG)[0] == "hacking"
+
+
+def test_healthy():
+    h = trace(kl=2 + 0.01 * t, proxy=0.01 * t, gold=0.008 * t, ppl=10 + 0.001 * t)
+    assert final_regime(h, CFG) == "healthy"
+    assert [e["regime"] for e in timeline(h, CFG)] == ["healthy"]
+
+
+def test_beta_trend():
+    assert beta_trend({"ctrl/beta": 0.1 * np.exp(-0.02 * t)}, T - 1, CFG) == "falling"
+    assert beta_trend({"ctrl/beta": 0.1 * np.exp(0.02 * t)}, T - 1, CFG) == "rising"
+    assert beta_trend({"ctrl/beta": np.full(T, 0.1)}, T - 1, CFG) == ""
+    tr = Tracker(CFG, adaptive=True)
+    for i in range(T):
+        tr.update(i, {"kl/exact_seq_sum": 3.0, "reward/proxy": 0.0, "ctrl/beta": 0.1 * np.exp(-0.02 * i)})
+    assert any(e["event"] == "beta_trend" and "looser" in e["message"] for e in tr.events)
