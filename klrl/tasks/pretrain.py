@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
@@ -130,6 +131,14 @@ def cached(
     except OSError:
         pass  # another process won the race; its entry is equivalent
     return params, info
+
+
+def fingerprint(tree: Any) -> str:
+    """A short hash of every array in ``tree``: cache keys change when the data-generating process does."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()[:16]
 
 
 def model_payload(cfg: ModelConfig, vocab: int, max_len: int) -> dict[str, Any]:

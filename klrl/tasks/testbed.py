@@ -33,7 +33,7 @@ from klrl.shaping import last_token_onehot
 from klrl.tasks import gold as G
 from klrl.tasks import language as L
 from klrl.tasks.base import Task
-from klrl.tasks.pretrain import cached, model_payload, pretrain
+from klrl.tasks.pretrain import cached, fingerprint, model_payload, pretrain
 from klrl.tasks.wordclass import reference_policy
 
 Array = jax.Array
@@ -172,7 +172,8 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
     ind_cfg = dataclasses.replace(cfg.model, d_model=t.indep_d_model, n_heads=max(1, t.indep_d_model // 16))
     ind_model = GPT(ind_cfg, lang.vocab_size, max_len)
     ind_payload = {
-        "kind": "independent", "language_seed": t.seed, **model_payload(ind_cfg, lang.vocab_size, max_len),
+        "kind": "independent", "language_seed": t.seed, "language": fingerprint(lang),
+        **model_payload(ind_cfg, lang.vocab_size, max_len),
         "steps": t.pretrain_steps, "batch": t.pretrain_batch, "lr": t.pretrain_lr, "seq_len": t.pretrain_len,
     }  # fmt: skip
     ind_params, ind_info = cached(

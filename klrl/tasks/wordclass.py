@@ -18,7 +18,7 @@ from klrl.config import RunConfig
 from klrl.model import GPT
 from klrl.tasks import language as L
 from klrl.tasks.base import Task
-from klrl.tasks.pretrain import cached, model_payload, pretrain
+from klrl.tasks.pretrain import cached, fingerprint, model_payload, pretrain
 
 Array = jax.Array
 
@@ -39,6 +39,7 @@ def reference_policy(
         "kind": "reference",
         "language_seed": t.seed,
         "words": len(lang.words),
+        "language": fingerprint(lang),
         **model_payload(cfg.model, lang.vocab_size, max_len),
         "steps": t.pretrain_steps,
         "batch": t.pretrain_batch,
