@@ -302,7 +302,7 @@ def build_phases(cfg: RunConfig, task: Task, train: Train) -> Phases:
             params, opt_state = carry
             mb = jax.tree.map(lambda x: x[idx], batch)
             grads, stats = grad_fn(params, mb, jnp.maximum(jnp.sum(mb["mask"]), 1.0), beta_l)
-            stats["grad_norm"] = optax.global_norm(grads)
+            stats["grad_norm"] = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), stats
 

@@ -275,7 +275,7 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             n_tok = total(jnp.sum(mb["mask"])) / n_dev
             grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev)
             grads, stats = average((grads, stats))
-            stats["grad/norm"] = optax.global_norm(grads)
+            stats["grad/norm"] = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), stats
 
