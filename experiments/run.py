@@ -2,10 +2,25 @@
 
 With no arguments: the default experiment on the built-in task, offline, on CPU.
 ``--help`` lists every configuration field with its meaning and default.
+
+``--resume RUN_DIR [--train.iterations N ...]`` continues a run from its latest complete
+checkpoint (only train.iterations and the logging/checkpoint/rollback knobs may change).
+Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130 stopped by SIGINT after a
+checkpoint, 1 the run stopped itself (non-finite guard, rollback limit), 2 bad input.
+
+``--sweep kl.beta=0.001,0.01,0.1,1.0 [--sweep train.seed=0,1] [--sweep-devices K]`` runs the
+Cartesian grid of the axes as one compiled program (:mod:`klrl.sweep`, members split over K
+device groups) and prints one summary table. ``--distributed [--coordinator HOST:PORT
+--num-processes N --process-id I]`` joins a multi-process run first (:mod:`klrl.distributed`;
+no arguments needed on Cloud TPU or Slurm); see docs/launch.md.
+
+``--report RUN_DIR`` writes ``report.md`` (config, summary, diagnosis timeline, PNG plots) into a run
+or sweep directory, prints its path and exits (:func:`klrl.report.write_report`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -14,24 +29,122 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main(argv: list[str] | None = None) -> int:
     from klrl.cli import build_parser, config_from_args, fail
-    from klrl.config import ConfigError
+    from klrl.config import ConfigError, RunConfig
 
-    parser = build_parser("PPO with a KL penalty; beta lives in the train state.")
+    def resume_arg(p):
+        p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                       help="continue this run from its latest complete checkpoint")  # fmt: skip
+        p.add_argument("--report", metavar="RUN_DIR", default=None,
+                       help="write report.md (summary, diagnosis, plots) for this run or sweep directory "
+                            "and exit; trains nothing")  # fmt: skip
+
+    def scale_args(p):
+        resume_arg(p)
+        p.add_argument("--sweep", metavar="SECTION.FIELD=V1,V2,...", action="append", default=[],
+                       help="a sweep axis (repeatable: the grid is their Cartesian product), run as one "
+                            "compiled program")  # fmt: skip
+        p.add_argument("--sweep-devices", metavar="K", type=int, default=1,
+                       help="device groups the sweep members are split over (the rest of the devices "
+                            "split each member's batch)")  # fmt: skip
+        p.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run (jax.distributed) before anything else; "
+                            "auto-detected on Cloud TPU, Slurm, ...")  # fmt: skip
+        p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                       help="--distributed: process 0's address ($KLRL_COORDINATOR)")  # fmt: skip
+        p.add_argument("--num-processes", metavar="N", type=int, default=None,
+                       help="--distributed: process count ($KLRL_NUM_PROCESSES)")  # fmt: skip
+        p.add_argument("--process-id", metavar="I", type=int, default=None,
+                       help="--distributed: this process's index ($KLRL_PROCESS_ID)")  # fmt: skip
+
+    parser = build_parser("PPO with a KL penalty; beta lives in the train state.", extra=scale_args)
     ns = parser.parse_args(argv)
-    cfg = config_from_args(ns)
+    if ns.report is not None:
+        from klrl.report import ReportError, write_report
+
+        try:
+            print(write_report(ns.report))
+        except ReportError as e:
+            fail(f"--report: {e}")
+        return 0
+    base = None
+    if ns.resume is not None:
+        path = os.path.join(ns.resume, "config.json")
+        if not os.path.isfile(path):
+            fail(f"--resume: {ns.resume} is not a klrl run directory (no config.json)")
+        try:
+            with open(path) as f:
+                base = RunConfig.from_dict(json.load(f))
+        except (ValueError, TypeError) as e:
+            fail(f"--resume: {path} is not a valid klrl config: {e}")
+    cfg = config_from_args(ns, base=base)
+    members = None
+    if ns.sweep:
+        from klrl.sweep import check_members, grid, parse_axis
+
+        if ns.resume is not None:
+            fail("--sweep: cannot be combined with --resume")
+        try:
+            axes = dict(parse_axis(spec, cfg) for spec in ns.sweep)
+            if len(axes) != len(ns.sweep):
+                fail("--sweep: the same field is given twice")
+            members = grid(cfg, axes)
+            check_members(members)
+        except ConfigError as e:
+            fail(str(e))
+    elif ns.sweep_devices != 1:
+        fail("--sweep-devices: needs --sweep")
+    if ns.sweep_devices < 1:
+        fail(f"--sweep-devices: must be >= 1 (got {ns.sweep_devices})")
+    if ns.distributed or ns.coordinator or ns.num_processes is not None or ns.process_id is not None:
+        from klrl.distributed import initialize
+
+        try:  # before anything touches a device
+            initialize(ns.coordinator, ns.num_processes, ns.process_id)
+        except ValueError as e:
+            fail(f"--distributed: {e}")
+
+    if members is not None:
+        import jax
+
+        from klrl.sweep import summary_table, sweep
+
+        try:
+            results = sweep(members, sweep_devices=ns.sweep_devices)
+        except ConfigError as e:
+            fail(str(e))
+        if jax.process_index() == 0:
+            print(summary_table(results, list(axes)))
+            if results[0].dir is not None:
+                print(f"sweep directory: {results[0].dir.parent}")
+            print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x "
+                  f"{cfg.train.iterations} iterations")  # fmt: skip
+        return 0
 
     import klrl
+    from klrl.io.checkpoint import CheckpointError
+    from klrl.reliability import RunStopped
 
     try:
-        result = klrl.run(cfg)
-    except ConfigError as e:
+        result = klrl.run(cfg, resume=ns.resume)
+    except (ConfigError, CheckpointError) as e:
         fail(str(e))
+    except RunStopped as e:
+        fail(str(e), 1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     s = result.summary()
     print(f"run directory: {result.dir}")
     print(f"{'metric':<22}{'start':>12}{'end':>12}")
     for k, v in s.items():
         print(f"{k:<22}{v['start']:>12.4g}{v['end']:>12.4g}")
-    print(f"train time {result.info['train_s']:.1f}s for {cfg.train.iterations} iterations")
+    done = result.info["iteration"] - result.info["start_iteration"]
+    print(f"train time {result.info['train_s']:.1f}s for {done} iterations")
+    stopped = result.info.get("stopped")
+    if stopped:
+        print(f"stopped by {stopped} at iteration {result.info['iteration']} (checkpoint saved); "
+              f"continue with: python experiments/run.py --resume {result.dir}")  # fmt: skip
+        return 130 if stopped == "SIGINT" else 0
     return 0
 
 

@@ -202,7 +202,7 @@ class PPOConfig:
 class OptimConfig:
     """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
 
-    lr: float = _f(3e-4, "peak learning rate")
+    lr: float = _f(1e-4, "peak learning rate")
     b1: float = _f(0.9, "Adam beta1")
     b2: float = _f(0.95, "Adam beta2")
     eps: float = _f(
@@ -229,7 +229,9 @@ class OptimConfig:
 class TaskConfig:
     """The built-in task: a synthetic language, a pretrained reference, a reward."""
 
-    name: str = _f("wordclass", "task: wordclass (fraction of positive words)")
+    name: str = _f(
+        "testbed", "task: testbed (proxy reward model, exact gold) or wordclass (fraction of positive words)"
+    )
     seed: int = _f(0, "seed of the synthetic language")
     prompt_len: int = _f(8, "prompt length in tokens (left-padded)")
     prompt_pool: int = _f(4096, "number of distinct prompts sampled from the language")
@@ -237,16 +239,38 @@ class TaskConfig:
     pretrain_batch: int = _f(64, "reference pretraining batch (sequences)")
     pretrain_lr: float = _f(3e-3, "reference pretraining learning rate")
     pretrain_len: int = _f(32, "reference pretraining sequence length")
-    cache_dir: str = _f("", "where pretrained models are cached ('' = ~/.cache/klrl)")
+    cache_dir: str = _f("", "where pretrained models are cached ('' = $KLRL_CACHE or ~/.cache/klrl)")
+    rm_pairs: int = _f(4096, "testbed: Bradley-Terry preference pairs of reference responses")
+    rm_heldout: int = _f(512, "testbed: held-out pairs for the reward model's accuracy")
+    rm_epochs: int = _f(6, "testbed: reward model epochs over the pairs")
+    rm_lr: float = _f(1e-3, "testbed: reward model learning rate")
+    rm_label_temp: float = _f(0.1, "testbed: label noise, P(a > b) = sigmoid((gold_a - gold_b) / temp)")
+    indep_d_model: int = _f(48, "testbed: width of the independent evaluator LM")
+    rm_scale: float = _f(
+        0.3, "testbed: proxy reward standardised to this std (mean 0) on reference responses"
+    )
+    gold_quantile: float = _f(
+        0.001, "testbed: gold fluency threshold = this quantile of real per-token log-lik"
+    )
+    gold_fluency_weight: float = _f(1.0, "testbed: gold penalty per nat/token below the fluency threshold")
 
     def __post_init__(self) -> None:
-        _choice(self.name, "task.name", ("wordclass",))
+        _choice(self.name, "task.name", ("testbed", "wordclass"))
         _check(self.prompt_len >= 1, "task.prompt_len", "must be >= 1")
         _check(self.prompt_pool >= 1, "task.prompt_pool", "must be >= 1")
         _check(self.pretrain_steps >= 0, "task.pretrain_steps", "must be >= 0")
         _check(self.pretrain_batch >= 1, "task.pretrain_batch", "must be >= 1")
         _check(self.pretrain_lr > 0, "task.pretrain_lr", "must be > 0")
         _check(self.pretrain_len >= 2, "task.pretrain_len", "must be >= 2")
+        _check(self.rm_pairs >= 64, "task.rm_pairs", "must be >= 64")
+        _check(self.rm_heldout >= 1, "task.rm_heldout", "must be >= 1")
+        _check(self.rm_epochs >= 1, "task.rm_epochs", "must be >= 1")
+        _check(self.rm_lr > 0, "task.rm_lr", "must be > 0")
+        _check(self.rm_label_temp > 0, "task.rm_label_temp", "must be > 0")
+        _check(self.indep_d_model >= 1, "task.indep_d_model", "must be >= 1")
+        _check(self.rm_scale > 0, "task.rm_scale", "must be > 0")
+        _check(0 < self.gold_quantile < 1, "task.gold_quantile", "must be in (0, 1)")
+        _check(self.gold_fluency_weight >= 0, "task.gold_fluency_weight", "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,12 +285,64 @@ class TrainConfig:
     name: str = _f("", "run directory name ('' = timestamp)")
     log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
     quiet: bool = _f(False, "print only the summary")
+    checkpoint_every: int = _f(
+        10, "save a checkpoint every this many iterations (0 = only at the end and on SIGTERM/SIGINT)"
+    )
+    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints")
+    max_consecutive_skips: int = _f(
+        5, "stop the run after this many consecutive iterations skipped by the non-finite guard (0 = never)"
+    )
+    rollback_metric: str = _f(
+        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl' ('' = rollback off)"
+    )
+    rollback_threshold: float = _f(
+        1.1,
+        "roll back when rollback_metric crosses this ratio to its iteration-0 value "
+        "(> 1: rising above it is bad; < 1: falling below it is bad)",
+    )
+    rollback_factor: float = _f(2.0, "on a rollback, multiply the controller's beta by this (> 1)")
+    max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, "train.iterations", "must be >= 1")
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         _check(self.devices >= 0, "train.devices", "must be >= 0")
         _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
+        _check(
+            math.isfinite(self.rollback_threshold) and self.rollback_threshold > 0
+            and self.rollback_threshold != 1,
+            "train.rollback_threshold", "must be > 0 and != 1",
+        )  # fmt: skip
+        factor_ok = math.isfinite(self.rollback_factor) and self.rollback_factor > 1
+        _check(factor_ok, "train.rollback_factor", "must be > 1")
+        _check(self.max_rollbacks >= 0, "train.max_rollbacks", "must be >= 0")
+        _check(self.rollback_metric.strip() == self.rollback_metric, "train.rollback_metric",
+               "must not have surrounding spaces")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagnosisConfig:
+    """Thresholds of the regime diagnosis (frozen / hacking / healthy), over a trailing window."""
+
+    window: int = _f(20, "iterations in the trailing window")
+    kl_floor: float = _f(0.1, "frozen: mean KL (exact, nats/sequence) under this")
+    proxy_min_gain: float = _f(0.02, "frozen: and the proxy improved by less than this across the window")
+    trend_min: float = _f(0.02, "hacking: proxy up and gold down by more than this across the window")
+    ppl_margin: float = _f(
+        0.10, "hacking: oracle (else independent) perplexity this fraction above its start"
+    )
+    beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
+
+    def __post_init__(self) -> None:
+        _check(self.window >= 4, "diag.window", "must be >= 4")
+        _check(self.kl_floor >= 0, "diag.kl_floor", "must be >= 0")
+        _check(self.proxy_min_gain >= 0, "diag.proxy_min_gain", "must be >= 0")
+        _check(self.trend_min >= 0, "diag.trend_min", "must be >= 0")
+        _check(self.ppl_margin > 0, "diag.ppl_margin", "must be > 0")
+        _check(self.beta_trend > 0, "diag.beta_trend", "must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,6 +357,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    diag: DiagnosisConfig = field(default_factory=DiagnosisConfig)
 
     def __post_init__(self) -> None:
         b = self.train.batch_size
@@ -349,3 +426,41 @@ def check_devices(cfg: RunConfig, n_devices: int) -> None:
         "ppo.group_size",
         f"each device's share ({b // n_devices}) must hold whole groups of {cfg.ppo.group_size}",
     )
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Known-bad or suspicious combinations: legal, but usually a mistake. One line each."""
+    out = []
+    k, c = cfg.kl, cfg.ctrl
+    in_loss = k.placement in ("loss", "reward+loss")
+    in_reward = k.placement in ("reward", "sequence", "reward+loss")
+    if in_loss and k.loss_estimator == "k1":
+        out.append(
+            "kl.loss_estimator=k1: as a loss term k1's expected gradient on-policy is zero; "
+            "use k2 (its gradient is that of KL(pi||ref)) or k3"
+        )
+    if in_loss and k.loss_estimator == "k3":
+        out.append(
+            "kl.loss_estimator=k3: as a loss term its expected gradient is that of the forward KL(ref||pi), "
+            "not of KL(pi||ref); k2 gives the reverse-KL gradient"
+        )
+    if k.loss_coef > 0 and not in_loss:
+        out.append(f"kl.loss_coef={k.loss_coef} has no effect with kl.placement={k.placement}")
+    if c.kind != "fixed":
+        if c.drives == "loss" and not in_loss:
+            out.append(
+                f"ctrl.drives=loss but kl.placement={k.placement} has no KL loss term: nothing uses beta"
+            )
+        if c.drives == "reward" and not in_reward:
+            out.append(f"ctrl.drives=reward but kl.placement={k.placement} puts no KL in the reward")
+        if c.unit == "token_mean" and c.target >= 1.0:
+            out.append(
+                f"ctrl.target={c.target} nats/token with ctrl.unit=token_mean looks like a per-sequence "
+                "target (lm-human-preferences' 6 nats is a per-sequence sum)"
+            )
+        if c.unit == "seq_sum" and c.target < 0.2 and cfg.sampling.response_len >= 8:
+            out.append(
+                f"ctrl.target={c.target} nats/sequence with ctrl.unit=seq_sum looks like a per-token target "
+                "(verl and OpenRLHF feed the controller per-token means)"
+            )
+    return out

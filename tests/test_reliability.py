@@ -1,0 +1,417 @@
+"""Guards (issue 6): the non-finite stop, the quality rollback and configuration checking.
+
+* The rollback decision is a pure function over a metric trace and the checkpoint steps:
+  tested on examples and, with hypothesis, for its defining properties.
+* Injected NaN rewards: each update is skipped (parameters unchanged, ``guard/skipped``
+  counts it); K in a row stop the run with a one-line message (exit status 1 from the CLI)
+  and the last good state checkpointed.
+* A real run whose metric crosses the threshold rolls back to the right checkpoint (the
+  re-run iteration samples exactly what the original did) with beta doubled.
+* Random invalid configurations are rejected with exit status 2 and one line naming the
+  field, before anything is built; random valid small ones build and run an iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from klrl.reliability import decide_rollback, first_crossing, is_bad, is_good, skip_stop
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """JAX's persistent compilation cache in a session temporary directory (shared with
+    test_checkpoint), restored afterwards: the tiny step then compiles once per session."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = tmp_path_factory.getbasetemp() / "jax-compile-cache"
+    path.mkdir(exist_ok=True)
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    old = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
+def base_config(cache_dir: str, **train):
+    from conftest import tiny_config
+
+    return tiny_config(cache_dir).replace(
+        task={"name": "wordclass"}, train={"quiet": True, "checkpoint_every": 2, **train}
+    )
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """``experiments/run.py`` in this process: (exit status, stderr)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("klrl_experiments_run", SCRIPT)
+    cli_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_run)
+    try:
+        status = cli_run.main(argv)
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def cli_args(cfg) -> list[str]:
+    """``--section.field value`` for every field of ``cfg`` that differs from the default."""
+    from klrl.config import RunConfig
+
+    d, default = cfg.to_dict(), RunConfig().to_dict()
+    out = []
+    for sec, fields in d.items():
+        for k, v in fields.items():
+            if v != default[sec][k]:
+                out += [f"--{sec}.{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return out
+
+
+def read_lines(path: Path) -> list[bytes]:
+    data = path.read_bytes() if path.exists() else b""
+    return [x + b"\n" for x in data.split(b"\n")[:-1]]
+
+
+# ---- the rollback decision, pure ---------------------------------------------------------------
+
+
+def test_decide_rollback_examples():
+    trace = [10.0, 10.5, 10.2, 10.8, 11.5, 12.0]  # threshold 1.1: 11.5 (iteration 4) is the first past 11
+    assert first_crossing(trace, 1.1) == 4
+    d = decide_rollback(trace, [2, 4, 6], 1.1)
+    assert (d.crossing, d.step, d.value) == (4, 2, 11.5)
+    assert d.ratio == pytest.approx(1.15)
+    assert decide_rollback(trace, [1, 2, 3, 4, 5], 1.1).step == 3  # newest good step <= crossing
+    assert decide_rollback(trace, [5, 6], 1.1).step == 0  # none before the crossing: the initial state
+    assert decide_rollback(trace, [], 1.1).step == 0
+    assert decide_rollback(trace[:4], [2], 1.1) is None  # not crossed yet
+    assert decide_rollback(trace, [2], 1.3) is None
+    # a checkpoint whose own metric is bad is skipped (after a resume with a lower threshold)
+    assert decide_rollback([10.0, 12.0, 10.0, 12.0], [1, 2, 3], 1.1).step == 0
+    # threshold < 1: falling below is bad (e.g. a reward)
+    assert decide_rollback([1.0, 0.95, 0.7, 0.6], [1, 2], 0.8) == decide_rollback(
+        [1.0, 0.95, 0.7, 0.6], [1, 2], 0.8
+    )
+    assert decide_rollback([1.0, 0.95, 0.7, 0.6], [1, 2], 0.8).step == 1
+    # an explicit base (the iteration-0 value when the trace was cut back to 0 by a rollback)
+    assert decide_rollback([11.5], [], 1.1, base=10.0).crossing == 0
+
+
+def test_nonfinite_and_invalid_base():
+    assert not is_bad(math.nan, 10.0, 1.1) and not is_good(math.nan, 10.0, 1.1)
+    assert not is_bad(math.inf, 10.0, 1.1)
+    for base in (0.0, -1.0, math.nan, math.inf):
+        assert not is_bad(100.0, base, 1.1)  # no meaningful ratio: the check is off
+    assert decide_rollback([0.0, 5.0, 9.0], [1], 1.1) is None
+    assert decide_rollback([10.0, math.nan, 12.0], [1], 1.1).step == 0  # NaN is not "good"
+
+
+def test_skip_stop():
+    assert not skip_stop(4, 5) and skip_stop(5, 5) and skip_stop(6, 5)
+    assert not skip_stop(10**6, 0)  # 0 = never stop
+
+
+traces = st.lists(st.floats(0.1, 100.0, allow_nan=False), min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    trace=traces,
+    steps=st.sets(st.integers(1, 45), max_size=12),
+    threshold=st.one_of(st.floats(1.01, 3.0), st.floats(0.2, 0.99)),
+)
+def test_decide_rollback_properties(trace, steps, threshold):
+    d = decide_rollback(trace, sorted(steps), threshold)
+    base = trace[0]
+    bad = [is_bad(v, base, threshold) for v in trace]
+    if not any(bad):
+        assert d is None
+        return
+    t = bad.index(True)
+    assert d.crossing == t and d.value == trace[t]
+    # the target is a checkpoint (or 0) at or before the crossing whose metric is good...
+    assert d.step == 0 or (d.step in steps and d.step <= t and is_good(trace[d.step], base, threshold))
+    # ...and the newest such one
+    newer = [s for s in steps if d.step < s <= t and is_good(trace[s], base, threshold)]
+    assert not newer
+    # everything before the crossing was fine, so every checkpoint before it qualifies
+    before = [s for s in steps if s < t]
+    assert d.step == max(before, default=0)
+
+
+# ---- check_resumable, pure ----------------------------------------------------------------------
+
+
+def test_check_resumable_rules():
+    from klrl.config import ConfigError, RunConfig
+    from klrl.runner import RESUME_MUTABLE, check_resumable, config_diff
+
+    a = RunConfig()
+    knobs = {"iterations": 500, "quiet": True, "log_every": 7, "out_dir": "x", "name": "y",
+             "checkpoint_every": 3, "keep_checkpoints": 9, "max_consecutive_skips": 0,
+             "rollback_metric": "eval/oracle_ppl", "rollback_threshold": 1.3, "rollback_factor": 4.0,
+             "max_rollbacks": 1}  # fmt: skip
+    b = a.replace(train=knobs)
+    assert set(config_diff(a, b)) == {f"train.{k}" for k in knobs} <= RESUME_MUTABLE
+    check_resumable(a, b)  # all allowed
+    check_resumable(a.to_dict(), b)
+    for change, field in [
+        ({"model": {"d_model": 128}}, "model.d_model"),
+        ({"train": {"batch_size": 32}}, "train.batch_size"),
+        ({"train": {"seed": 1}}, "train.seed"),
+        ({"train": {"devices": 1}}, "train.devices"),
+        ({"kl": {"estimator": "k3"}}, "kl.estimator"),
+        ({"sampling": {"response_len": 8}}, "sampling.response_len"),
+    ]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            check_resumable(a, a.replace(**change))
+    lin = a.replace(optim={"schedule": "linear"})
+    check_resumable(lin, lin.replace(train={"quiet": True}))
+    with pytest.raises(ConfigError, match=r"train\.iterations: cannot change on resume with optim\.schedule"):
+        check_resumable(lin, lin.replace(train={"iterations": 200}))
+
+
+# ---- configuration: invalid rejected (exit 2, one line, nothing built), valid ones run ----------
+
+# field -> strategy of values that break its rule (as command-line strings)
+INVALID = {
+    "train.iterations": st.integers(-5, 0).map(str),
+    "train.batch_size": st.integers(-3, 0).map(str),
+    "train.checkpoint_every": st.integers(-9, -1).map(str),
+    "train.keep_checkpoints": st.integers(-3, 0).map(str),
+    "train.max_consecutive_skips": st.integers(-9, -1).map(str),
+    "train.rollback_threshold": st.sampled_from(["0", "-1.5", "1", "1.0", "nan", "inf"]),
+    "train.rollback_factor": st.one_of(st.floats(-2, 1).map(repr), st.sampled_from(["nan", "inf"])),
+    "train.max_rollbacks": st.integers(-9, -1).map(str),
+    "kl.beta": st.floats(-10, -1e-6).map(repr),
+    "ctrl.target": st.floats(-5, 0).map(repr),
+    "sampling.response_len": st.integers(-4, 0).map(str),
+    "optim.lr": st.sampled_from(["0", "-0.1", "nan", "inf"]),
+    "ppo.clip": st.floats(-1, 0).map(repr),
+    "model.n_heads": st.sampled_from(["3", "5", "7"]),  # must divide model.d_model (64)
+    "ppo.minibatches": st.sampled_from(["3", "5", "7"]),  # must divide train.batch_size (64)
+    "kl.estimator": st.sampled_from(["k4", "KL", ""]),
+    "ctrl.kind": st.sampled_from(["pid", "adaptive"]),
+    "train.log_every": st.sampled_from(["abc", "1.5", "0"]),
+    "sampling.use_eos": st.sampled_from(["maybe", "2"]),
+}
+VALID_EXTRA = st.lists(
+    st.sampled_from(
+        [("kl.beta", "0.2"), ("train.iterations", "7"), ("ctrl.kind", "pi"), ("train.rollback_metric", "x"),
+         ("train.checkpoint_every", "0"), ("ppo.epochs", "2"), ("sampling.temperature", "0.7")]
+    ),
+    max_size=3,
+    unique_by=lambda x: x[0],
+)  # fmt: skip
+
+
+@st.composite
+def invalid_args(draw):
+    field = draw(st.sampled_from(sorted(INVALID)))
+    value = draw(INVALID[field])
+    extra = [x for x in draw(VALID_EXTRA) if x[0] != field]
+    args = [a for kv in extra for a in (f"--{kv[0]}", kv[1])]
+    return field, [*args, f"--{field}", value]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=invalid_args())
+def test_invalid_configs_rejected_in_process(case, capsys):
+    from klrl.cli import build_parser, config_from_args
+
+    field, argv = case
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        config_from_args(build_parser().parse_args(argv))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and field in err[0], (argv, err)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=invalid_args())
+def test_invalid_configs_rejected_by_the_cli(case, tmp_path_factory):
+    field, argv = case
+    out = tmp_path_factory.mktemp("invalid")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1")  # any compilation would be logged
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--train.out_dir", str(out / "runs")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and field in err[0], err  # nothing compiled
+    assert not (out / "runs").exists()
+
+
+@st.composite
+def valid_configs(draw):
+    adv = draw(st.sampled_from(["gae", "grpo", "rloo"]))
+    group = 2 if adv != "gae" else draw(st.sampled_from([1, 2]))
+    batch = draw(st.sampled_from([4, 8]))
+    return {
+        "kl": {
+            "estimator": draw(st.sampled_from(["k1", "k2", "k3", "abs", "full"])),
+            "placement": draw(st.sampled_from(["reward", "sequence", "loss", "reward+loss"])),
+            "beta": draw(st.floats(0.0, 0.5)),
+            "loss_coef": draw(st.sampled_from([0.0, 0.1])),
+        },
+        "ctrl": {"kind": draw(st.sampled_from(["fixed", "proportional", "band", "pi", "dual"]))},
+        "ppo": {"advantage": adv, "group_size": group, "minibatches": draw(st.sampled_from([1, 2])),
+                "epochs": 1},
+        "sampling": {"response_len": draw(st.integers(2, 6)), "top_k": draw(st.sampled_from([0, 5])),
+                     "temperature": draw(st.sampled_from([0.7, 1.0]))},
+        "model": {"value_model": draw(st.sampled_from(["head", "separate"]))},
+        "train": {"batch_size": batch, "iterations": 1, "seed": draw(st.integers(0, 2**31 - 1))},
+    }  # fmt: skip
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=valid_configs())
+def test_valid_small_configs_run_one_iteration(changes, tiny_task, cache_dir, jax_cache):
+    import klrl
+
+    cfg = base_config(cache_dir).replace(**changes)
+    result = klrl.run(cfg, task=tiny_task, write=False)
+    assert result.info["iteration"] == 1 and int(result.state.iteration) == 1
+    assert all(len(v) == 1 for v in result.metrics.values())
+    assert np.isfinite(result.metrics["reward/task"][0])
+
+
+# ---- the non-finite guard in the loop -----------------------------------------------------------
+
+
+def test_nan_rewards_skip_and_stop(tiny_task, cache_dir, jax_cache, tmp_path):
+    import klrl
+    from klrl.io import checkpoint as ckpt
+    from klrl.reliability import RunStopped
+    from klrl.train import make_train
+
+    def nan_reward(env, ro):
+        return jnp.full(ro.response.shape[:1], jnp.nan, jnp.float32)
+
+    task = dataclasses.replace(tiny_task, reward_fn=nan_reward)
+    cfg = base_config(cache_dir, iterations=20, max_consecutive_skips=3, checkpoint_every=0)
+    with pytest.raises(RunStopped) as e:
+        klrl.run(cfg, task=task, run_dir=tmp_path / "r")
+    msg = str(e.value)
+    # the loop sees iteration i's metrics while i + 1 already runs: it stops after K or K + 1 skips
+    rows = [json.loads(x) for x in read_lines(tmp_path / "r" / "metrics.jsonl")]
+    n = len(rows)
+    assert n in (3, 4)
+    assert "\n" not in msg and f"{n} consecutive iterations skipped by the non-finite guard" in msg
+    assert [r["guard/skipped"] for r in rows] == [1.0] * n
+    assert [r["guard/consecutive_skips"] for r in rows] == [float(k + 1) for k in range(n)]
+    assert rows[0]["reward/task"] == "nan"
+    # the last good state is checkpointed: the parameters (and optimiser state) never moved
+    mgr = ckpt.manager(tmp_path / "r", read_only=True)
+    initial = make_train(cfg, task).init(cfg.train.seed)
+    state, meta = ckpt.restore(mgr, jax.eval_shape(lambda: initial))
+    mgr.close()
+    assert meta["iteration"] == n and meta["metrics_lines"] == n
+    assert int(state.iteration) == n and int(state.skipped) == n
+    moved = jax.tree.leaves((state.params, state.opt_state))
+    for a, b in zip(moved, jax.tree.leaves((initial.params, initial.opt_state)), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert e.value.result is not None and e.value.result.info["checkpoint"] == n
+
+
+def test_guard_stop_is_exit_status_1_from_the_cli(tiny_task, cache_dir, jax_cache, tmp_path, capsys):
+    # a learning rate past float32's range turns every update into inf/NaN: each one is skipped
+    cfg = base_config(cache_dir, iterations=20, max_consecutive_skips=2, checkpoint_every=0)
+    argv = [*cli_args(cfg), "--optim.lr", "1e39", "--train.out_dir", str(tmp_path), "--train.name", "r"]
+    status, err = run_main(argv, capsys)
+    assert status == 1
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "consecutive iterations skipped" in errors[0], err
+    assert "Traceback" not in err
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] in (["2"], ["3"])
+
+
+# ---- the quality rollback in a real run -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_task, cache_dir, jax_cache, tmp_path_factory):
+    """A run without rollback: its metric trace and metrics lines are the reference."""
+    import klrl
+
+    cfg = base_config(cache_dir, iterations=14, keep_checkpoints=20).replace(optim={"lr": 3e-3})
+    d = tmp_path_factory.mktemp("plain") / "run"
+    result = klrl.run(cfg, task=tiny_task, run_dir=d)
+    return cfg, result, read_lines(d / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("every", [2, 0])  # 0: no checkpoint before the crossing -> the initial state
+def test_rollback_restores_the_right_checkpoint_and_doubles_beta(every, plain_run, tiny_task, tmp_path):
+    import klrl
+    from klrl.reliability import RunStopped
+
+    metric = "reward/task"
+    cfg, plain, plain_lines = plain_run
+    cfg = cfg.replace(train={"checkpoint_every": every})
+    trace, n = list(plain.metrics[metric]), cfg.train.iterations
+    # a threshold whose first crossing is a new running maximum at t >= 3
+    t = next(i for i in range(3, n) if trace[i] > max(trace[:i]) and max(trace[:i]) >= trace[0])
+    threshold = (max(trace[:t]) + trace[t]) / 2 / trace[0]
+    assert threshold > 1 and first_crossing(trace, threshold) == t
+    expected = decide_rollback(trace[: t + 1], list(range(every, t + 1, every)) if every else [], threshold)
+    assert (expected.step > 0) == (every > 0)
+
+    knobs = {"rollback_metric": metric, "rollback_threshold": threshold, "max_rollbacks": 1}
+    rb = cfg.replace(train={**knobs, "iterations": t + 2})
+    d = tmp_path / "rollback"
+    try:
+        result = klrl.run(rb, task=tiny_task, run_dir=d)
+        state = result.state
+    except RunStopped as e:  # crossed again after the one rollback allowed: also fine
+        assert "after 1 rollbacks" in str(e)
+        state = e.result.state
+    events = [json.loads(x) for x in read_lines(d / "events.jsonl")]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["iteration"] == t
+    s = expected.step
+    target = "the initial state" if s == 0 else f"checkpoint {s}"
+    assert f"restored {target}" in rollbacks[0]["message"] and "beta 0.05 -> 0.1" in rollbacks[0]["message"]
+
+    now = read_lines(d / "metrics.jsonl")
+    rows = [json.loads(x) for x in now]
+    assert now[:s] == plain_lines[:s]  # history up to the restored state is untouched
+    # iteration s ran again from the restored state: the same samples (same reward), twice the beta
+    assert rows[s]["iteration"] == s and rows[s][metric] == trace[s]
+    assert rows[s]["ctrl/beta"] == pytest.approx(2 * cfg.kl.beta)
+    assert float(state.ctrl.beta) == np.float32(2 * np.float32(cfg.kl.beta))
+    # the abandoned iterations are kept, in order, in metrics.rolled_back.jsonl
+    dropped = read_lines(d / "metrics.rolled_back.jsonl")
+    assert dropped[: t + 1 - s] == plain_lines[s : t + 1]
+
+
+def test_unknown_rollback_metric_is_a_config_error(tiny_task, cache_dir, jax_cache, tmp_path):
+    import klrl
+    from klrl.config import ConfigError
+
+    cfg = base_config(cache_dir, rollback_metric="eval/nonexistent", out_dir=str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=r"train\.rollback_metric: 'eval/nonexistent' is not a metric"):
+        klrl.run(cfg, task=tiny_task)
+    assert not (tmp_path / "runs").exists()
