@@ -41,6 +41,7 @@ def rows(results):
             "gold start": float(gold[0]),
             "gold peak": float(gold[ig]),
             "gold peak iter": ig,
+            "proxy at gold peak": float(px[ig]),
             "gold end": float(gold[-1]),
             "KL exact (nats/seq) end": last(r, "kl/exact_seq_sum"),
             "oracle ppl end": last(r, "eval/oracle_ppl"),
@@ -67,7 +68,9 @@ def requirement(table):
         rise = s["gold peak"] - s["gold start"]
         fall = s["gold peak"] - s["gold end"]
         out["beta=0.001: gold falls >= 20% of its rise from the peak"] = bool(rise > 0 and fall >= 0.2 * rise)
-        out["beta=0.001: proxy still rising at the end"] = s["proxy end"] >= s["proxy peak"] - 1e-3
+        out["beta=0.001: proxy rises while gold falls (proxy end > proxy at gold's peak)"] = bool(
+            s["proxy end"] - s["proxy at gold peak"] > 0.05
+        )
     return out
 
 

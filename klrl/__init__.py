@@ -19,11 +19,23 @@ from klrl.config import (
 )
 from klrl.control import Controller, ControllerState
 from klrl.model import GPT
+from klrl.report import write_report
 from klrl.rollout import Rollout, generate
-from klrl.runner import RunResult, load_run, run
+from klrl.runner import RunResult, load_run, load_sweep, run
+from klrl.sweep import sweep  # the function; the module stays importable as klrl.sweep (sys.modules)
 from klrl.train import Train, TrainState, make_train
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``klrl.plots`` is imported on first use: matplotlib costs about a second at import."""
+    if name == "plots":
+        import importlib
+
+        return importlib.import_module("klrl.plots")
+    raise AttributeError(f"module 'klrl' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",
@@ -48,8 +60,12 @@ __all__ = [
     "generate",
     "kl",
     "load_run",
+    "load_sweep",
     "losses",
     "make_train",
+    "plots",
     "run",
     "shaping",
+    "sweep",
+    "write_report",
 ]

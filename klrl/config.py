@@ -329,12 +329,14 @@ class DiagnosisConfig:
 
     window: int = _f(20, "iterations in the trailing window")
     kl_floor: float = _f(0.1, "frozen: mean KL (exact, nats/sequence) under this")
-    proxy_min_gain: float = _f(0.02, "frozen: and the proxy improved by less than this across the window")
-    trend_min: float = _f(0.02, "hacking: proxy up and gold down by more than this across the window")
+    proxy_min_gain: float = _f(0.05, "frozen: and the proxy improved by less than this across the window")
+    trend_min: float = _f(0.05, "hacking: proxy up and gold down by more than this across the window")
     ppl_margin: float = _f(
-        0.10, "hacking: oracle (else independent) perplexity this fraction above its start"
+        0.5, "hacking: oracle (else independent) perplexity this fraction above the reference's"
     )
     beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
+    trend_t: float = _f(3.0, "hacking: both trends must also exceed this many standard errors")
+    persist: int = _f(5, "a new regime is reported once it has held this many consecutive iterations")
 
     def __post_init__(self) -> None:
         _check(self.window >= 4, "diag.window", "must be >= 4")
@@ -343,6 +345,8 @@ class DiagnosisConfig:
         _check(self.trend_min >= 0, "diag.trend_min", "must be >= 0")
         _check(self.ppl_margin > 0, "diag.ppl_margin", "must be > 0")
         _check(self.beta_trend > 0, "diag.beta_trend", "must be > 0")
+        _check(self.trend_t >= 0, "diag.trend_t", "must be >= 0")
+        _check(self.persist >= 1, "diag.persist", "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,9 @@ Regimes (thresholds are fields of :class:`klrl.config.DiagnosisConfig`):
 * ``frozen``: the mean KL over the window is under ``kl_floor`` (nats per sequence) and the proxy
   reward improved by less than ``proxy_min_gain`` across the window: beta is too large.
 * ``hacking``: the proxy rises while gold falls over the window (both trends beyond
-  ``trend_min``), or the oracle perplexity (else the independent-LM one) is more than
-  ``ppl_margin`` above its value at the start: beta is too small for this reward model.
+  ``trend_min``), or the oracle perplexity (else the independent-LM one) over the window is more
+  than ``ppl_margin`` above the reference's (its mean over the first 5 iterations, when the policy
+  is still the reference): beta is too small for this reward model.
 * ``healthy``: neither.
 
 Under an adaptive controller the beta trend is read too: beta falling steadily means the KL target
@@ -37,6 +38,14 @@ def _gain(x: np.ndarray) -> float:
     return float(np.mean(x[-h:]) - np.mean(x[:h]))
 
 
+def _tstat(x: np.ndarray) -> float:
+    """:func:`_gain` over its standard error (Welch), so batch noise alone rarely counts as a trend."""
+    h = max(len(x) // 2, 1)
+    a, b = x[:h], x[-h:]
+    se = np.sqrt(np.var(a) / len(a) + np.var(b) / len(b)) + 1e-12
+    return _gain(x) / se
+
+
 def diagnose(history: dict[str, Any], t: int, cfg: DiagnosisConfig) -> tuple[str, str]:
     """The regime at iteration ``t`` (0-based) from ``history[name][: t + 1]``, and a reason."""
     lo = max(0, t + 1 - cfg.window)
@@ -45,15 +54,16 @@ def diagnose(history: dict[str, Any], t: int, cfg: DiagnosisConfig) -> tuple[str
     proxy = _first(win, "reward/proxy", "reward/task")
     gold = _first(win, "reward/gold")
     ppl_all = _first(history, "eval/oracle_ppl", "eval/independent_ppl")
-    if kl is None or proxy is None or t + 1 < min(cfg.window, 4):
+    if kl is None or proxy is None or t + 1 < cfg.window:
         return "healthy", "warming up"
     g_proxy = _gain(proxy)
     if gold is not None:
         g_gold = _gain(gold)
-        if g_proxy > cfg.trend_min and g_gold < -cfg.trend_min:
+        significant = _tstat(proxy) > cfg.trend_t and _tstat(gold) < -cfg.trend_t
+        if g_proxy > cfg.trend_min and g_gold < -cfg.trend_min and significant:
             return "hacking", f"proxy {g_proxy:+.3g} while gold {g_gold:+.3g} over {len(proxy)} iterations"
     if ppl_all is not None:
-        base = ppl_all[0]
+        base = float(np.mean(ppl_all[: min(5, len(ppl_all))]))  # the reference's: the first iterations
         now = float(np.mean(ppl_all[lo : t + 1]))
         if np.isfinite(base) and now > base * (1 + cfg.ppl_margin):
             return (
@@ -87,12 +97,17 @@ TREND_NOTES = {
 
 
 class Tracker:
-    """Feeds iterations one by one; returns an event ``(regime, message)`` when the regime changes."""
+    """Feeds iterations one by one; returns events when the regime changes.
+
+    A new regime is reported once it has held for ``cfg.persist`` consecutive iterations
+    (hysteresis: batch noise near a threshold does not flicker the diagnosis).
+    """
 
     def __init__(self, cfg: DiagnosisConfig, adaptive: bool = False):
         self.cfg, self.adaptive = cfg, adaptive
         self.history: dict[str, list[float]] = {}
         self.regime, self.trend = "", ""
+        self.candidate, self.count = "", 0
         self.events: list[dict[str, Any]] = []
 
     def update(self, t: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
@@ -100,7 +115,9 @@ class Tracker:
             self.history.setdefault(k, []).append(float(v))
         new = []
         regime, why = diagnose(self.history, t, self.cfg)
-        if regime != self.regime:
+        self.count = self.count + 1 if regime == self.candidate else 1
+        self.candidate = regime
+        if regime != self.regime and (self.count >= self.cfg.persist or not self.regime):
             new.append({"iteration": t, "event": "regime", "regime": regime, "message": f"{regime}: {why}"})
             self.regime = regime
         if self.adaptive:
@@ -130,5 +147,6 @@ def timeline(history: dict[str, Any], cfg: DiagnosisConfig, adaptive: bool = Fal
 
 
 def final_regime(history: dict[str, Any], cfg: DiagnosisConfig) -> str:
-    n = len(next(iter(history.values()))) if history else 0
-    return diagnose({k: np.asarray(v) for k, v in history.items()}, n - 1, cfg)[0] if n else "healthy"
+    """The regime the tracker reports at the end of the run (with hysteresis)."""
+    events = [e for e in timeline(history, cfg) if e["event"] == "regime"]
+    return events[-1]["regime"] if events else "healthy"

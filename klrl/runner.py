@@ -64,7 +64,8 @@ def build_task(cfg: RunConfig, log: Any = None) -> Task:
 
 
 def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    keys = [k for k in rows[0] if k != "iteration"] if rows else []
+    """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there."""
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != "iteration"))
     return {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
 
 
@@ -425,6 +426,9 @@ def run(
     result = RunResult(cfg, out, columns(rows), state, info)
     if out is not None and main:
         (out / "summary.json").write_text(json.dumps(result.summary(), indent=1))
+        from klrl.report import maybe_write_report
+
+        maybe_write_report(result, log)
     if stop_error is not None:
         raise reliability.RunStopped(f"stopped: {stop_error}", result)
     return result

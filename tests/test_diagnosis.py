@@ -40,9 +40,9 @@ def test_hacking_by_gold_falling_while_proxy_rises():
 
 
 def test_hacking_by_perplexity():
-    ppl = 10 * (1 + 0.004 * t)  # 40% above the start at the end, crosses 10% at t = 25
+    ppl = 10 * (1 + 0.01 * t)  # twice the start at the end; the window mean passes +50% near t = 60
     h = trace(kl=1 + t, proxy=0.01 * t, gold=0.01 * t, ppl=ppl)
-    assert diagnose(h, 15, CFG)[0] == "healthy"
+    assert diagnose(h, 30, CFG)[0] == "healthy"
     assert diagnose(h, T - 1, CFG)[0] == "hacking"
 
 

@@ -1,0 +1,166 @@
+"""Multi-host (multi-process) runs: one Python process per host (or per accelerator), one program.
+
+JAX's multi-controller model: every process runs the same script, calls
+:func:`initialize` before anything touches a device, and from then on
+``jax.devices()`` lists the devices of *all* processes, so
+:func:`klrl.parallel.make_mesh` builds its ``(sweep, data)`` mesh over the whole
+slice and the one jitted step runs across processes (gradients and statistics
+are averaged by the same named-axis collectives as on one host).
+
+What changes with more than one process:
+
+* Arrays passed into the step must be *global* arrays. Everything klrl feeds the
+  step (prompt pool, reward tables, the initial train state) is generated from
+  seeds, so every process holds the same values; :func:`replicate` turns such a
+  host-local tree into replicated global arrays without any communication.
+* The step's outputs (state, metrics) are replicated global arrays; every
+  process reads them from its own addressable copy (:func:`to_host`).
+* Only process 0 writes (run directory, ``metrics.jsonl``, TensorBoard, checkpoint);
+  :func:`is_main` is the guard. The run directory's name is agreed from process 0
+  (:func:`broadcast_str`).
+
+Launch: see ``docs/launch.md``. On Cloud TPU, Slurm, Kubernetes and other
+clusters JAX detects the coordinator, process count and id itself; elsewhere pass
+them as arguments or as ``KLRL_COORDINATOR`` (``host:port``), ``KLRL_NUM_PROCESSES``
+and ``KLRL_PROCESS_ID``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+ENV_COORDINATOR = "KLRL_COORDINATOR"
+ENV_NUM_PROCESSES = "KLRL_NUM_PROCESSES"
+ENV_PROCESS_ID = "KLRL_PROCESS_ID"
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from e
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Join the multi-process run: ``jax.distributed.initialize`` with arguments from here or the env.
+
+    Each argument left ``None`` is read from ``KLRL_COORDINATOR`` / ``KLRL_NUM_PROCESSES`` /
+    ``KLRL_PROCESS_ID``; whatever is still ``None`` is left to JAX's cluster auto-detection
+    (Cloud TPU, Slurm, Open MPI, Kubernetes, ...). Call it once per process, before anything
+    touches a device. ``kwargs`` go to ``jax.distributed.initialize`` (e.g. ``local_device_ids``).
+    On CPU the cross-process collectives are gloo (JAX's default since 0.5.1).
+    """
+    if coordinator_address is None:
+        coordinator_address = os.environ.get(ENV_COORDINATOR, "").strip() or None
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        **kwargs,
+    )
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def is_main() -> bool:
+    """True on the process that writes (process 0; the only process of a single-host run)."""
+    return jax.process_index() == 0
+
+
+def put(tree: Any, sharding: Any) -> Any:
+    """``tree`` laid out with ``sharding`` (one sharding for every leaf), from host-local values.
+
+    With one process this is ``jax.device_put``. With several, every process holds the
+    same full value of each leaf (klrl derives everything from seeds) and supplies the
+    shards of its own devices (``jax.make_array_from_callback``): no communication and no
+    check that the processes agree. Leaves that already carry ``sharding`` are kept.
+    """
+    if not is_multiprocess():
+        return jax.device_put(tree, sharding)
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        host = to_host(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(leaf, tree)
+
+
+def replicate(tree: Any, mesh: Any) -> Any:
+    """``tree`` replicated over every device of ``mesh`` (``NamedSharding(mesh, P())``); see :func:`put`.
+
+    Use it for what a multi-process step takes that is not already a global array
+    (the task's ``env``, a restored state).
+    """
+    return put(tree, NamedSharding(mesh, P()))
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of a tree of arrays, the same full value on every process.
+
+    A replicated global array is read from this process's own copy; one sharded across
+    processes (e.g. a sweep's members over the ``sweep`` axis) is all-gathered.
+    """
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.is_fully_replicated:
+                return np.asarray(x.addressable_data(0))
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(leaf, tree)
+
+
+def broadcast_str(value: str) -> str:
+    """Process 0's ``value`` on every process (e.g. a run directory named by a timestamp)."""
+    if not is_multiprocess():
+        return value
+    from jax.experimental import multihost_utils
+
+    data = np.zeros(4096, np.uint8)
+    raw = value.encode()[:4096]
+    data[: len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(data))
+    return bytes(out[out != 0].tolist()).decode()
+
+
+def agree_path(path: Any) -> Any:
+    """Process 0's ``path`` (a :class:`pathlib.Path` or ``None``) on every process."""
+    if not is_multiprocess():
+        return path
+    from pathlib import Path
+
+    value = broadcast_str(str(path) if path is not None and is_main() else "")
+    return Path(value) if value else None
+
+
+def sync(name: str) -> None:
+    """A barrier across processes (no-op with one)."""
+    if is_multiprocess():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

@@ -1,0 +1,211 @@
+"""The Python API end to end on a tiny config: ``klrl.run`` and ``klrl.sweep`` write metrics.jsonl and
+TensorBoard event files that TensorBoard's own reader reads back (scalars and hparams), ``load_run`` /
+``load_sweep`` return what the run returned, every ``klrl.plots`` figure renders for them, and
+``write_report`` (and ``run.py --report``) covers a run and a sweep."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import klrl
+from klrl.io.logging import read_jsonl
+from klrl.sweep import grid
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("beta_kl", "frontier", "overoptimization", "perplexity_diversity", "controller_comparison")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("api")
+
+
+@pytest.fixture(scope="module")
+def run_result(tiny_cfg, tiny_task, out):
+    cfg = tiny_cfg.replace(train={"out_dir": str(out), "name": "run"})
+    return klrl.run(cfg, task=tiny_task)
+
+
+@pytest.fixture(scope="module")
+def sweep_results(tiny_cfg, tiny_task, out):
+    base = tiny_cfg.replace(train={"name": "sweep"})
+    members = grid(base, {"kl.beta": [0.01, 0.1]})
+    members.append(base.replace(ctrl={"kind": "proportional", "target": 1.0}))
+    return klrl.sweep(members, task=tiny_task, out_dir=out / "sweep")
+
+
+def events(path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every event
+    ea.Reload()
+    return ea
+
+
+def hparams_of_events(path: Path) -> tuple[dict, list[str]]:
+    """The hparams (name -> value) and metric tags TensorBoard's hparams plugin sees in ``path``."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = events(path).PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    hp = {}
+    for k, v in start.session_start_info.hparams.items():
+        hp[k] = getattr(v, v.WhichOneof("kind"))
+    return hp, [m.name.tag for m in exp.experiment.metric_infos]
+
+
+def assert_same_metrics(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_public_names():
+    import klrl.plots
+    import klrl.sweep
+    from klrl.sweep import grid, summary_table  # noqa: F401
+
+    assert callable(klrl.sweep) and klrl.sweep.__name__ == "sweep"  # the function ...
+    assert sys.modules["klrl.sweep"].sweep is klrl.sweep  # ... the module stays in sys.modules
+    assert klrl.plots.__name__ == "klrl.plots" and callable(klrl.plots.fit_gao)
+    for name in ("plots", "load_sweep", "write_report", "sweep", "run", "load_run"):
+        assert name in klrl.__all__ and getattr(klrl, name) is not None
+
+
+def test_run_metrics_match_metrics_jsonl(run_result, tiny_cfg):
+    n = tiny_cfg.train.iterations
+    assert {"ctrl/beta", "kl/seq_sum", "reward/task"} <= set(run_result.metrics)
+    assert all(v.shape == (n,) for v in run_result.metrics.values())
+    rows = read_jsonl(run_result.dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == list(range(n))
+    for k, v in run_result.metrics.items():
+        np.testing.assert_array_equal(v, [float(r[k]) for r in rows], err_msg=k)
+
+
+def test_tensorboard_scalars_and_hparams(run_result, tiny_cfg):
+    n = tiny_cfg.train.iterations
+    ea = events(run_result.dir / "tb")
+    assert {"ctrl/beta", "kl/seq_sum", "kl/exact_seq_sum", "reward/task"} <= set(ea.Tags()["scalars"])
+    for tag in ("ctrl/beta", "kl/seq_sum"):
+        ev = ea.Scalars(tag)
+        assert [e.step for e in ev] == list(range(n))
+        np.testing.assert_allclose([e.value for e in ev], run_result.metrics[tag], rtol=1e-6)
+    hp, metric_tags = hparams_of_events(run_result.dir / "tb" / "hparams")
+    assert hp["kl/beta"] == pytest.approx(tiny_cfg.kl.beta)
+    assert hp["ctrl/kind"] == tiny_cfg.ctrl.kind and hp["ppo/advantage"] == tiny_cfg.ppo.advantage
+    assert {"final/ctrl/beta", "final/kl/seq_sum"} <= set(metric_tags)
+    final = events(run_result.dir / "tb" / "hparams").Scalars("final/kl/seq_sum")
+    assert final[0].value == pytest.approx(run_result.metrics["kl/seq_sum"][-1], rel=1e-6)
+
+
+def test_load_run_reads_the_run_back(run_result):
+    back = klrl.load_run(run_result.dir)
+    assert back.config == run_result.config and back.dir == run_result.dir and back.state is None
+    assert_same_metrics(back.metrics, run_result.metrics)
+
+
+def test_sweep_members_written_and_loaded_back(sweep_results, out, tmp_path):
+    root = out / "sweep"
+    assert json.loads((root / "sweep.json").read_text())["members"] == ["member-00", "member-01", "member-02"]
+    back = klrl.load_sweep(root)
+    assert [r.config for r in back] == [r.config for r in sweep_results]
+    for a, b in zip(back, sweep_results, strict=True):
+        assert_same_metrics(a.metrics, b.metrics)
+    hp, _ = hparams_of_events(root / "member-01" / "tb" / "hparams")
+    assert hp["kl/beta"] == pytest.approx(0.1) and hp["ctrl/kind"] == "fixed"
+    hp, _ = hparams_of_events(root / "member-02" / "tb" / "hparams")
+    assert hp["ctrl/kind"] == "proportional"
+    beta = [e.value for e in events(root / "member-00" / "tb").Scalars("ctrl/beta")]
+    np.testing.assert_allclose(beta, sweep_results[0].metrics["ctrl/beta"], rtol=1e-6)
+    # without sweep.json the member-XX directories are read in order
+    copy = shutil.copytree(root, tmp_path / "copy", ignore=shutil.ignore_patterns("tb", "sweep.json"))
+    assert [r.config for r in klrl.load_sweep(copy)] == [r.config for r in sweep_results]
+    with pytest.raises(FileNotFoundError, match="not a klrl sweep directory"):
+        klrl.load_sweep(tmp_path)
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_figures_of_a_real_run_and_sweep(name, run_result, sweep_results, tmp_path):
+    for i, results in enumerate((run_result, sweep_results)):
+        path = tmp_path / f"{i}.png"
+        getattr(klrl.plots, name)(results).savefig(path, dpi=40)
+        assert path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_of_a_run(run_result):
+    path = klrl.write_report(run_result.dir)
+    assert path == run_result.dir / "report.md"
+    text = path.read_text()
+    for section in ("## Summary", "## Diagnosis timeline", "## Plots", "## Config"):
+        assert section in text
+    assert "| kl/seq_sum |" in text and "| ctrl/beta |" in text
+    links = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert "report-beta_kl.png" in links and "report-frontier.png" in links
+    for link in links:
+        assert (run_result.dir / link).read_bytes()[:8] == PNG_MAGIC
+    block = text.split("```json\n")[1].split("```")[0]
+    assert klrl.RunConfig.from_dict(json.loads(block)) == run_result.config
+    assert klrl.write_report(run_result) == path  # a RunResult works too
+
+
+def test_report_of_a_sweep(sweep_results, out):
+    root = out / "sweep"
+    path = klrl.write_report(root)
+    assert path == root / "report.md"
+    text = path.read_text()
+    members = [line for line in text.splitlines() if line.startswith("| member-")]
+    assert len(members) == 3  # one row per member
+    assert "kl.beta" in text and "ctrl.kind" in text  # the fields that differ are columns
+    assert "### member-02: proportional target=1" in text
+    assert (root / "report-controller_comparison.png").read_bytes()[:8] == PNG_MAGIC
+    assert klrl.write_report(sweep_results) == path  # the list klrl.sweep returned works too
+
+
+def test_maybe_write_report_never_raises(run_result, tmp_path):
+    from klrl.report import maybe_write_report
+
+    assert maybe_write_report(run_result) == run_result.dir / "report.md"
+    in_memory = klrl.RunResult(run_result.config, None, run_result.metrics)
+    assert maybe_write_report(in_memory) is None
+    logged = []
+    (tmp_path / "file").write_text("")
+    broken = klrl.RunResult(run_result.config, tmp_path / "file", run_result.metrics)  # dir is a file
+    assert maybe_write_report(broken, logged.append) is None
+    assert len(logged) == 1 and logged[0].startswith("report: not written")
+
+
+def _run_py():
+    spec = importlib.util.spec_from_file_location("klrl_run_script", ROOT / "experiments" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cli_report(run_result, tmp_path, capsys):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "run.py"), "--report", str(run_result.dir)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(run_result.dir / "report.md")
+    main = _run_py().main
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    for d, why in ((tmp_path / "missing", "no such run directory"), (tmp_path, "not a klrl run"),
+                   (bad, "unreadable klrl run")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(["--report", str(d)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err and err.startswith("error: --report:")
