@@ -1,6 +1,9 @@
 """Run klrl from the command line: ``python experiments/run.py [--section.field value ...]``.
 
-With no arguments: the default experiment on the built-in task, offline, on CPU.
+With no arguments (or with ``--study`` plus overrides): the default experiment, a short beta study
+on the testbed, offline, on CPU: fixed beta in {0.01, 0.1, 1.0} and one proportional controller
+(target 3 nats/sequence), run as one compiled sweep, then a table with each run's diagnosis.
+With configuration flags and no ``--study``/``--sweep``: one training run.
 ``--help`` lists every configuration field with its meaning and default.
 
 ``--resume RUN_DIR [--train.iterations N ...]`` continues a run from its latest complete
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--sweep-devices", metavar="K", type=int, default=1,
                        help="device groups the sweep members are split over (the rest of the devices "
                             "split each member's batch)")  # fmt: skip
+        p.add_argument("--study", action="store_true",
+                       help="the default beta study (what running with no arguments does), with any "
+                            "overrides applied to every member")  # fmt: skip
         p.add_argument("--distributed", action="store_true",
                        help="join a multi-process run (jax.distributed) before anything else; "
                             "auto-detected on Cloud TPU, Slurm, ...")  # fmt: skip
@@ -57,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="--distributed: this process's index ($KLRL_PROCESS_ID)")  # fmt: skip
 
     parser = build_parser("PPO with a KL penalty; beta lives in the train state.", extra=scale_args)
+    argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(argv)
+    study = ns.study or not argv
     if ns.report is not None:
         from klrl.report import ReportError, write_report
 
@@ -77,8 +85,24 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TypeError) as e:
             fail(f"--resume: {path} is not a valid klrl config: {e}")
     cfg = config_from_args(ns, base=base)
+    from klrl.config import config_warnings
+
+    for w in config_warnings(cfg):
+        print(f"warning: {w}", file=sys.stderr)
     members = None
-    if ns.sweep:
+    if study and not ns.sweep:
+        if ns.resume is not None:
+            fail("--study: cannot be combined with --resume")
+        axes = {"kl.beta": None, "ctrl.kind": None}
+        if not argv:  # the built-in default: short enough for a laptop CPU in a few minutes
+            cfg = cfg.replace(train={"iterations": 100, "name": cfg.train.name or "beta-study"})
+        try:
+            members = [cfg.replace(kl={"beta": b}, ctrl={"kind": "fixed"}) for b in (0.01, 0.1, 1.0)]
+            adaptive = {"kind": "proportional", "target": 3.0, "unit": "seq_sum", "horizon": 1000.0}
+            members.append(cfg.replace(kl={"beta": 0.1}, ctrl=adaptive))
+        except ConfigError as e:
+            fail(str(e))
+    elif ns.sweep:
         from klrl.sweep import check_members, grid, parse_axis
 
         if ns.resume is not None:
@@ -113,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             fail(str(e))
         if jax.process_index() == 0:
+            from klrl.diagnosis import final_regime
+
             print(summary_table(results, list(axes)))
+            for i, r in enumerate(results):
+                print(f"member {i:02d}: diagnosis {final_regime(r.metrics, r.config.diag)}")
             if results[0].dir is not None:
                 print(f"sweep directory: {results[0].dir.parent}")
             print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x "

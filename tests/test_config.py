@@ -187,3 +187,17 @@ def test_check_devices() -> None:
     check_devices(grouped, 2)
     with pytest.raises(ConfigError, match=r"^ppo\.group_size:"):
         check_devices(grouped, 4)  # 4 per device cannot hold a group of 8
+
+
+def test_config_warnings_flag_known_bad_combinations():
+    from klrl.config import RunConfig, config_warnings
+
+    assert config_warnings(RunConfig()) == []
+    k1_loss = RunConfig().replace(kl={"placement": "loss", "loss_estimator": "k1", "loss_coef": 0.1})
+    assert any("zero" in w and "kl.loss_estimator=k1" in w for w in config_warnings(k1_loss))
+    unit = RunConfig().replace(ctrl={"kind": "proportional", "unit": "token_mean", "target": 6.0})
+    assert any("per-sequence" in w for w in config_warnings(unit))
+    unit2 = RunConfig().replace(ctrl={"kind": "proportional", "unit": "seq_sum", "target": 0.05})
+    assert any("per-token" in w for w in config_warnings(unit2))
+    idle = RunConfig().replace(ctrl={"kind": "pi", "drives": "loss"})
+    assert any("nothing uses beta" in w for w in config_warnings(idle))
