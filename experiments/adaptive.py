@@ -5,7 +5,9 @@ Controllers: proportional (Ziegler et al. 2019), band (PPO paper), PI with Kp in
 Every run starts at beta = 0.1; the warm-up variant holds beta = 0.1 for ``--warmup`` iterations.
 Reports, per run: tracking error over the second half (mean |KL/target - 1|), settling time
 (first iteration after which the 10-iteration mean KL stays within +-10% of target), the
-oscillation of log beta over the second half (total variation), and the final beta.
+oscillation of log beta over the second half (total variation), the final beta, and early
+stability: the peak of the 10-iteration mean KL over target and the total variation of log beta in
+the 100 iterations after the controller takes over (iteration 0, or the end of the warm-up).
 KL here is what the controller saw: per-sequence sum of k1 (nats/sequence).
 """
 
@@ -33,14 +35,20 @@ def settling(kl: np.ndarray, target: float, start: int = 0, tol: float = 0.1) ->
     return start + int(bad[-1]) + 1 if bad[-1] + 1 < len(ok) else None
 
 
-def rows(results, names):
+def name_of(c) -> str:
+    return c.kind if c.kind != "pi" else f"pi kp={c.kp:g}"
+
+
+def rows(results):
     out = []
-    for r, name in zip(results, names, strict=True):
+    for r in results:
         c = r.config.ctrl
+        name = name_of(c)
         kl = r.metrics[f"ctrl/kl_observed_{c.unit}"]
         half = len(kl) // 2
         logb = np.log(np.maximum(r.metrics["ctrl/beta"], 1e-12))
-        s = settling(kl, c.target, start=c.warmup_iters)
+        w = c.warmup_iters
+        s = settling(kl, c.target, start=w)
         out.append({
             "controller": name,
             "target (nats/seq)": c.target,
@@ -48,6 +56,8 @@ def rows(results, names):
             "tracking error 2nd half": float(np.mean(np.abs(kl[half:] / c.target - 1))),
             "settling iter": "never" if s is None else s,
             "TV log beta 2nd half": float(np.sum(np.abs(np.diff(logb[half:])))),
+            "early max KL/target": float(smooth(kl)[w : w + 100].max() / c.target),
+            "early TV log beta": float(np.sum(np.abs(np.diff(logb[w : w + 100])))),
             "final beta": float(r.metrics["ctrl/beta"][-1]),
             "diagnosis": diagnosis_of(r),
         })  # fmt: skip
@@ -60,14 +70,13 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=200, help="warm-up iterations at beta = 0.1")
     ns = p.parse_args(argv)
     base = base_config(ns, "adaptive").replace(kl={"beta": 0.1}, ctrl={"unit": "seq_sum", "warmup_beta": 0.1})
-    members, names = [], []
+    members = []
     for target in (float(t) for t in ns.targets.split(",")):
-        for name, ctrl in CONTROLLERS.items():
+        for ctrl in CONTROLLERS.values():
             for w in (0, ns.warmup):
                 members.append(base.replace(ctrl={**ctrl, "target": target, "warmup_iters": w}))
-                names.append(name)
-    results, out = run_study(members)
-    table = rows(results, names)
+    results, out = run_study(members, ns.replay)
+    table = rows(results)
     plots = save_plots(results, out, ["controller_comparison", "beta_kl"])
     path = write_table(
         out, "adaptive: controllers x targets x warm-up", markdown(table), plots, extra={"rows": table}

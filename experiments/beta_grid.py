@@ -76,23 +76,10 @@ def requirement(table):
 
 def main(argv=None):
     p = parser(__doc__.splitlines()[0], 500)
-    p.add_argument("--replay", metavar="SWEEP_DIR", default=None,
-                   help="re-tabulate a finished beta_grid run (its metrics; current diagnosis)")  # fmt: skip
     ns = p.parse_args(argv)
-    if ns.replay:
-        import dataclasses
-        from pathlib import Path
-
-        from klrl.config import DiagnosisConfig
-        from klrl.runner import load_sweep
-
-        out = Path(ns.replay)
-        results = [dataclasses.replace(r, config=dataclasses.replace(r.config, diag=DiagnosisConfig()))
-                   for r in load_sweep(out)]  # fmt: skip
-    else:
-        base = base_config(ns, "beta_grid")
-        members = [base.replace(kl={"beta": b}, ctrl={"kind": "fixed"}) for b in BETAS]
-        results, out = run_study(members)
+    base = base_config(ns, "beta_grid")
+    members = [base.replace(kl={"beta": b}, ctrl={"kind": "fixed"}) for b in BETAS]
+    results, out = run_study(members, ns.replay)
     table = rows(results)
     req = requirement(table)
     notes = "Design requirement (measured):\n\n" + "\n".join(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from klrl.plots import fit_gao
 from study import (
     base_config,
     diagnosis_of,
@@ -24,6 +23,8 @@ from study import (
     write_table,
 )
 
+from klrl.plots import fit_gao
+
 
 def main(argv=None):
     p = parser(__doc__.splitlines()[0], 500)
@@ -31,10 +32,11 @@ def main(argv=None):
     ns = p.parse_args(argv)
     base = base_config(ns, "overoptimization")
     members = [base.replace(kl={"beta": float(b)}, ctrl={"kind": "fixed"}) for b in ns.betas.split(",")]
-    results, out = run_study(members)
+    results, out = run_study(members, ns.replay)
     d = np.concatenate([np.sqrt(np.maximum(r.metrics["kl/exact_seq_sum"], 0)) for r in results])
-    gold = np.concatenate([r.metrics["reward/gold"] for r in results])
-    proxy = np.concatenate([r.metrics[proxy_key(r)] for r in results])
+    # as in Gao et al. (and klrl.plots.overoptimization): rewards relative to the initial policy's
+    gold = np.concatenate([r.metrics["reward/gold"] - r.metrics["reward/gold"][0] for r in results])
+    proxy = np.concatenate([r.metrics[proxy_key(r)] - r.metrics[proxy_key(r)][0] for r in results])
     alpha, b = fit_gao(d, gold)
     pred = d * (alpha - b * np.log(np.maximum(d, 1e-12)))
     r2 = 1 - np.sum((gold - pred) ** 2) / np.sum((gold - gold.mean()) ** 2)

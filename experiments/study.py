@@ -28,6 +28,8 @@ def parser(description: str, iterations: int) -> argparse.ArgumentParser:
     def extra(p):
         p.add_argument("--iterations", type=int, default=iterations, help="PPO iterations per member")
         p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+        p.add_argument("--replay", metavar="DIR", default=None,
+                       help="re-tabulate a finished run (its metrics; current diagnosis)")  # fmt: skip
 
     return build_parser(description, extra)
 
@@ -75,10 +77,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def run_study(members: list[klrl.RunConfig], out: Path | None = None) -> tuple[list[klrl.RunResult], Path]:
-    out = out or new_run_dir(members[0])
-    results = sweep(members, out_dir=out)
-    return results, out
+def run_study(members: list[klrl.RunConfig], replay: str | None = None) -> tuple[list[klrl.RunResult], Path]:
+    """Run the members as one sweep in a new run directory, or, with ``replay``, load a finished one
+    (metrics as they were run, diagnosis thresholds as configured today)."""
+    if replay:
+        import dataclasses
+
+        from klrl.config import DiagnosisConfig
+        from klrl.runner import load_sweep
+
+        out = Path(replay)
+        results = [dataclasses.replace(r, config=dataclasses.replace(r.config, diag=DiagnosisConfig()))
+                   for r in load_sweep(out)]  # fmt: skip
+        return results, out
+    out = new_run_dir(members[0])
+    return sweep(members, out_dir=out), out
 
 
 def diagnosis_of(r: klrl.RunResult) -> str:

@@ -336,7 +336,7 @@ class DiagnosisConfig:
     )
     beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
     trend_t: float = _f(3.0, "hacking: both trends must also exceed this many standard errors")
-    persist: int = _f(5, "a new regime is reported once it has held this many consecutive iterations")
+    persist: int = _f(10, "a new regime or beta trend is reported once it has held this many iterations")
 
     def __post_init__(self) -> None:
         _check(self.window >= 4, "diag.window", "must be >= 4")

@@ -108,6 +108,7 @@ class Tracker:
         self.history: dict[str, list[float]] = {}
         self.regime, self.trend = "", ""
         self.candidate, self.count = "", 0
+        self.t_candidate, self.t_count = "", 0
         self.events: list[dict[str, Any]] = []
 
     def update(self, t: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
@@ -122,7 +123,9 @@ class Tracker:
             self.regime = regime
         if self.adaptive:
             trend = beta_trend(self.history, t, self.cfg)
-            if trend != self.trend:
+            self.t_count = self.t_count + 1 if trend == self.t_candidate else 1
+            self.t_candidate = trend
+            if trend != self.trend and self.t_count >= self.cfg.persist:
                 if trend:
                     new.append(
                         {
