@@ -13,11 +13,13 @@ What changes with more than one process:
   step (prompt pool, reward tables, the initial train state) is generated from
   seeds, so every process holds the same values; :func:`replicate` turns such a
   host-local tree into replicated global arrays without any communication.
-* The step's outputs (state, metrics) are replicated global arrays; every
-  process reads them from its own addressable copy (:func:`to_host`).
-* Only process 0 writes (run directory, ``metrics.jsonl``, TensorBoard, checkpoint);
-  :func:`is_main` is the guard. The run directory's name is agreed from process 0
-  (:func:`broadcast_str`).
+* The step's outputs (state, metrics) are global arrays, replicated (a run) or split
+  over the ``sweep`` axis (a sweep); :func:`to_host` gives every process their full value.
+* Only process 0 writes files (run directory, ``metrics.jsonl``, TensorBoard, summaries);
+  :func:`is_main` is the guard, and the run directory's name is agreed from process 0
+  (:func:`agree_path`). Checkpoints are saved by all processes together (orbax
+  coordinates them and writes the replicated state once), so the run directory must be on
+  a filesystem every process sees.
 
 Launch: see ``docs/launch.md``. On Cloud TPU, Slurm, Kubernetes and other
 clusters JAX detects the coordinator, process count and id itself; elsewhere pass

@@ -8,7 +8,8 @@ and must be equal across members; a difference is a :class:`ConfigError`
 naming the field.
 
 On a ``(sweep, data)`` mesh the members are split over the ``sweep`` axis and
-each member's batch over the ``data`` devices of its group.
+each member's batch over the ``data`` devices of its group. The mesh may span
+several processes (:mod:`klrl.distributed`); then only process 0 writes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from klrl import distributed
 from klrl.config import ConfigError, RunConfig, check_devices
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
-from klrl.parallel import make_mesh, shard_step
+from klrl.parallel import SWEEP, make_mesh, shard_step
 from klrl.runner import SUMMARY_KEYS, RunResult, build_task, columns
 from klrl.tasks.base import Task
 from klrl.train import make_train, set_learning_rate
@@ -71,8 +75,17 @@ def parse_axis(spec: str, base: RunConfig) -> tuple[str, list[Any]]:
     if not hasattr(sub, field):
         raise ConfigError(f"--sweep: unknown field {name!r}")
     kind = type(getattr(sub, field))
+
+    def typed(v: str) -> Any:
+        v = v.strip()
+        if kind is bool:
+            if v.lower() not in ("1", "true", "0", "false"):
+                raise ValueError(f"not a boolean: {v!r}")
+            return v.lower() in ("1", "true")
+        return kind(v)
+
     try:
-        return name, [kind(v) if kind is not bool else v.lower() in ("1", "true") for v in raw.split(",")]
+        return name, [typed(v) for v in raw.split(",")]
     except ValueError as e:
         raise ConfigError(f"--sweep {name}: {e}") from e
 
@@ -100,7 +113,12 @@ def unstack(tree: Any, i: int) -> Any:
 
 
 def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1):
-    """``(init, step)`` for the stacked members; ``init()`` returns the stacked state."""
+    """``(init, step, mesh)`` for the stacked members.
+
+    ``init()`` returns the stacked state already split over the ``sweep`` axis, as ``step``
+    returns it (so the second call does not compile again); ``step(state, env)`` takes the
+    task's ``env`` replicated (see :func:`klrl.distributed.replicate` for several processes).
+    """
     check_members(members)
     base = members[0]
     n = len(members)
@@ -113,11 +131,17 @@ def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1):
     def init() -> Any:
         states = []
         for m, t in zip(members, trains, strict=True):
-            s = t.init(m.train.seed)
+            s = distributed.to_host(t.init(m.train.seed))
             states.append(s._replace(opt_state=set_learning_rate(s.opt_state, m.optim.lr)))
-        return stack(states)
+        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
+        return distributed.put(stacked, NamedSharding(mesh, P(SWEEP)))
 
-    step = shard_step(jax.vmap(trains[0].shard_step, in_axes=(0, None)), mesh, sweep=True)
+    inner = shard_step(jax.vmap(trains[0].shard_step, in_axes=(0, None)), mesh, sweep=True)
+    # Pin the outputs to the sharding ``init`` gives: left to itself XLA reports some of them as
+    # replicated when the sweep axis has size 1 (equivalent, but a different jit cache key: the
+    # second call would compile the program again).
+    split = NamedSharding(mesh, P(SWEEP))
+    step = jax.jit(inner, donate_argnums=(0,), out_shardings=(split, split))
     return init, step, mesh
 
 
@@ -134,17 +158,18 @@ def sweep(
 
     With ``write``, ``out_dir`` (default: a new run directory) gets ``member-XX/``
     sub-directories, each with its own config, ``metrics.jsonl`` and event file,
-    and a ``sweep.json`` index.
+    and a ``sweep.json`` index. With several processes only process 0 writes.
     """
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     check_members(members)
     base = members[0]
     task = task or build_task(base, None if base.train.quiet else log)
-    init, step, _ = make_sweep(members, task, sweep_devices)
+    init, step, mesh = make_sweep(members, task, sweep_devices)
+    env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     root: Path | None = None
     writers: list[MetricsWriter] = []
     dirs: list[Path | None] = [None] * len(members)
-    if write:
+    if write and distributed.is_main():
         root = Path(out_dir) if out_dir is not None else new_run_dir(base)
         root.mkdir(parents=True, exist_ok=True)
         for i, m in enumerate(members):
@@ -155,14 +180,18 @@ def sweep(
             dirs[i] = d
         (root / "sweep.json").write_text(json.dumps({"members": [str(d.name) for d in dirs]}, indent=1))
         (root / "task.json").write_text(json.dumps(task.info, indent=1, default=str))
+    if write:
+        root = distributed.agree_path(root)
+        dirs = [root / f"member-{i:02d}" for i in range(len(members))]
     state = init()
     rows: list[list[dict[str, Any]]] = [[] for _ in members]
-    progress = Progress(base.train.iterations, base.train.log_every, base.train.quiet)
+    quiet = base.train.quiet or not distributed.is_main()
+    progress = Progress(base.train.iterations, base.train.log_every, quiet)
     pending = None
     t0 = time.time()
 
     def flush(i, m):
-        m = jax.device_get(m)
+        m = distributed.to_host(m)
         for j in range(len(members)):
             mj = {k: float(v[j]) for k, v in m.items()}
             rows[j].append({"iteration": i, **mj})
@@ -173,7 +202,7 @@ def sweep(
         )
 
     for i in range(base.train.iterations):
-        state, metrics = step(state, task.env)
+        state, metrics = step(state, env)
         if pending is not None:
             flush(*pending)
         pending = (i, metrics)
@@ -184,7 +213,7 @@ def sweep(
         r = RunResult(
             m, dirs[j], columns(rows[j]), unstack(state, j), {"train_s": elapsed, "task": task.info}
         )
-        if writers:
+        if writers:  # process 0 only
             writers[j].close({k: rows[j][-1][k] for k in SUMMARY_KEYS if k in rows[j][-1]})
             (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
         results.append(r)
