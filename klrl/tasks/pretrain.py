@@ -92,6 +92,18 @@ def cache_key(payload: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _restore_host(path: Path) -> Any:
+    """The cached parameters as host NumPy arrays, whatever devices or processes wrote them.
+
+    Restoring with the saved sharding fails when it names a device this process cannot address
+    (every process but 0 of a multi-process run, or another device count).
+    """
+    ckptr = ocp.StandardCheckpointer()
+    meta = ckptr.metadata(path)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    return ckptr.restore(path, jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree))
+
+
 def cached(
     name: str, payload: dict[str, Any], build: Callable[[], tuple[Any, dict]], cache_dir: str = "",
     log: Callable[[str], None] | None = None,
@@ -107,7 +119,7 @@ def cached(
     if info_file.exists():
         try:
             info = json.loads(info_file.read_text())
-            params = ocp.StandardCheckpointer().restore((path / "params").absolute())
+            params = _restore_host((path / "params").absolute())
             if log:
                 log(f"loaded cached {name} from {path}")
             return params, info
