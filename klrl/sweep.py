@@ -217,6 +217,10 @@ def sweep(
             writers[j].close({k: rows[j][-1][k] for k in SUMMARY_KEYS if k in rows[j][-1]})
             (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
         results.append(r)
+    if writers:  # process 0 only: report.md with the table, diagnosis timelines and plots
+        from klrl.report import maybe_write_report
+
+        maybe_write_report(results, log)
     return results
 
 
