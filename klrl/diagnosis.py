@@ -68,7 +68,7 @@ def diagnose(history: dict[str, Any], t: int, cfg: DiagnosisConfig) -> tuple[str
         if np.isfinite(base) and now > base * (1 + cfg.ppl_margin):
             return (
                 "hacking",
-                f"perplexity {now:.3g} is {100 * (now / base - 1):.0f}% above the start ({base:.3g})",
+                f"perplexity {now:.3g} is {100 * (now / base - 1):.0f}% above the reference's ({base:.3g})",
             )
     if float(np.mean(kl)) < cfg.kl_floor and g_proxy < cfg.proxy_min_gain:
         return "frozen", f"KL {np.mean(kl):.3g} nats/seq under {cfg.kl_floor}, proxy gain {g_proxy:+.3g}"
