@@ -1,6 +1,6 @@
 """Run klrl from the command line: ``python experiments/run.py [--section.field value ...]``.
 
-With no arguments (or with ``--study`` plus overrides): the default experiment, a short beta study
+With no configuration flags (or with ``--study`` plus overrides): the default experiment, a short beta study
 on the testbed, offline, on CPU: fixed beta in {0.01, 0.1, 1.0} and one proportional controller
 (target 3 nats/sequence), run as one compiled sweep, then a table with each run's diagnosis.
 With configuration flags and no ``--study``/``--sweep``: one training run.
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--sweep-devices", metavar="K", type=int, default=1,
                        help="device groups the sweep members are split over (the rest of the devices "
                             "split each member's batch)")  # fmt: skip
+        p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
         p.add_argument("--study", action="store_true",
                        help="the default beta study (what running with no arguments does), with any "
                             "overrides applied to every member")  # fmt: skip
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser("PPO with a KL penalty; beta lives in the train state.", extra=scale_args)
     argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(argv)
-    study = ns.study or not argv
+    overrides = [a for a in argv if a.startswith("--") and "." in a.split("=")[0]]
+    study = ns.study or (not overrides and ns.resume is None)
     if ns.report is not None:
         from klrl.report import ReportError, write_report
 
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TypeError) as e:
             fail(f"--resume: {path} is not a valid klrl config: {e}")
     cfg = config_from_args(ns, base=base)
+    if ns.quiet:
+        cfg = cfg.replace(train={"quiet": True})
     from klrl.config import config_warnings
 
     for w in config_warnings(cfg):
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.resume is not None:
             fail("--study: cannot be combined with --resume")
         axes = {"kl.beta": None, "ctrl.kind": None}
-        if not argv:  # the built-in default: short enough for a laptop CPU in a few minutes
+        if not overrides:  # the built-in default: short enough for a laptop CPU in a few minutes
             cfg = cfg.replace(train={"iterations": 100, "name": cfg.train.name or "beta-study"})
         try:
             members = [cfg.replace(kl={"beta": b}, ctrl={"kind": "fixed"}) for b in (0.01, 0.1, 1.0)]
