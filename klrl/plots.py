@@ -73,7 +73,8 @@ def label(r: RunResult | RunConfig) -> str:
         "dual": f"lr={c.lr:g}",
     }[c.kind]
     unit = "/tok" if c.unit == "token_mean" else ""
-    return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}"
+    warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
+    return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}"
 
 
 def _labels(results: list[RunResult]) -> list[str]:
