@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,68 @@ def tiny_task(tiny_cfg):
     from klrl.tasks.wordclass import make_task
 
     return make_task(tiny_cfg)
+
+
+# ---- helpers shared by the checkpoint and reliability tests -----------------------------------
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """JAX's persistent compilation cache in a session temporary directory (shared by the modules
+    that use it and their subprocesses); the previous settings are restored afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = tmp_path_factory.getbasetemp() / "jax-compile-cache"
+    path.mkdir(exist_ok=True)
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    old = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
+def base_config(cache_dir: str, **train):
+    from conftest import tiny_config
+
+    return tiny_config(cache_dir).replace(
+        task={"name": "wordclass"}, train={"quiet": True, "checkpoint_every": 2, **train}
+    )
+
+
+def cli_args(cfg) -> list[str]:
+    """``--section.field value`` for every field of ``cfg`` that differs from the default."""
+    from klrl.config import RunConfig
+
+    d, default = cfg.to_dict(), RunConfig().to_dict()
+    out = []
+    for sec, fields in d.items():
+        for k, v in fields.items():
+            if v != default[sec][k]:
+                out += [f"--{sec}.{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return out
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """``experiments/run.py`` in this process: (exit status, stderr)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("klrl_experiments_run", SCRIPT)
+    cli_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_run)
+    try:
+        status = cli_run.main(argv)
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def lines(path: Path) -> list[bytes]:
+    data = path.read_bytes() if path.exists() else b""
+    return [x + b"\n" for x in data.split(b"\n")[:-1]]

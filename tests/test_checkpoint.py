@@ -33,48 +33,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
 
+from conftest import base_config, cli_args, lines, run_main  # noqa: E402  (jax_cache: a conftest fixture)
 
 # ---- shared helpers ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """JAX's persistent compilation cache in a session temporary directory, for this module's
-    in-process runs and its subprocesses; the previous settings are restored afterwards."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = tmp_path_factory.getbasetemp() / "jax-compile-cache"
-    path.mkdir(exist_ok=True)
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield path
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-
-
-def base_config(cache_dir: str, **train):
-    from conftest import tiny_config
-
-    return tiny_config(cache_dir).replace(
-        task={"name": "wordclass"}, train={"quiet": True, "checkpoint_every": 2, **train}
-    )
-
-
-def cli_args(cfg) -> list[str]:
-    """``--section.field value`` for every field of ``cfg`` that differs from the default."""
-    from klrl.config import RunConfig
-
-    d, default = cfg.to_dict(), RunConfig().to_dict()
-    out = []
-    for sec, fields in d.items():
-        for k, v in fields.items():
-            if v != default[sec][k]:
-                out += [f"--{sec}.{k}", str(v).lower() if isinstance(v, bool) else str(v)]
-    return out
 
 
 def sub_env(jax_cache: Path) -> dict[str, str]:
@@ -98,11 +59,6 @@ def snapshot(d: Path) -> dict[str, str]:
     }
 
 
-def lines(path: Path) -> list[bytes]:
-    data = path.read_bytes() if path.exists() else b""
-    return [x + b"\n" for x in data.split(b"\n")[:-1]]
-
-
 def assert_trees_equal(a, b) -> None:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -110,20 +66,6 @@ def assert_trees_equal(a, b) -> None:
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape
         assert x.tobytes() == y.tobytes()  # bit for bit (NaN-safe)
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str]:
-    """``experiments/run.py`` in this process: (exit status, stderr)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("klrl_experiments_run", SCRIPT)
-    cli_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli_run)
-    try:
-        status = cli_run.main(argv)
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err
 
 
 # ---- exactness --------------------------------------------------------------------------------

@@ -33,65 +33,7 @@ from klrl.reliability import decide_rollback, first_crossing, is_bad, is_good, s
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
 
-
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """JAX's persistent compilation cache in a session temporary directory (shared with
-    test_checkpoint), restored afterwards: the tiny step then compiles once per session."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = tmp_path_factory.getbasetemp() / "jax-compile-cache"
-    path.mkdir(exist_ok=True)
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield path
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-
-
-def base_config(cache_dir: str, **train):
-    from conftest import tiny_config
-
-    return tiny_config(cache_dir).replace(
-        task={"name": "wordclass"}, train={"quiet": True, "checkpoint_every": 2, **train}
-    )
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str]:
-    """``experiments/run.py`` in this process: (exit status, stderr)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("klrl_experiments_run", SCRIPT)
-    cli_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli_run)
-    try:
-        status = cli_run.main(argv)
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err
-
-
-def cli_args(cfg) -> list[str]:
-    """``--section.field value`` for every field of ``cfg`` that differs from the default."""
-    from klrl.config import RunConfig
-
-    d, default = cfg.to_dict(), RunConfig().to_dict()
-    out = []
-    for sec, fields in d.items():
-        for k, v in fields.items():
-            if v != default[sec][k]:
-                out += [f"--{sec}.{k}", str(v).lower() if isinstance(v, bool) else str(v)]
-    return out
-
-
-def read_lines(path: Path) -> list[bytes]:
-    data = path.read_bytes() if path.exists() else b""
-    return [x + b"\n" for x in data.split(b"\n")[:-1]]
-
+from conftest import base_config, cli_args, lines, run_main  # noqa: E402  (jax_cache: a conftest fixture)
 
 # ---- the rollback decision, pure ---------------------------------------------------------------
 
@@ -317,7 +259,7 @@ def test_nan_rewards_skip_and_stop(tiny_task, cache_dir, jax_cache, tmp_path):
         klrl.run(cfg, task=task, run_dir=tmp_path / "r")
     msg = str(e.value)
     # the loop sees iteration i's metrics while i + 1 already runs: it stops after K or K + 1 skips
-    rows = [json.loads(x) for x in read_lines(tmp_path / "r" / "metrics.jsonl")]
+    rows = [json.loads(x) for x in lines(tmp_path / "r" / "metrics.jsonl")]
     n = len(rows)
     assert n in (3, 4)
     assert "\n" not in msg and f"{n} consecutive iterations skipped by the non-finite guard" in msg
@@ -360,7 +302,7 @@ def plain_run(tiny_task, cache_dir, jax_cache, tmp_path_factory):
     cfg = base_config(cache_dir, iterations=14, keep_checkpoints=20).replace(optim={"lr": 3e-3})
     d = tmp_path_factory.mktemp("plain") / "run"
     result = klrl.run(cfg, task=tiny_task, run_dir=d)
-    return cfg, result, read_lines(d / "metrics.jsonl")
+    return cfg, result, lines(d / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("every", [2, 0])  # 0: no checkpoint before the crossing -> the initial state
@@ -388,14 +330,14 @@ def test_rollback_restores_the_right_checkpoint_and_doubles_beta(every, plain_ru
     except RunStopped as e:  # crossed again after the one rollback allowed: also fine
         assert "after 1 rollbacks" in str(e)
         state = e.result.state
-    events = [json.loads(x) for x in read_lines(d / "events.jsonl")]
+    events = [json.loads(x) for x in lines(d / "events.jsonl")]
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert rollbacks and rollbacks[0]["iteration"] == t
     s = expected.step
     target = "the initial state" if s == 0 else f"checkpoint {s}"
     assert f"restored {target}" in rollbacks[0]["message"] and "beta 0.05 -> 0.1" in rollbacks[0]["message"]
 
-    now = read_lines(d / "metrics.jsonl")
+    now = lines(d / "metrics.jsonl")
     rows = [json.loads(x) for x in now]
     assert now[:s] == plain_lines[:s]  # history up to the restored state is untouched
     # iteration s ran again from the restored state: the same samples (same reward), twice the beta
@@ -403,7 +345,7 @@ def test_rollback_restores_the_right_checkpoint_and_doubles_beta(every, plain_ru
     assert rows[s]["ctrl/beta"] == pytest.approx(2 * cfg.kl.beta)
     assert float(state.ctrl.beta) == np.float32(2 * np.float32(cfg.kl.beta))
     # the abandoned iterations are kept, in order, in metrics.rolled_back.jsonl
-    dropped = read_lines(d / "metrics.rolled_back.jsonl")
+    dropped = lines(d / "metrics.rolled_back.jsonl")
     assert dropped[: t + 1 - s] == plain_lines[s : t + 1]
 
 
