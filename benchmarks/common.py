@@ -27,7 +27,6 @@ import optax
 
 from klrl import advantages as adv_lib
 from klrl import kl as kl_lib
-from klrl import losses
 from klrl.config import (
     KLConfig,
     ModelConfig,
@@ -38,7 +37,7 @@ from klrl.config import (
     TrainConfig,
 )
 from klrl.control import from_config
-from klrl.model import entropy, forward, matmul_flops, token_logprobs
+from klrl.model import forward, matmul_flops, token_logprobs
 from klrl.rollout import generate, response_slice, sequence
 from klrl.shaping import sequence_returns, shaped_rewards
 from klrl.tasks.base import Task
@@ -182,7 +181,7 @@ def build_phases(cfg: RunConfig, task: Task, train: Train) -> Phases:
     """The iteration's phases as separately jitted single-device functions.
 
     They mirror ``klrl.train.make_train``'s step on one device (no collectives); the update
-    repeats its PPO loss. They are for attributing time, not for training.
+    differentiates the trainer's own loss (``Train.loss``). They are for attributing time, not for training.
     """
     p_len, r_len = task.prompt_len, cfg.sampling.response_len
     b = cfg.train.batch_size
@@ -259,40 +258,8 @@ def build_phases(cfg: RunConfig, task: Task, train: Train) -> Phases:
             batch["ref_logits"] = sc["ref_logits"]
         return batch, kl_ctrl, kl_metrics
 
-    def loss_fn(params, mb, n_tok, beta_l):
-        out = forward(policy, params["policy"], mb["tokens"], mb["key_mask"])
-        logits = response_slice(out.logits, p_len, r_len) / temp
-        m = mb["mask"]
-        logp = token_logprobs(logits, mb["response"])
-        pg, clipped = losses.clipped_surrogate(logp, mb["logp"], mb["adv"], cfg.ppo.clip)
-        ent = entropy(logits)
-        loss = losses.masked_sum(pg - cfg.ppo.ent_coef * ent, m) / n_tok
-        stats = {
-            "clipfrac": losses.masked_sum(clipped, m) / n_tok,
-            "entropy": losses.masked_sum(ent, m) / n_tok,
-        }
-        if critic:
-            if separate:
-                value = response_slice(
-                    forward(value_model, params["value"], mb["tokens"], mb["key_mask"]).value, p_len, r_len
-                )
-            else:
-                value = response_slice(out.value, p_len, r_len)
-            vl, _ = losses.clipped_value_loss(value, mb["value"], mb["ret"], cfg.ppo.vf_clip)
-            loss = loss + cfg.ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
-        if kl_in_loss:
-            kl_t = kl_lib.estimate(
-                kl_cfg.loss_estimator, logp, mb["ref_logp"], m, logits, mb.get("ref_logits"), kl_cfg.clamp
-            )
-            if kl_cfg.loss_agg == "token_mean":
-                kl_term = losses.masked_sum(kl_t, m) / n_tok
-            else:
-                kl_term = jnp.mean(kl_lib.token_mean(kl_t, m))
-            loss = loss + beta_l * kl_term
-        stats["loss"] = loss
-        return loss, stats
-
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+    # the trainer's own PPO loss (one device: this minibatch is the whole global minibatch)
+    grad_fn = jax.grad(train.loss, has_aux=True)
 
     @jax.jit
     def update(params, opt_state, batch, key):
@@ -301,7 +268,8 @@ def build_phases(cfg: RunConfig, task: Task, train: Train) -> Phases:
         def minibatch_step(carry, idx):
             params, opt_state = carry
             mb = jax.tree.map(lambda x: x[idx], batch)
-            grads, stats = grad_fn(params, mb, jnp.maximum(jnp.sum(mb["mask"]), 1.0), beta_l)
+            n_seq = jnp.float32(mb["mask"].shape[0])
+            grads, stats = grad_fn(params, mb, jnp.maximum(jnp.sum(mb["mask"]), 1.0), n_seq, beta_l)
             stats["grad_norm"] = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), stats

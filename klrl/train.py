@@ -53,6 +53,7 @@ class Train(NamedTuple):
     init: Any  # (seed | key, beta=None) -> TrainState
     step: Any  # jitted (state, env) -> (state, metrics)
     shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping
+    loss: Any  # (params, minibatch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss of the update
     policy: GPT
     value_model: GPT | None
     mesh: Any
@@ -160,6 +161,46 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
         value = response_slice(out.value, p_len, r_len) if head else None
         return logits, value
 
+    def loss_fn(params, mb, n_tok, n_seq, beta_l):
+        """PPO loss of one (per-device) minibatch ``mb``, normalised by ``n_tok`` tokens and
+        ``n_seq`` sequences (this device's share of the global minibatch's), and its statistics."""
+        logits, value = policy_out(params["policy"], mb["tokens"], mb["key_mask"])
+        m = mb["mask"]
+        logp = token_logprobs(logits, mb["response"])
+        pg, clipped = losses.clipped_surrogate(logp, mb["logp"], mb["adv"], cfg.ppo.clip)
+        ent = entropy(logits)
+        # normalise by the per-device share of the global minibatch so that pmean is the global mean
+        loss = losses.masked_sum(pg - cfg.ppo.ent_coef * ent, m) / n_tok
+        stats = {
+            "loss/policy": losses.masked_sum(pg, m) / n_tok,
+            "policy/clipfrac": losses.masked_sum(clipped, m) / n_tok,
+            "policy/approx_kl": losses.masked_sum(losses.approx_kl(logp, mb["logp"]), m) / n_tok,
+            "policy/entropy": losses.masked_sum(ent, m) / n_tok,
+        }
+        if critic:
+            if separate:
+                value = response_slice(
+                    forward(value_model, params["value"], mb["tokens"], mb["key_mask"]).value,
+                    p_len,
+                    r_len,
+                )
+            vl, vclip = losses.clipped_value_loss(value, mb["value"], mb["ret"], cfg.ppo.vf_clip)
+            loss = loss + cfg.ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
+            stats["loss/value"] = losses.masked_sum(vl, m) / n_tok
+            stats["value/clipfrac"] = losses.masked_sum(vclip, m) / n_tok
+        if kl_in_loss:
+            kl_t = kl_lib.estimate(
+                kl_cfg.loss_estimator, logp, mb["ref_logp"], m, logits, mb.get("ref_logits"), kl_cfg.clamp
+            )
+            if kl_cfg.loss_agg == "token_mean":
+                kl_term = losses.masked_sum(kl_t, m) / n_tok
+            else:
+                kl_term = jnp.sum(kl_lib.token_mean(kl_t, m)) / n_seq
+            loss = loss + beta_l * kl_term
+            stats[f"kl/loss_{kl_cfg.loss_agg}"] = kl_term
+        stats["loss/total"] = loss
+        return loss, stats
+
     def step_fn(state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
         dev = jax.lax.axis_index(DATA)
         key = jax.random.fold_in(state.rng, state.iteration)
@@ -229,51 +270,13 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             batch["ref_logits"] = ref_logits
         batch = gather(batch)
 
-        def loss_fn(params, mb, n_tok, n_seq):
-            logits, value = policy_out(params["policy"], mb["tokens"], mb["key_mask"])
-            m = mb["mask"]
-            logp = token_logprobs(logits, mb["response"])
-            pg, clipped = losses.clipped_surrogate(logp, mb["logp"], mb["adv"], cfg.ppo.clip)
-            ent = entropy(logits)
-            # normalise by the per-device share of the global minibatch so that pmean is the global mean
-            loss = losses.masked_sum(pg - cfg.ppo.ent_coef * ent, m) / n_tok
-            stats = {
-                "loss/policy": losses.masked_sum(pg, m) / n_tok,
-                "policy/clipfrac": losses.masked_sum(clipped, m) / n_tok,
-                "policy/approx_kl": losses.masked_sum(losses.approx_kl(logp, mb["logp"]), m) / n_tok,
-                "policy/entropy": losses.masked_sum(ent, m) / n_tok,
-            }
-            if critic:
-                if separate:
-                    value = response_slice(
-                        forward(value_model, params["value"], mb["tokens"], mb["key_mask"]).value,
-                        p_len,
-                        r_len,
-                    )
-                vl, vclip = losses.clipped_value_loss(value, mb["value"], mb["ret"], cfg.ppo.vf_clip)
-                loss = loss + cfg.ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
-                stats["loss/value"] = losses.masked_sum(vl, m) / n_tok
-                stats["value/clipfrac"] = losses.masked_sum(vclip, m) / n_tok
-            if kl_in_loss:
-                kl_t = kl_lib.estimate(
-                    kl_cfg.loss_estimator, logp, mb["ref_logp"], m, logits, mb.get("ref_logits"), kl_cfg.clamp
-                )
-                if kl_cfg.loss_agg == "token_mean":
-                    kl_term = losses.masked_sum(kl_t, m) / n_tok
-                else:
-                    kl_term = jnp.sum(kl_lib.token_mean(kl_t, m)) / n_seq
-                loss = loss + beta_l * kl_term
-                stats[f"kl/loss_{kl_cfg.loss_agg}"] = kl_term
-            stats["loss/total"] = loss
-            return loss, stats
-
         grad_fn = jax.grad(loss_fn, has_aux=True)
 
         def minibatch_step(carry, idx):
             params, opt_state = carry
             mb = jax.tree.map(lambda x: x[idx], batch)
             n_tok = total(jnp.sum(mb["mask"])) / n_dev
-            grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev)
+            grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev, beta_l)
             grads, stats = average((grads, stats))
             stats["grad/norm"] = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -342,4 +345,4 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
         return state, metrics
 
     step = shard_step(step_fn, mesh)
-    return Train(init, step, step_fn, policy, value_model if separate else None, mesh)
+    return Train(init, step, step_fn, loss_fn, policy, value_model if separate else None, mesh)
