@@ -330,7 +330,10 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             **stats,
         }
         if task.batch_eval_fn is not None:
-            metrics.update(task.batch_eval_fn(env, gather(ro), gather(task_reward), gather(evals)))
+            tokens_only = ro._replace(
+                logits=None, value=None
+            )  # batch metrics read tokens, not [B, R, V] logits
+            metrics.update(task.batch_eval_fn(env, gather(tokens_only), gather(task_reward), gather(evals)))
 
         # ---- non-finite guard: skip the whole update if anything is NaN/inf ----
         ok = _all_finite((params, task_reward, kl_reward, kl_seen, stats))

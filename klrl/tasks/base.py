@@ -14,7 +14,7 @@ Array = jax.Array
 RewardFn = Callable[[Any, Any], Array]
 # (env, rollout) -> {name: [B]} per-example evaluation metrics, averaged over the global batch
 EvalFn = Callable[[Any, Any], dict[str, Array]]
-# (env, gathered rollout, gathered task reward, gathered evals) -> {name: scalar} batch-level metrics
+# (env, gathered rollout without logits/values, gathered task reward, gathered evals) -> {name: scalar}
 BatchEvalFn = Callable[[Any, Any, Array, dict[str, Array]], dict[str, Array]]
 
 
