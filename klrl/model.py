@@ -7,8 +7,11 @@ value head on the trunk), as a separate value model and as a reward model
 
 Shapes: tokens ``[B, T]``; ``positions [B, T]`` (left padding shifts them);
 ``key_mask [B, S]`` marks which cache slots hold real tokens. The KV cache is an
-explicit pytree ``{'k': [L, B, S, H, Dh], 'v': [L, B, S, H, Dh]}`` threaded by
-the caller, so decoding is a plain ``lax.scan``.
+explicit pytree, one ``(k, v)`` pair of ``[B, H, S, Dh]`` arrays per layer, threaded
+by the caller, so decoding is a plain ``lax.scan``. Keys and values are kept in the
+layout the attention matmuls read (heads before slots) and each layer's pair is its own
+leaf, so a decode step writes one slot in place instead of copying or transposing the
+whole cache (``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from klrl.config import ModelConfig
 
 Array = jax.Array
 NEG_INF = -1e9
+Cache = tuple[tuple[Array, Array], ...]  # per layer (k, v), each [B, H, S, Dh]
 
 
 class ModelOutput(NamedTuple):
     logits: Array | None  # [B, T, V] float32, None without an LM head
     hidden: Array  # [B, T, D] final (post-LayerNorm) hidden states
     value: Array | None  # [B, T] float32 scalar head, None without one
-    cache: dict[str, Array] | None
+    cache: Cache | None
 
 
 class Block(nn.Module):
@@ -45,18 +49,18 @@ class Block(nn.Module):
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
         y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
         qkv = dense(3 * d, "qkv")(y).reshape(b, t, 3, h, dh)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k, v = (jnp.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))  # [B, H, T, Dh]
         if cache is not None:
             ck, cv = cache
-            k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), index, axis=1)
+            k = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=2)
+            v = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), index, axis=2)
             new_cache = (k, v)
         else:
             new_cache = None
-        att = jnp.einsum("bqhd,bkhd->bhqk", q, k.astype(q.dtype)).astype(jnp.float32) / jnp.sqrt(dh)
+        att = jnp.einsum("bhqd,bhkd->bhqk", q, k.astype(q.dtype)).astype(jnp.float32) / jnp.sqrt(dh)
         att = jnp.where(mask[:, None], att, NEG_INF)
         att = jax.nn.softmax(att, axis=-1).astype(self.dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", att, v.astype(self.dtype)).reshape(b, t, d)
+        y = jnp.einsum("bhqk,bhkd->bqhd", att, v.astype(self.dtype)).reshape(b, t, d)
         x = x + dense(d, "proj")(y)
         y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
         y = dense(self.mlp_ratio * d, "fc")(y)
@@ -79,7 +83,7 @@ class GPT(nn.Module):
         tokens: Array,
         positions: Array,
         mask: Array,
-        cache: dict[str, Array] | None = None,
+        cache: Cache | None = None,
         index: Array | int | None = None,
     ) -> ModelOutput:
         """``mask [B, T, S]``: query t may attend key s (causality and padding folded in).
@@ -91,15 +95,13 @@ class GPT(nn.Module):
         wte = nn.Embed(self.vocab_size, cfg.d_model, name="wte")
         wpe = nn.Embed(self.max_len, cfg.d_model, name="wpe")
         x = (wte(tokens) + wpe(positions)).astype(dtype)
-        new_k, new_v = [], []
+        new_cache = []
         for i in range(cfg.n_layers):
-            layer_cache = None if cache is None else (cache["k"][i], cache["v"][i])
+            layer_cache = None if cache is None else cache[i]
             x, nc = Block(cfg.d_model, cfg.n_heads, cfg.mlp_ratio, dtype, name=f"h{i}")(
                 x, mask, layer_cache, index
             )
-            if nc is not None:
-                new_k.append(nc[0])
-                new_v.append(nc[1])
+            new_cache.append(nc)
         x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
         logits = None
         if self.lm_head:
@@ -111,8 +113,7 @@ class GPT(nn.Module):
         value = None
         if self.scalar_head:
             value = nn.Dense(1, dtype=jnp.float32, name="v_head")(x.astype(jnp.float32))[..., 0]
-        out_cache = None if cache is None else {"k": jnp.stack(new_k), "v": jnp.stack(new_v)}
-        return ModelOutput(logits, x, value, out_cache)
+        return ModelOutput(logits, x, value, None if cache is None else tuple(new_cache))
 
 
 # ---- helpers shared by rollout, scoring and the update ----------------------
@@ -134,10 +135,11 @@ def causal_mask(key_mask: Array) -> Array:
     return m | jnp.eye(s, dtype=bool)[None]
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict[str, Array]:
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> Cache:
+    """An empty cache of ``length`` slots: per layer ``(k, v)``, each ``[B, H, S, Dh]``."""
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.d_model // cfg.n_heads)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    shape = (batch, cfg.n_heads, length, cfg.d_model // cfg.n_heads)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers))
 
 
 def forward(model: GPT, params: Any, tokens: Array, key_mask: Array) -> ModelOutput:

@@ -40,18 +40,29 @@ def make_mesh(n_data: int = 0, n_sweep: int = 1, devices: list | None = None) ->
     return Mesh(grid, (SWEEP, DATA))
 
 
+def _alone(axis_name: str) -> bool:
+    # XLA keeps a collective over a one-device axis as a copy; skip it (benchmarks/NOTES.md)
+    return jax.lax.axis_size(axis_name) == 1
+
+
 def average(tree: Any, axis_name: str = DATA) -> Any:
     """Mean of every leaf over the devices of ``axis_name``: the one gradient/statistic averager."""
+    if _alone(axis_name):
+        return tree
     return jax.tree.map(lambda x: jax.lax.pmean(x, axis_name), tree)
 
 
 def total(tree: Any, axis_name: str = DATA) -> Any:
     """Sum of every leaf over the devices of ``axis_name``."""
+    if _alone(axis_name):
+        return tree
     return jax.tree.map(lambda x: jax.lax.psum(x, axis_name), tree)
 
 
 def gather(tree: Any, axis_name: str = DATA) -> Any:
     """Concatenate every leaf's leading (batch) axis over the devices of ``axis_name``."""
+    if _alone(axis_name):
+        return tree
     return jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), tree)
 
 

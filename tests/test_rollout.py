@@ -153,3 +153,27 @@ def test_rollout_without_value_head(setup: Setup) -> None:
     )(t.ref_params)
     assert ro.value is None and ro.logits is None
     np.testing.assert_array_equal(_np(ro.response), _np(setup.generate(BASE).response)[:4])
+
+
+def test_gumbel_argmax_draws_what_jax_random_categorical_draws() -> None:
+    """The sampler's max/min-index form of Gumbel-max gives ``jax.random.categorical``'s exact draws,
+    including rows restricted to their top k (``-inf`` elsewhere) and rows with tied logits."""
+    import jax.numpy as jnp
+
+    from klrl.rollout import gumbel_argmax
+
+    b, v = 512, 97
+    logits = 3.0 * jax.random.normal(jax.random.PRNGKey(0), (b, v))
+    kth = jax.lax.top_k(logits, 5)[0][:, -1:]
+    top5 = jnp.where(logits >= kth, logits, -jnp.inf)
+    tied = jnp.zeros((b, v))  # every token equally likely: the draw is decided by the noise alone
+    keys = jax.random.split(jax.random.PRNGKey(1), b)
+    draws = {}
+    for name, lg in (("plain", logits), ("top5", top5), ("tied", tied)):
+        draws[name] = jax.jit(gumbel_argmax)(keys, lg)
+        want = jax.jit(jax.vmap(jax.random.categorical))(keys, lg)
+        assert draws[name].dtype == jnp.int32
+        np.testing.assert_array_equal(_np(draws[name]), _np(want), err_msg=name)
+    # top-5 rows never leave their top 5; tied rows spread over the vocabulary
+    assert bool(jnp.all(jnp.isfinite(jnp.take_along_axis(top5, draws["top5"][:, None], axis=-1))))
+    assert len(np.unique(_np(draws["tied"]))) > v // 2

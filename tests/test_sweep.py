@@ -1,6 +1,10 @@
 """Sweeps: a 4-member sweep in one compiled program is, member by member, the 4 runs made one by one.
 
-Tolerances. Parameters, per leaf: ``max|a - b| <= 1e-5 * max|b|``. One slice is left out of that
+Tolerances. Parameters, per leaf: ``max|a - b| <= 1e-5 * max|b| + 1e-6``; the floor is a
+thousandth of one Adam step at the largest learning rate here (1e-3): Adam turns float noise in
+small gradients into parameter noise of that order for small-magnitude leaves (a LayerNorm bias of
+scale 0.04 moved by 4e-7 between the 2 x 2 mesh and one device), while a wrong batch split or
+average moves parameters by whole steps. One slice is left out of that
 comparison: the attention *key* bias, whose gradient is exactly zero (softmax is invariant to
 adding ``q . b_k`` to every score of a query), so Adam moves it only by float noise, which differs
 with the reduction order (vmapped vs plain matmuls); it is checked to stay within 1e-5 of the
@@ -32,6 +36,7 @@ RTOL = 1e-5
 ATOL_METRIC = 1e-5
 ATOL_BETA = 1e-7
 KEY_BIAS_DRIFT = 1e-5
+ATOL_PARAM = 1e-6
 ITERATIONS = 3
 TIMEOUT = 420  # seconds, per subprocess; generous for a loaded 2-core machine
 
@@ -208,7 +213,9 @@ def compare(got: dict, want: dict, n: int, ref_params: dict, what: str) -> dict[
                     worst["key_bias_drift"] = max(worst["key_bias_drift"], drift)
                 scale = float(np.max(np.abs(b)))
                 err = float(np.max(np.abs(a - b)))
-                assert err <= RTOL * scale, f"{what}: {k}: max|diff| {err:.3g} vs max|param| {scale:.3g}"
+                assert err <= RTOL * scale + ATOL_PARAM, (
+                    f"{what}: {k}: max|diff| {err:.3g} vs max|param| {scale:.3g}"
+                )
                 worst["param_rel"] = max(worst["param_rel"], err / scale)
     return worst
 
