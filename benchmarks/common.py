@@ -4,10 +4,9 @@ See ``benchmarks/NOTES.md`` for what each number means. In short:
 
 * the iteration is timed through ``make_train(cfg, task).step`` (the one compiled iteration,
   AOT-compiled with ``.lower().compile()`` so the compile time is measured on its own);
-* the phases (rollout, scoring, advantages, update, controller) are *separately jitted*
-  functions rebuilt here from the same library pieces the step uses
-  (:func:`klrl.rollout.generate`, :func:`klrl.model.forward`, :func:`klrl.advantages.gae`, the
-  PPO losses and optimiser, :mod:`klrl.control`); they do not sum exactly to the iteration;
+* the phases (rollout, scoring, advantages, update, controller) are the step's own stages
+  (``Train.phases``, the functions ``step`` is composed of), each compiled on its own; they do not
+  sum exactly to the iteration;
 * FLOPs are matmul FLOPs from :func:`klrl.model.matmul_flops` (:func:`iteration_flops`).
 """
 
@@ -19,14 +18,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
+from jax.sharding import PartitionSpec
 
-from klrl import advantages as adv_lib
-from klrl import kl as kl_lib
 from klrl.config import (
     KLConfig,
     ModelConfig,
@@ -36,12 +33,9 @@ from klrl.config import (
     TaskConfig,
     TrainConfig,
 )
-from klrl.control import from_config
-from klrl.model import forward, matmul_flops, token_logprobs
-from klrl.rollout import generate, response_slice, sequence
-from klrl.shaping import sequence_returns, shaped_rewards
+from klrl.model import matmul_flops
 from klrl.tasks.base import Task
-from klrl.train import Train, make_optimizer, make_train
+from klrl.train import Train, make_train
 
 WORKLOADS = ("default", "peer-medium", "peer-small")
 PHASES = ("rollout", "scoring", "advantages", "update", "controller")
@@ -169,156 +163,47 @@ def iteration_flops(cfg: RunConfig, task: Task, reward_model: bool | None = None
 # ---- separately jitted phases --------------------------------------------------------------------
 
 
-class Phases(NamedTuple):
-    rollout: Callable  # (policy_params, prompts, prompt_mask, keys) -> Rollout
-    scoring: Callable  # (params, ref_params, env, rollout) -> scores
-    advantages: Callable  # (rollout, scores, beta) -> (batch, kl_ctrl, kl_metrics)
-    update: Callable  # (params, opt_state, batch, key) -> (params, opt_state, stats)
-    controller: Callable  # (ctrl_state, kl_ctrl, mask) -> ctrl_state
+def build_phases(train: Train) -> dict[str, Callable]:
+    """The step's own phases (``Train.phases``), each compiled on its own: ``jit(shard_map(phase))``
+    over the trainer's mesh, replicated in and out (the benchmark runs on one device)."""
+    if train.mesh.size != 1:
+        raise ValueError(f"phase timing runs on one device; the trainer's mesh has {train.mesh.size}")
+
+    def compiled(fn: Callable, n_args: int) -> Callable:
+        specs = (PartitionSpec(),) * n_args
+        return jax.jit(
+            jax.shard_map(fn, mesh=train.mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False)
+        )
+
+    ph = train.phases
+    return {
+        "rollout": compiled(ph.rollout, 2),
+        "scoring": compiled(ph.score, 3),
+        "advantages": compiled(ph.advantages, 3),
+        "update": compiled(ph.update, 2),
+        "controller": compiled(ph.control, 3),
+    }
 
 
-def build_phases(cfg: RunConfig, task: Task, train: Train) -> Phases:
-    """The iteration's phases as separately jitted single-device functions.
-
-    They mirror ``klrl.train.make_train``'s step on one device (no collectives); the update
-    differentiates the trainer's own loss (``Train.loss``). They are for attributing time, not for training.
-    """
-    p_len, r_len = task.prompt_len, cfg.sampling.response_len
-    b = cfg.train.batch_size
-    n_mb = cfg.ppo.minibatches
-    temp = cfg.sampling.temperature
-    critic = cfg.ppo.advantage == "gae"
-    head = critic and cfg.model.value_model == "head"
-    separate = critic and cfg.model.value_model == "separate"
-    kl_cfg, c_cfg = cfg.kl, cfg.ctrl
-    kl_in_loss = kl_cfg.placement in ("loss", "reward+loss")
-    policy = train.policy
-    ref_model = policy.clone(scalar_head=False)
-    value_model = train.value_model
-    optimizer = make_optimizer(cfg)
-    controller = from_config(c_cfg)
-
-    @jax.jit
-    def rollout(pol, prompts, prompt_mask, keys):
-        return generate(policy, pol, prompts, prompt_mask, keys, cfg.sampling, task.eos_id, task.pad_id, True)
-
-    @jax.jit
-    def scoring(params, ref_params, env, ro):
-        tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
-        ref_logits = response_slice(forward(ref_model, ref_params, tokens, key_mask).logits, p_len, r_len)
-        ref_logits = ref_logits / temp
-        if separate:
-            out = forward(value_model, params["value"], tokens, key_mask)
-            old_value = response_slice(out.value, p_len, r_len) * ro.mask
-        elif head:
-            old_value = ro.value
-        else:
-            old_value = jnp.zeros_like(ro.mask)
-        return {
-            "tokens": tokens,
-            "key_mask": key_mask,
-            "ref_logits": ref_logits,
-            "ref_logp": token_logprobs(ref_logits, ro.response) * ro.mask,
-            "value": old_value,
-            "task_reward": task.reward_fn(env, ro),
-        }
-
-    @jax.jit
-    def advantages(ro, sc, beta):
-        mask = ro.mask
-
-        def estimate(name):
-            return kl_lib.estimate(
-                name, ro.logp, sc["ref_logp"], mask, ro.logits, sc["ref_logits"], kl_cfg.clamp
-            )
-
-        kl_reward = estimate(kl_cfg.estimator)
-        kl_ctrl = estimate(c_cfg.estimator)
-        kl_metrics = {
-            "k1": jnp.mean(kl_lib.seq_sum(estimate("k1"), mask)),
-            "exact": jnp.mean(kl_lib.seq_sum(kl_lib.full_kl(ro.logits, sc["ref_logits"], mask), mask)),
-        }
-        if critic:
-            rewards = shaped_rewards(sc["task_reward"], kl_reward, mask, beta, kl_cfg.placement)
-            adv, ret = adv_lib.gae(rewards, sc["value"], mask, cfg.ppo.gamma, cfg.ppo.lam)
-        else:
-            seq_ret = sequence_returns(sc["task_reward"], kl_reward, mask, beta, kl_cfg.placement)
-            if cfg.ppo.advantage == "grpo":
-                a = adv_lib.grpo(seq_ret, cfg.ppo.group_size, cfg.ppo.group_std)
-            else:
-                a = adv_lib.rloo(seq_ret, cfg.ppo.group_size)
-            adv, ret = a[:, None] * mask, jnp.zeros_like(mask)
-        if cfg.ppo.whiten:
-            adv = adv_lib.whiten(adv, mask)
-        batch = {
-            "tokens": sc["tokens"], "key_mask": sc["key_mask"], "response": ro.response, "mask": mask,
-            "logp": ro.logp, "ref_logp": sc["ref_logp"], "adv": adv, "ret": ret, "value": sc["value"],
-        }  # fmt: skip
-        if kl_in_loss and kl_cfg.loss_estimator == "full":
-            batch["ref_logits"] = sc["ref_logits"]
-        return batch, kl_ctrl, kl_metrics
-
-    # the trainer's own PPO loss (one device: this minibatch is the whole global minibatch)
-    grad_fn = jax.grad(train.loss, has_aux=True)
-
-    @jax.jit
-    def update(params, opt_state, batch, key):
-        beta_l = jnp.float32(kl_cfg.loss_coef)
-
-        def minibatch_step(carry, idx):
-            params, opt_state = carry
-            mb = jax.tree.map(lambda x: x[idx], batch)
-            n_seq = jnp.float32(mb["mask"].shape[0])
-            grads, stats = grad_fn(params, mb, jnp.maximum(jnp.sum(mb["mask"]), 1.0), n_seq, beta_l)
-            stats["grad_norm"] = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), stats
-
-        def epoch_step(carry, k):
-            perm = jax.random.permutation(k, b).reshape(n_mb, b // n_mb)
-            return jax.lax.scan(minibatch_step, carry, perm)
-
-        keys = jax.random.split(key, cfg.ppo.epochs)
-        (params, opt_state), stats = jax.lax.scan(epoch_step, (params, opt_state), keys)
-        return params, opt_state, jax.tree.map(jnp.mean, stats)
-
-    @jax.jit
-    def control(ctrl, kl_ctrl, mask):
-        kl_seen = jnp.mean(kl_lib.reduce(kl_ctrl, mask, c_cfg.unit))
-        return controller.update(ctrl, kl_seen, jnp.float32(b))
-
-    return Phases(rollout, scoring, advantages, update, control)
-
-
-def time_phases(
-    cfg: RunConfig, task: Task, train: Train, state: Any, n: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median time of each phase over ``n`` calls (after one compiling call) on realistic inputs
-    from the previous phase. Returns ``(phase seconds, phase compile+first-call seconds)``."""
-    dev = jax.devices()[0]
-    put = lambda x: jax.device_put(x, dev)
-    ph = build_phases(cfg, task, train)
-    b = cfg.train.batch_size
-    env = put(task.env)
-    params, ref_params, opt_state, ctrl = put((state.params, state.ref_params, state.opt_state, state.ctrl))
-    prompts, prompt_mask = env["prompts"][:b], env["prompt_mask"][:b]
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.PRNGKey(1), jnp.arange(b))
-    beta = jnp.float32(cfg.kl.beta)
+def time_phases(train: Train, state: Any, env: Any, n: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median time of each phase over ``n`` calls (after one compiling call), each fed the real
+    output of the previous one. Returns ``(phase seconds, phase compile+first-call seconds)``."""
+    ph = build_phases(train)
     first: dict[str, float] = {}
     out: dict[str, float] = {}
 
-    def run(name, fn, *args):
+    def run(name: str, *args: Any) -> Any:
         t0 = time.perf_counter()
-        res = jax.block_until_ready(fn(*args))
+        res = jax.block_until_ready(ph[name](*args))
         first[name] = time.perf_counter() - t0
-        out[name] = median_time(fn, *args, n=n, warmup=0)
+        out[name] = median_time(ph[name], *args, n=n, warmup=0)
         return res
 
-    ro = run("rollout", ph.rollout, params["policy"], prompts, prompt_mask, keys)
-    sc = run("scoring", ph.scoring, params, ref_params, env, ro)
-    batch, kl_ctrl, _ = run("advantages", ph.advantages, ro, sc, beta)
-    run("update", ph.update, params, opt_state, batch, jax.random.PRNGKey(2))
-    run("controller", ph.controller, ctrl, kl_ctrl, ro.mask)
+    ro = run("rollout", state, env)
+    sc = run("scoring", state, env, ro)
+    ad = run("advantages", state, ro, sc)
+    run("update", state, ad["batch"])
+    run("controller", state, ad["kl_ctrl"], ro.mask)
     return out, first
 
 
@@ -376,7 +261,7 @@ def measure(
     it_s = statistics.median(times)
 
     log(f"[{name}] timing the phases")
-    phases, phases_first = time_phases(cfg, task, train, state, n=max(min(len(times), 10), 2))
+    phases, phases_first = time_phases(train, state, env, n=max(min(len(times), 10), 2))
 
     b, p, r = cfg.train.batch_size, task.prompt_len, cfg.sampling.response_len
     flops = iteration_flops(cfg, task)

@@ -73,28 +73,23 @@ def phase_times(cfg: RunConfig, task: Any, n_members: int, reps: int = 3) -> dic
     from klrl.train import make_train
 
     train = make_train(cfg, task)
-    ph = common.build_phases(cfg, task, train)
-    state = train.init(0)
-    b = cfg.train.batch_size
-    prompts, pmask = task.env["prompts"][:b], task.env["prompt_mask"][:b]
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(1), i))(jnp.arange(b))
-    pol = state.params["policy"]
-    ro = jax.block_until_ready(ph.rollout(pol, prompts, pmask, keys))
-    sc = ph.scoring(state.params, state.ref_params, task.env, ro)
-    batch = ph.advantages(ro, sc, jnp.float32(0.05))[0]
-    key = jax.random.PRNGKey(2)
+    ph = common.build_phases(train)
+    state, env = train.init(0), task.env
+    ro = jax.block_until_ready(ph["rollout"](state, env))
+    batch = ph["advantages"](state, ro, ph["scoring"](state, env, ro))["batch"]
 
     def stacked(x):
         return jax.tree.map(lambda v: jnp.broadcast_to(v, (n_members, *v.shape)), x)
 
+    # (phase, its arguments, which of them are per member)
     progs = {
-        "rollout": (jax.jit(ph.rollout), (pol, prompts, pmask, keys)),
-        "update": (jax.jit(ph.update), (state.params, state.opt_state, batch, key)),
+        "rollout": (ph["rollout"], (state, env), (0, None)),
+        "update": (ph["update"], (state, batch), (0, 0)),
     }
     out = {}
-    for name, (fn, args) in progs.items():
-        vfn = jax.jit(jax.vmap(fn, in_axes=tuple(0 for _ in args)))
-        vargs = tuple(stacked(a) for a in args)
+    for name, (fn, args, axes) in progs.items():
+        vfn = jax.jit(jax.vmap(fn, in_axes=axes))
+        vargs = tuple(stacked(a) if ax == 0 else a for a, ax in zip(args, axes, strict=True))
         out[f"{name}_1_s"] = common.median_time(fn, *args, n=reps)
         out[f"{name}_{n_members}_vmapped_s"] = common.median_time(vfn, *vargs, n=reps)
         out[f"{name}_batching_gain"] = n_members * out[f"{name}_1_s"] / out[f"{name}_{n_members}_vmapped_s"]

@@ -86,6 +86,7 @@ def generate(
     eos_id: int,
     pad_id: int = 0,
     keep_logits: bool = False,
+    unroll: int = 1,
 ) -> Rollout:
     """Sample ``cfg.response_len`` tokens for each prompt with a KV cache.
 
@@ -124,7 +125,9 @@ def generate(
         v = o.value[:, 0] if o.value is not None else value
         return (o.cache, o.logits[:, 0], v, done), ys
 
-    (cache, logits, value, done), ys = jax.lax.scan(body, (cache, logits, value, done), jnp.arange(r - 1))
+    (cache, logits, value, done), ys = jax.lax.scan(
+        body, (cache, logits, value, done), jnp.arange(r - 1), unroll=unroll
+    )
     _, _, last = sample_step(logits, value, done, r - 1)
     stacked = jax.tree.map(
         lambda a, x: jnp.concatenate([jnp.moveaxis(a, 0, 1), x[:, None]], axis=1), ys, last

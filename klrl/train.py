@@ -31,7 +31,7 @@ from klrl.config import RunConfig
 from klrl.control import ControllerState, from_config
 from klrl.model import GPT, entropy, forward, init_params, token_logprobs
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
-from klrl.rollout import generate, response_slice, sequence
+from klrl.rollout import Rollout, generate, response_slice, sequence
 from klrl.shaping import sequence_returns, shaped_rewards
 from klrl.tasks.base import Task
 
@@ -49,6 +49,17 @@ class TrainState(NamedTuple):
     skipped: Array  # int32: consecutive iterations skipped by the non-finite guard
 
 
+class Phases(NamedTuple):
+    """The stages ``step`` is composed of, as per-shard functions (call them under ``shard_map``
+    over ``'data'``, as the step does; ``benchmarks/`` times each one compiled on its own)."""
+
+    rollout: Any  # (state, env) -> Rollout
+    score: Any  # (state, env, rollout) -> {tokens, key_mask, ref_logits, ref_logp, value, task_reward, evals}
+    advantages: Any  # (state, rollout, scores) -> {batch, rewards, kl_reward, kl_ctrl, k1, exact}
+    update: Any  # (state, batch) -> (params, opt_state, stats): PPO epochs x minibatches
+    control: Any  # (state, kl_ctrl, mask) -> (controller state, observed KL)
+
+
 class Train(NamedTuple):
     init: Any  # (seed | key, beta=None) -> TrainState
     step: Any  # jitted (state, env) -> (state, metrics)
@@ -57,6 +68,7 @@ class Train(NamedTuple):
     policy: GPT
     value_model: GPT | None
     mesh: Any
+    phases: Phases
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
@@ -201,33 +213,38 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
         stats["loss/total"] = loss
         return loss, stats
 
-    def step_fn(state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
-        dev = jax.lax.axis_index(DATA)
-        key = jax.random.fold_in(state.rng, state.iteration)
-        k_prompt, k_sample, k_perm = jax.random.split(key, 3)
-        beta_r = state.ctrl.beta if drives_reward else state.other_coef
-        beta_l = state.other_coef if drives_reward else state.ctrl.beta
+    def iteration_keys(state: TrainState) -> tuple[Array, Array, Array]:
+        """(prompt, sampling, minibatch-permutation) keys of this iteration."""
+        k_prompt, k_sample, k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)
+        return k_prompt, k_sample, k_perm
 
-        # ---- prompts and rollout (this device's share of the global batch) ----
-        g_idx = dev * b_loc + jnp.arange(b_loc)
+    def coefs(state: TrainState) -> tuple[Array, Array]:
+        """(reward-side beta, loss-side coefficient)."""
+        if drives_reward:
+            return state.ctrl.beta, state.other_coef
+        return state.other_coef, state.ctrl.beta
+
+    def rollout_phase(state: TrainState, env: Any) -> Rollout:
+        """Prompts and responses for this device's share of the global batch."""
+        k_prompt, k_sample, _ = iteration_keys(state)
+        g_idx = jax.lax.axis_index(DATA) * b_loc + jnp.arange(b_loc)
         n_pool = env["prompts"].shape[0]
         p_idx = jax.vmap(
             lambda g: jax.random.randint(jax.random.fold_in(k_prompt, g // group), (), 0, n_pool)
         )(g_idx)
         ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
-        pol = state.params["policy"]
-        ro = generate(
-            policy, pol, env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
+        return generate(
+            policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
             cfg.sampling, task.eos_id, task.pad_id, keep_logits,
         )  # fmt: skip
-        mask = ro.mask
 
-        # ---- scoring: reference, value, task reward ----
+    def score_phase(state: TrainState, env: Any, ro: Rollout) -> dict[str, Any]:
+        """Reference log-probs (and logits), old values, task reward and evaluations."""
+        mask = ro.mask
         tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
         ref_logits = (
             response_slice(forward(ref_model, state.ref_params, tokens, key_mask).logits, p_len, r_len) / temp
         )
-        ref_logp = token_logprobs(ref_logits, ro.response) * mask
         if separate:
             old_value = response_slice(
                 forward(value_model, state.params["value"], tokens, key_mask).value, p_len, r_len
@@ -237,40 +254,63 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             old_value = ro.value
         else:
             old_value = jnp.zeros_like(mask)
-        task_reward = task.reward_fn(env, ro)
-        evals = task.eval_fn(env, ro) if task.eval_fn is not None else {}
+        return {
+            "tokens": tokens,
+            "key_mask": key_mask,
+            "ref_logits": ref_logits,
+            "ref_logp": token_logprobs(ref_logits, ro.response) * mask,
+            "value": old_value,
+            "task_reward": task.reward_fn(env, ro),
+            "evals": task.eval_fn(env, ro) if task.eval_fn is not None else {},
+        }
+
+    def advantage_phase(state: TrainState, ro: Rollout, sc: dict[str, Any]) -> dict[str, Any]:
+        """KL estimates, shaped rewards, advantages and returns; ``batch`` is this device's
+        share of what the update reads."""
+        mask = ro.mask
+        beta_r, _ = coefs(state)
 
         def estimate(name):
-            return kl_lib.estimate(name, ro.logp, ref_logp, mask, ro.logits, ref_logits, kl_cfg.clamp)
+            lg, ref_lg = ro.logits, sc["ref_logits"]
+            return kl_lib.estimate(name, ro.logp, sc["ref_logp"], mask, lg, ref_lg, kl_cfg.clamp)
 
         kl_reward = estimate(kl_cfg.estimator)
-        kl_ctrl = estimate(c_cfg.estimator)
-        k1 = estimate("k1")
-        exact = kl_lib.full_kl(ro.logits, ref_logits, mask)
-
-        # ---- shaping and advantages ----
-        rewards = shaped_rewards(task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+        rewards = shaped_rewards(sc["task_reward"], kl_reward, mask, beta_r, kl_cfg.placement)
         if critic:
-            advantages, returns = adv_lib.gae(rewards, old_value, mask, cfg.ppo.gamma, cfg.ppo.lam)
+            advantages, returns = adv_lib.gae(rewards, sc["value"], mask, cfg.ppo.gamma, cfg.ppo.lam)
         else:
-            seq_ret = sequence_returns(task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+            seq_ret = sequence_returns(sc["task_reward"], kl_reward, mask, beta_r, kl_cfg.placement)
             fn = adv_lib.grpo if cfg.ppo.advantage == "grpo" else adv_lib.rloo
             a = fn(seq_ret, group, cfg.ppo.group_std) if cfg.ppo.advantage == "grpo" else fn(seq_ret, group)
             advantages = a[:, None] * mask
             returns = jnp.zeros_like(mask)
         if cfg.ppo.whiten:
             advantages = adv_lib.whiten(advantages, mask, DATA)
-
-        # ---- gather the scored batch; every device sees the global batch ----
         batch = {
-            "tokens": tokens, "key_mask": key_mask, "response": ro.response, "mask": mask,
-            "logp": ro.logp, "ref_logp": ref_logp, "adv": advantages, "ret": returns, "value": old_value,
+            "tokens": sc["tokens"], "key_mask": sc["key_mask"], "response": ro.response, "mask": mask,
+            "logp": ro.logp, "ref_logp": sc["ref_logp"], "adv": advantages, "ret": returns,
+            "value": sc["value"],
         }  # fmt: skip
         if kl_in_loss and kl_cfg.loss_estimator == "full":
-            batch["ref_logits"] = ref_logits
-        batch = gather(batch)
+            batch["ref_logits"] = sc["ref_logits"]
+        return {
+            "batch": batch,
+            "rewards": rewards,
+            "kl_reward": kl_reward,
+            "kl_ctrl": estimate(c_cfg.estimator),
+            "k1": estimate("k1"),
+            "exact": kl_lib.full_kl(ro.logits, sc["ref_logits"], mask),
+        }
 
-        grad_fn = jax.grad(loss_fn, has_aux=True)
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def update_phase(state: TrainState, batch: dict[str, Array]) -> tuple[Any, Any, dict[str, Array]]:
+        """PPO epochs x minibatches (nested ``lax.scan``) over the global batch (``batch`` is
+        this device's share; it is all-gathered first). Returns (params, opt_state, mean stats)."""
+        k_perm = iteration_keys(state)[2]
+        _, beta_l = coefs(state)
+        dev = jax.lax.axis_index(DATA)
+        batch = gather(batch)  # every device sees the global batch
 
         def minibatch_step(carry, idx):
             params, opt_state = carry
@@ -288,12 +328,26 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
 
         epoch_keys = jax.random.split(k_perm, cfg.ppo.epochs)
         (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state), epoch_keys)
-        stats = jax.tree.map(jnp.mean, stats)
+        return params, opt_state, jax.tree.map(jnp.mean, stats)
 
-        # ---- controller, reference refresh ----
-        g_mask = batch["mask"]
+    def control_phase(state: TrainState, kl_ctrl: Array, mask: Array) -> tuple[ControllerState, Array]:
+        """The controller's update from this iteration's KL (in ``ctrl.unit``, averaged over the
+        global batch). Returns (controller state, the KL it saw)."""
         kl_seen = average(jnp.mean(kl_lib.reduce(kl_ctrl, mask, c_cfg.unit)))
-        ctrl = controller.update(state.ctrl, kl_seen, jnp.float32(b_glob))
+        return controller.update(state.ctrl, kl_seen, jnp.float32(b_glob)), kl_seen
+
+    def step_fn(state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
+        ro = rollout_phase(state, env)
+        mask = ro.mask
+        sc = score_phase(state, env, ro)
+        ad = advantage_phase(state, ro, sc)
+        params, opt_state, stats = update_phase(state, ad["batch"])
+        ctrl, kl_seen = control_phase(state, ad["kl_ctrl"], mask)
+        task_reward, evals, ref_logp = sc["task_reward"], sc["evals"], sc["ref_logp"]
+        kl_reward, rewards, k1, exact = ad["kl_reward"], ad["rewards"], ad["k1"], ad["exact"]
+        explained = (ad["batch"]["value"], ad["batch"]["ret"], mask)  # gathered for the metric
+
+        # ---- reference refresh ----
         ref_params = state.ref_params
         if kl_cfg.ref_update_every > 0:
             refresh = (state.iteration + 1) % kl_cfg.ref_update_every == 0
@@ -322,7 +376,7 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
             "ctrl/target": state.ctrl.params.target,
             "response/length": seq_mean(length),
             "response/eos_frac": seq_mean((length < r_len).astype(jnp.float32)),
-            "value/explained_variance": losses.explained_variance(batch["value"], batch["ret"], g_mask)
+            "value/explained_variance": losses.explained_variance(*gather(explained))
             if critic
             else jnp.float32(0.0),
             "eval/ref_ppl": jnp.exp(-total(jnp.sum(ref_logp)) / jnp.maximum(total(jnp.sum(mask)), 1.0)),
@@ -348,4 +402,5 @@ def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
         return state, metrics
 
     step = shard_step(step_fn, mesh)
-    return Train(init, step, step_fn, loss_fn, policy, value_model if separate else None, mesh)
+    phases = Phases(rollout_phase, score_phase, advantage_phase, update_phase, control_phase)
+    return Train(init, step, step_fn, loss_fn, policy, value_model if separate else None, mesh, phases)
