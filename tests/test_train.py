@@ -241,3 +241,30 @@ def test_one_vs_four_devices(parity_run) -> None:
         for k in metrics:
             a, b = float(out[f"4/metric/{i}/{k}"]), float(out[f"1/metric/{i}/{k}"])
             assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), f"iteration {i} {k}: 4 devices {a} vs 1 device {b}"
+
+
+def test_phases_compose_to_the_step(bench: Bench) -> None:
+    """``Train.phases``, each compiled on its own (as ``benchmarks/`` times them) and chained by
+    hand, give the step's parameters, optimiser state and beta: the phases are the step's code."""
+    train = bench.train
+
+    def compiled(fn, n_args):
+        specs = (P(),) * n_args
+        return jax.jit(jax.shard_map(fn, mesh=train.mesh, in_specs=specs, out_specs=P(), check_vma=False))
+
+    state = bench.state(_prop(1e-3), beta=0.05)
+    env = bench.env(0.0)
+    ph = train.phases
+    ro = compiled(ph.rollout, 2)(state, env)
+    sc = compiled(ph.score, 3)(state, env, ro)
+    ad = compiled(ph.advantages, 3)(state, ro, sc)
+    params, opt_state, stats = compiled(ph.update, 2)(state, ad["batch"])
+    ctrl, kl_seen = compiled(ph.control, 3)(state, ad["kl_ctrl"], ro.mask)
+    want = _host((params, opt_state, ctrl.beta))
+    new, m = train.step(state, env)
+    got = _host((new.params, new.opt_state, new.ctrl.beta))
+    # separately compiled programs fuse differently: equal up to float rounding
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    assert float(m["loss/total"]) == pytest.approx(float(stats["loss/total"]), rel=1e-4, abs=1e-6)
+    assert float(m[f"ctrl/kl_observed_{bench.cfg.ctrl.unit}"]) == pytest.approx(float(kl_seen), rel=1e-5)
+    assert float(new.ctrl.beta) != 0.05  # the controller really moved beta: the comparison says something
