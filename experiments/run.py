@@ -165,17 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    s = result.summary()
-    print(f"run directory: {result.dir}")
-    print(f"{'metric':<22}{'start':>12}{'end':>12}")
-    for k, v in s.items():
-        print(f"{k:<22}{v['start']:>12.4g}{v['end']:>12.4g}")
-    done = result.info["iteration"] - result.info["start_iteration"]
-    print(f"train time {result.info['train_s']:.1f}s for {done} iterations")
+    from klrl.distributed import is_main
+
     stopped = result.info.get("stopped")
+    if is_main():  # several processes (--distributed): one summary, from the process that writes
+        s = result.summary()
+        print(f"run directory: {result.dir}")
+        print(f"{'metric':<22}{'start':>12}{'end':>12}")
+        for k, v in s.items():
+            print(f"{k:<22}{v['start']:>12.4g}{v['end']:>12.4g}")
+        done = result.info["iteration"] - result.info["start_iteration"]
+        print(f"train time {result.info['train_s']:.1f}s for {done} iterations")
+        if stopped:
+            print(f"stopped by {stopped} at iteration {result.info['iteration']} (checkpoint saved); "
+                  f"continue with: python experiments/run.py --resume {result.dir}")  # fmt: skip
     if stopped:
-        print(f"stopped by {stopped} at iteration {result.info['iteration']} (checkpoint saved); "
-              f"continue with: python experiments/run.py --resume {result.dir}")  # fmt: skip
         return 130 if stopped == "SIGINT" else 0
     return 0
 

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices
@@ -178,11 +177,6 @@ def _prepare_resume(cfg: RunConfig, run_dir: str | Path) -> _Resume:
     return _Resume(d, step, meta)
 
 
-def _place(state: Any, mesh: Any) -> Any:
-    """Host arrays -> replicated on the mesh, exactly as ``init`` and ``step`` hold the state."""
-    return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
-
-
 def run(
     cfg: RunConfig,
     *,
@@ -244,20 +238,24 @@ def run(
             state, meta = ckpt.restore(rmgr, abstract, plan.step)
         finally:
             rmgr.close()
-        state = _place(state, mesh)
+        state = distributed.replicate(state, mesh)  # every process restored the same host values
         rollbacks = int(meta.get("rollbacks", 0))
-        # past this point the resume is valid: cut metrics back to the checkpoint (atomically)
+        # past this point the resume is valid: cut metrics back to the checkpoint (atomically);
+        # every process reads the same first lines (a replacement is a rename), only process 0 writes
         n_lines = int(meta["metrics_lines"])
         lines = _complete_lines(out / "metrics.jsonl")
-        if len(lines) != n_lines or (out / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
-            _replace_file(out / "metrics.jsonl", b"".join(lines[:n_lines]))
-        rows = read_jsonl(out / "metrics.jsonl")
-        _replace_file(out / "config.json", json.dumps(cfg.to_dict(), indent=1).encode())
-        writer = MetricsWriter(out, hparams=hparams_of(cfg))
-        msg = f"resumed from checkpoint {plan.step} ({len(lines) - n_lines} metrics lines after it dropped)"
-        writer.event(plan.step, "resume", msg)
-        if not tc.quiet:
-            log(f"{out}: {msg}")
+        rows = [json.loads(line) for line in lines[:n_lines]]
+        if main:
+            if len(lines) != n_lines or (out / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
+                _replace_file(out / "metrics.jsonl", b"".join(lines[:n_lines]))
+            _replace_file(out / "config.json", json.dumps(cfg.to_dict(), indent=1).encode())
+            writer = MetricsWriter(out, hparams=hparams_of(cfg))
+            msg = (
+                f"resumed from checkpoint {plan.step} ({len(lines) - n_lines} metrics lines after it dropped)"
+            )
+            writer.event(plan.step, "resume", msg)
+            if not tc.quiet:
+                log(f"{out}: {msg}")
     else:
         if write and main:
             out = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
@@ -334,7 +332,7 @@ def run(
                 f"(train.max_rollbacks); newest good checkpoint: {dec.step}"
             )
         new = initial if dec.step == 0 else ckpt.restore(mgr, abstract, dec.step)[0]
-        new = _place(new, mesh)
+        new = distributed.replicate(new, mesh)
         old_beta = float(new.ctrl.beta)
         state = new._replace(ctrl=new.ctrl._replace(beta=new.ctrl.beta * jnp.float32(tc.rollback_factor)))
         for s in ckpt.steps(mgr):

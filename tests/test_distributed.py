@@ -4,8 +4,9 @@ Three real processes, started together: the reference (1 process, 4 forced host 
 2-process job on ``localhost`` (2 forced host devices each, gloo collectives), joined through
 :func:`klrl.distributed.initialize` (process 0 with arguments, process 1 through the
 ``KLRL_*`` environment variables). Each runs ``klrl.run`` on the tiny config over all 4 global
-devices and dumps its beta trajectory and final parameters. Every process gets its own time
-limit and is killed at the end whatever happens.
+devices and dumps its beta trajectory and final parameters; then the three are started again to
+resume their run directories from the iteration-3 checkpoint up to iteration 5. Every process
+gets its own time limit and is killed at the end whatever happens.
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ DRIVER = textwrap.dedent(
     from klrl.config import RunConfig
 
     cfg = RunConfig.from_dict(json.load(open(cfg_path)))
-    result = klrl.run(cfg, run_dir=run_dir)
+    if len(sys.argv) > 7:  # resume run_dir up to this many iterations
+        cfg = cfg.replace(train={"iterations": int(sys.argv[7])})
+        result = klrl.run(cfg, resume=run_dir)
+    else:
+        result = klrl.run(cfg, run_dir=run_dir)
     out = {"beta": result.metrics["ctrl/beta"], "final_beta": D.to_host(result.state.ctrl.beta)}
     for path, leaf in jax.tree_util.tree_leaves_with_path(D.to_host(result.state.params)):
         out["param/" + jax.tree_util.keystr(path)] = leaf
@@ -79,17 +84,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def jobs(tiny_cfg, tiny_task, tmp_path_factory):
-    """Start the 1-process reference and the 2-process job; collect them; kill whatever is left."""
-    d = tmp_path_factory.mktemp("distributed")
-    cfg = tiny_cfg.replace(
-        train={"devices": 0},  # all 4 global devices on the data axis
-        ctrl={"kind": "dual", "lr": 0.1, "target": 0.01, "estimator": "full"},  # beta follows the KL
-        kl={"beta": 0.1},
-    )
-    (d / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-    (d / "driver.py").write_text(DRIVER)
+def _launch(d: Path, resume_iterations: int | None = None) -> dict[str, dict]:
+    """Run the 1-process reference and the 2-process job together (each ``klrl.run`` on its own
+    run directory, or resuming it up to ``resume_iterations``); collect their dumps; kill whatever
+    is left."""
     base = dict(os.environ, JAX_PLATFORMS="cpu")
     for k in ("XLA_FLAGS", "KLRL_COORDINATOR", "KLRL_NUM_PROCESSES", "KLRL_PROCESS_ID"):
         base.pop(k, None)
@@ -102,12 +100,15 @@ def jobs(tiny_cfg, tiny_task, tmp_path_factory):
             "KLRL_COORDINATOR": f"localhost:{port}", "KLRL_NUM_PROCESSES": "2", "KLRL_PROCESS_ID": "1",
         }),
     }  # fmt: skip
+    tag = "" if resume_iterations is None else f"-resumed{resume_iterations}"
     procs: dict[str, subprocess.Popen] = {}
     outputs: dict[str, tuple[int, str, Path]] = {}
     try:
         for name, (n, i, run_dir, extra) in specs.items():
-            out = d / f"{name}.npz"
+            out = d / f"{name}{tag}.npz"
             args = [str(n), str(i), str(port), str(d / "cfg.json"), str(run_dir), str(out)]
+            if resume_iterations is not None:
+                args.append(str(resume_iterations))
             procs[name] = subprocess.Popen(
                 [sys.executable, str(d / "driver.py"), *args], env={**base, **extra},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -119,46 +120,93 @@ def jobs(tiny_cfg, tiny_task, tmp_path_factory):
             try:
                 text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{name} did not finish in {TIMEOUT} s")
-            outputs[name] = (p.returncode, text, d / f"{name}.npz")
+                pytest.fail(f"{name}{tag} did not finish in {TIMEOUT} s")
+            outputs[name] = (p.returncode, text, d / f"{name}{tag}.npz")
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.communicate()
     for name, (rc, text, _) in outputs.items():
-        assert rc == 0, f"{name} exited {rc}:\n{text[-4000:]}"
-    return {name: dict(np.load(path)) for name, (_, _, path) in outputs.items()}, d
+        assert rc == 0, f"{name}{tag} exited {rc}:\n{text[-4000:]}"
+    return {name: dict(np.load(path)) for name, (_, _, path) in outputs.items()}
 
 
-def test_two_processes_match_one(jobs) -> None:
-    out, _ = jobs
+@pytest.fixture(scope="module")
+def jobs(tiny_cfg, tiny_task, tmp_path_factory):
+    """3 iterations from scratch, then the same run directories resumed up to 5 iterations."""
+    d = tmp_path_factory.mktemp("distributed")
+    cfg = tiny_cfg.replace(
+        train={"devices": 0},  # all 4 global devices on the data axis
+        ctrl={"kind": "dual", "lr": 0.1, "target": 0.01, "estimator": "full"},  # beta follows the KL
+        kl={"beta": 0.1},
+    )
+    (d / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    (d / "driver.py").write_text(DRIVER)
+    fresh = _launch(d)
+    (d / "run-multi-after-3").mkdir()  # what process 0 had written before the resume
+    for name in ("metrics.jsonl", "events.jsonl"):
+        if (d / "run-multi" / name).exists():
+            (d / "run-multi-after-3" / name).write_bytes((d / "run-multi" / name).read_bytes())
+    resumed = _launch(d, resume_iterations=5)
+    return fresh, resumed, d
+
+
+def _compare(out: dict, what: str) -> dict[str, float]:
+    """The processes of the 2-process job against the 1-process reference, and against each other."""
     ref = out["single"]
-    assert np.all(np.abs(np.diff(np.concatenate([[0.1], ref["beta"]]))) > 1e-4), ref["beta"]  # beta moves
     worst = {}
     for name in ("p0", "p1"):
         got = out[name]
         assert sorted(got) == sorted(ref)
-        np.testing.assert_allclose(got["beta"], ref["beta"], rtol=RTOL, err_msg=f"{name}: beta trajectory")
+        np.testing.assert_allclose(got["beta"], ref["beta"], rtol=RTOL, err_msg=f"{what} {name}: beta")
         np.testing.assert_allclose(got["final_beta"], ref["final_beta"], rtol=RTOL)
         errs = [float(np.max(np.abs(got["beta"] - ref["beta"]) / np.abs(ref["beta"])))]
         for k in (k for k in ref if k.startswith("param/")):
             scale = float(np.max(np.abs(ref[k])))
             err = float(np.max(np.abs(got[k] - ref[k])))
-            assert err <= RTOL * scale, f"{name} {k}: max|diff| {err:.3g} vs max|param| {scale:.3g}"
+            assert err <= RTOL * scale, f"{what} {name} {k}: max|diff| {err:.3g} vs max|param| {scale:.3g}"
             errs.append(err / scale)
         worst[name] = max(errs)
     for k in out["p0"]:  # both processes hold the same replicated result
-        np.testing.assert_array_equal(out["p0"][k], out["p1"][k], err_msg=k)
+        np.testing.assert_array_equal(out["p0"][k], out["p1"][k], err_msg=f"{what}: {k}")
+    return worst
+
+
+def test_two_processes_match_one(jobs) -> None:
+    fresh, _, _ = jobs
+    ref = fresh["single"]
+    assert np.all(np.abs(np.diff(np.concatenate([[0.1], ref["beta"]]))) > 1e-4), ref["beta"]  # beta moves
+    worst = _compare(fresh, "from scratch")
     print(f"2 processes x 2 devices vs 1 process x 4 devices: worst relative difference {worst}")
 
 
-def test_only_process_zero_writes(jobs) -> None:
-    _, d = jobs
+def test_two_processes_resume_as_one(jobs) -> None:
+    """Both jobs resumed from their iteration-3 checkpoints up to 5: the 2-process resume gives the
+    1-process resume's result (which equals an uninterrupted run: tests/test_checkpoint.py)."""
+    fresh, resumed, d = jobs
+    assert len(resumed["single"]["beta"]) == 5  # the whole trajectory: 3 read back + 2 new
+    np.testing.assert_array_equal(resumed["single"]["beta"][:3], fresh["single"]["beta"])
+    worst = _compare(resumed, "resumed")
+    print(f"resumed, 2 processes vs 1: worst relative difference {worst}")
     run = d / "run-multi"
     lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2, 3, 4]  # one writer
+    before = (d / "run-multi-after-3" / "metrics.jsonl").read_text().splitlines()
+    assert lines[:3] == before  # the lines before the checkpoint are kept as written
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("resume") == 1
+    assert (run / "checkpoints" / "5").is_dir()
+
+
+def test_only_process_zero_writes(jobs) -> None:
+    _, _, d = jobs
+    run = d / "run-multi"
+    lines = (d / "run-multi-after-3" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]  # one writer, not two
-    assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1
+    # one event file per writing session (the run, then its resume), as for the single process
+    n_tb = len(list((run / "tb").glob("events.out.tfevents.*")))
+    assert n_tb == len(list((d / "run-single" / "tb").glob("events.out.tfevents.*"))) == 2
     assert (run / "config.json").exists() and (run / "summary.json").exists()
     single = sorted(p.name for p in (d / "run-single").iterdir())
     assert sorted(p.name for p in run.iterdir()) == single  # the same files as a single-process run
