@@ -175,7 +175,7 @@ def _keys(results: list[RunResult]) -> list[str]:
 
 
 def _varying(results: list[RunResult]) -> list[str]:
-    from klrl.runner import config_diff
+    from klrl.io.resume import config_diff
 
     first = results[0].config
     return sorted({f for r in results[1:] for f in config_diff(first, r.config)})

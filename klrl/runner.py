@@ -19,6 +19,8 @@ from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, read_jsonl
+from klrl.io.resume import complete_lines, replace_file
+from klrl.io.resume import prepare as prepare_resume
 from klrl.parallel import make_mesh
 from klrl.tasks.base import Task
 
@@ -68,113 +70,7 @@ def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
 
 
-# fields a resume may change: none of them changes the model, the batch or the maths of an iteration
-RESUME_MUTABLE = frozenset(
-    {
-        "train.iterations",
-        "train.quiet",
-        "train.log_every",
-        "train.out_dir",
-        "train.name",
-        "train.checkpoint_every",
-        "train.keep_checkpoints",
-        "train.max_consecutive_skips",
-        "train.rollback_metric",
-        "train.rollback_threshold",
-        "train.rollback_factor",
-        "train.max_rollbacks",
-    }
-)
 ROLLED_BACK = "metrics.rolled_back.jsonl"
-
-
-def config_diff(a: RunConfig | dict[str, Any], b: RunConfig | dict[str, Any]) -> list[str]:
-    """Dotted names of the fields that differ between two configs (or their ``to_dict()``)."""
-    da = a.to_dict() if isinstance(a, RunConfig) else a
-    db = b.to_dict() if isinstance(b, RunConfig) else b
-    out = []
-    for sec in sorted(set(da) | set(db)):
-        fa, fb = da.get(sec) or {}, db.get(sec) or {}
-        out += [f"{sec}.{k}" for k in sorted(set(fa) | set(fb)) if fa.get(k, ...) != fb.get(k, ...)]
-    return out
-
-
-def check_resumable(saved: RunConfig | dict[str, Any], cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` (naming the fields) if ``cfg`` may not continue a run of ``saved``.
-
-    Only :data:`RESUME_MUTABLE` fields may change. ``train.iterations`` may change only with the
-    constant learning-rate schedule: a decaying schedule's horizon is ``train.iterations``, so
-    changing it would change the updates already made (refused rather than silently re-timed).
-    """
-    diff = config_diff(saved, cfg)
-    bad = [f for f in diff if f not in RESUME_MUTABLE]
-    if bad:
-        raise ConfigError(
-            f"{', '.join(bad)}: differ from the run's config; a resume may change only "
-            "train.iterations and the logging, checkpoint and rollback knobs"
-        )
-    if "train.iterations" in diff and cfg.optim.schedule != "constant":
-        raise ConfigError(
-            f"train.iterations: cannot change on resume with optim.schedule={cfg.optim.schedule} "
-            "(the schedule's horizon is train.iterations)"
-        )
-
-
-def _complete_lines(path: Path) -> list[bytes]:
-    """The newline-terminated lines of ``path`` (a torn last line is left out)."""
-    if not path.exists():
-        return []
-    lines = path.read_bytes().split(b"\n")
-    return [line + b"\n" for line in lines[:-1]]
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file, fsync, ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-@dataclass
-class _Resume:
-    dir: Path
-    step: int
-    meta: dict[str, Any]
-
-
-def _prepare_resume(cfg: RunConfig, run_dir: str | Path) -> _Resume:
-    """Every check of a resume that needs no compiled code; nothing on disk is changed."""
-    d = Path(run_dir)
-    if not (d / "config.json").is_file():
-        raise ckpt.CheckpointError(f"{d}: not a klrl run directory (no config.json)")
-    mgr = ckpt.manager(d, read_only=True)
-    try:
-        step = ckpt.latest_step(mgr)
-        if step is None:
-            raise ckpt.CheckpointError(f"{d}: no complete checkpoint to resume from")
-        meta = ckpt.read_meta(mgr, step)
-    finally:
-        mgr.close()
-    if meta["version"] != ckpt.version():
-        raise ckpt.CheckpointError(
-            f"{d} was written by klrl {meta['version']}; this is klrl {ckpt.version()}"
-        )
-    if int(meta["iteration"]) != step:
-        raise ckpt.CheckpointError(f"checkpoint {step} in {d} records iteration {meta['iteration']}")
-    check_resumable(meta["config"], cfg)
-    if cfg.train.iterations < step:
-        raise ConfigError(
-            f"train.iterations: {cfg.train.iterations} is below the checkpoint's iteration {step}"
-        )
-    n = len(_complete_lines(d / "metrics.jsonl"))
-    if n < int(meta["metrics_lines"]):
-        raise ckpt.CheckpointError(
-            f"{d}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
-        )
-    return _Resume(d, step, meta)
 
 
 def run(
@@ -190,7 +86,7 @@ def run(
 
     ``write=False`` keeps everything in memory (no run directory, no checkpoints).
     ``resume=RUN_DIR`` continues that run from its latest complete checkpoint up to
-    ``cfg.train.iterations`` (see :func:`check_resumable` for what ``cfg`` may change);
+    ``cfg.train.iterations`` (see :func:`klrl.io.resume.check_resumable` for what ``cfg`` may change);
     ``metrics.jsonl`` is cut back to the checkpoint, so the result is the same, bit for bit,
     as a run that was never interrupted.
 
@@ -207,7 +103,7 @@ def run(
     if resume is not None:
         if not write:
             raise ConfigError("resume: a resumed run writes to its run directory (write=True)")
-        plan = _prepare_resume(cfg, resume)
+        plan = prepare_resume(cfg, resume)
     if metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
     mesh = make_mesh(tc.devices)
@@ -243,12 +139,12 @@ def run(
         # past this point the resume is valid: cut metrics back to the checkpoint (atomically);
         # every process reads the same first lines (a replacement is a rename), only process 0 writes
         n_lines = int(meta["metrics_lines"])
-        lines = _complete_lines(out / "metrics.jsonl")
+        lines = complete_lines(out / "metrics.jsonl")
         rows = [json.loads(line) for line in lines[:n_lines]]
         if main:
             if len(lines) != n_lines or (out / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
-                _replace_file(out / "metrics.jsonl", b"".join(lines[:n_lines]))
-            _replace_file(out / "config.json", json.dumps(cfg.to_dict(), indent=1).encode())
+                replace_file(out / "metrics.jsonl", b"".join(lines[:n_lines]))
+            replace_file(out / "config.json", json.dumps(cfg.to_dict(), indent=1).encode())
             writer = MetricsWriter(out, hparams=hparams_of(cfg))
             msg = (
                 f"resumed from checkpoint {plan.step} ({len(lines) - n_lines} metrics lines after it dropped)"
@@ -341,7 +237,7 @@ def run(
         last_saved = dec.step if dec.step > 0 else -1
         # metrics after the restored state move to metrics.rolled_back.jsonl (appended, never lost)
         path = out / "metrics.jsonl"
-        lines = _complete_lines(path)
+        lines = complete_lines(path)
         if main:
             with open(out / ROLLED_BACK, "ab") as f:
                 f.write(b"".join(lines[dec.step :]))

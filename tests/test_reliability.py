@@ -107,7 +107,7 @@ def test_decide_rollback_properties(trace, steps, threshold):
 
 def test_check_resumable_rules():
     from klrl.config import ConfigError, RunConfig
-    from klrl.runner import RESUME_MUTABLE, check_resumable, config_diff
+    from klrl.io.resume import RESUME_MUTABLE, check_resumable, config_diff
 
     a = RunConfig()
     knobs = {"iterations": 500, "quiet": True, "log_every": 7, "out_dir": "x", "name": "y",

@@ -1,0 +1,121 @@
+"""Resuming a run: which config changes a resume allows, the checks that need no compiled code,
+and the atomic file replacement used to cut ``metrics.jsonl`` back to a checkpoint."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from klrl.config import ConfigError, RunConfig
+from klrl.io import checkpoint as ckpt
+
+# fields a resume may change: none of them changes the model, the batch or the maths of an iteration
+RESUME_MUTABLE = frozenset(
+    {
+        "train.iterations",
+        "train.quiet",
+        "train.log_every",
+        "train.out_dir",
+        "train.name",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.max_consecutive_skips",
+        "train.rollback_metric",
+        "train.rollback_threshold",
+        "train.rollback_factor",
+        "train.max_rollbacks",
+    }
+)
+
+
+def config_diff(a: RunConfig | dict[str, Any], b: RunConfig | dict[str, Any]) -> list[str]:
+    """Dotted names of the fields that differ between two configs (or their ``to_dict()``)."""
+    da = a.to_dict() if isinstance(a, RunConfig) else a
+    db = b.to_dict() if isinstance(b, RunConfig) else b
+    out = []
+    for sec in sorted(set(da) | set(db)):
+        fa, fb = da.get(sec) or {}, db.get(sec) or {}
+        out += [f"{sec}.{k}" for k in sorted(set(fa) | set(fb)) if fa.get(k, ...) != fb.get(k, ...)]
+    return out
+
+
+def check_resumable(saved: RunConfig | dict[str, Any], cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` (naming the fields) if ``cfg`` may not continue a run of ``saved``.
+
+    Only :data:`RESUME_MUTABLE` fields may change. ``train.iterations`` may change only with the
+    constant learning-rate schedule: a decaying schedule's horizon is ``train.iterations``, so
+    changing it would change the updates already made (refused rather than silently re-timed).
+    """
+    diff = config_diff(saved, cfg)
+    bad = [f for f in diff if f not in RESUME_MUTABLE]
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)}: differ from the run's config; a resume may change only "
+            "train.iterations and the logging, checkpoint and rollback knobs"
+        )
+    if "train.iterations" in diff and cfg.optim.schedule != "constant":
+        raise ConfigError(
+            f"train.iterations: cannot change on resume with optim.schedule={cfg.optim.schedule} "
+            "(the schedule's horizon is train.iterations)"
+        )
+
+
+def complete_lines(path: Path) -> list[bytes]:
+    """The newline-terminated lines of ``path`` (a torn last line is left out)."""
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    return [line + b"\n" for line in lines[:-1]]
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file, fsync, ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Resume:
+    """A valid resume: the run directory, its latest complete checkpoint and that checkpoint's meta."""
+
+    dir: Path
+    step: int
+    meta: dict[str, Any]
+
+
+def prepare(cfg: RunConfig, run_dir: str | Path) -> Resume:
+    """Every check of a resume that needs no compiled code; nothing on disk is changed."""
+    d = Path(run_dir)
+    if not (d / "config.json").is_file():
+        raise ckpt.CheckpointError(f"{d}: not a klrl run directory (no config.json)")
+    mgr = ckpt.manager(d, read_only=True)
+    try:
+        step = ckpt.latest_step(mgr)
+        if step is None:
+            raise ckpt.CheckpointError(f"{d}: no complete checkpoint to resume from")
+        meta = ckpt.read_meta(mgr, step)
+    finally:
+        mgr.close()
+    if meta["version"] != ckpt.version():
+        raise ckpt.CheckpointError(
+            f"{d} was written by klrl {meta['version']}; this is klrl {ckpt.version()}"
+        )
+    if int(meta["iteration"]) != step:
+        raise ckpt.CheckpointError(f"checkpoint {step} in {d} records iteration {meta['iteration']}")
+    check_resumable(meta["config"], cfg)
+    if cfg.train.iterations < step:
+        raise ConfigError(
+            f"train.iterations: {cfg.train.iterations} is below the checkpoint's iteration {step}"
+        )
+    n = len(complete_lines(d / "metrics.jsonl"))
+    if n < int(meta["metrics_lines"]):
+        raise ckpt.CheckpointError(
+            f"{d}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
+        )
+    return Resume(d, step, meta)
