@@ -58,11 +58,13 @@ def gumbel_argmax(keys: Array, logits: Array) -> Array:
     ``jax.random.gumbel``; ties go to the lowest index), with the argmax written as a max and a
     min over matching indices: two plain reductions that XLA vectorises on CPU, where the
     index-carrying argmax reduction was half of the sampling time (``benchmarks/NOTES.md``).
+    A row with NaN logits draws token ``V - 1`` (``categorical``: the first NaN's index); either
+    way a token id stays in range, and the step's non-finite guard skips such an iteration.
     """
     v = logits.shape[-1]
     g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), logits.dtype))(keys) + logits
     best = jnp.max(g, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(g == best, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(jnp.min(jnp.where(g == best, jnp.arange(v, dtype=jnp.int32), v), axis=-1), v - 1)
 
 
 def _sample(logits: Array, keys: Array, temperature: float, top_k: int) -> tuple[Array, Array, Array]:
@@ -90,7 +92,8 @@ def generate(
 ) -> Rollout:
     """Sample ``cfg.response_len`` tokens for each prompt with a KV cache.
 
-    ``keys [B]`` are per-example PRNG keys; step t uses ``fold_in(keys[b], t)``.
+    ``keys [B]`` are per-example PRNG keys; step t uses ``fold_in(keys[b], t)``. ``unroll`` is the
+    decode scan's unroll factor (1 measured fastest on CPU, ``benchmarks/NOTES.md``).
     """
     b, p = prompt.shape
     r = cfg.response_len

@@ -177,3 +177,8 @@ def test_gumbel_argmax_draws_what_jax_random_categorical_draws() -> None:
     # top-5 rows never leave their top 5; tied rows spread over the vocabulary
     assert bool(jnp.all(jnp.isfinite(jnp.take_along_axis(top5, draws["top5"][:, None], axis=-1))))
     assert len(np.unique(_np(draws["tied"]))) > v // 2
+    # a NaN row (a diverged policy) still draws a token id in range; the guard skips the iteration
+    nan_rows = logits.at[:4, 3].set(jnp.nan)
+    drawn = _np(jax.jit(gumbel_argmax)(keys, nan_rows))
+    assert np.all((drawn >= 0) & (drawn < v))
+    np.testing.assert_array_equal(drawn[4:], _np(draws["plain"])[4:])
