@@ -300,7 +300,7 @@ class TrainConfig:
         "roll back when rollback_metric crosses this ratio to its iteration-0 value "
         "(> 1: rising above it is bad; < 1: falling below it is bad)",
     )
-    rollback_factor: float = _f(2.0, "on a rollback, multiply the controller's beta by this (> 1)")
+    rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
     max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
 
     def __post_init__(self) -> None:

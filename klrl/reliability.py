@@ -105,6 +105,17 @@ def decide_rollback(
     return Rollback(crossing=t, value=value, ratio=value / base, step=max(good, default=0))
 
 
+def rollback_beta(restored: float, current: float, factor: float) -> float:
+    """The beta a run continues with after a rollback: ``factor`` times the larger of the restored
+    state's beta and the beta in force when the metric crossed.
+
+    Restoring resets beta to the checkpoint's value, so scaling the restored beta alone would make
+    every rollback to the same checkpoint retry the same beta; taking the larger of the two makes
+    repeated rollbacks compound (``factor``, ``factor**2``, ... times the checkpoint's beta).
+    """
+    return max(restored, current) * factor
+
+
 # ---- preemption ---------------------------------------------------------------------------------
 
 

@@ -227,10 +227,13 @@ def run(
                 f"train.rollback_threshold {tc.rollback_threshold}, after {rollbacks} rollbacks "
                 f"(train.max_rollbacks); newest good checkpoint: {dec.step}"
             )
+        failed_beta = float(state.ctrl.beta)  # the beta in force when the metric crossed
         new = initial if dec.step == 0 else ckpt.restore(mgr, abstract, dec.step)[0]
         new = distributed.replicate(new, mesh)
         old_beta = float(new.ctrl.beta)
-        state = new._replace(ctrl=new.ctrl._replace(beta=new.ctrl.beta * jnp.float32(tc.rollback_factor)))
+        beta = reliability.rollback_beta(old_beta, failed_beta, tc.rollback_factor)
+        # (``new``'s beta times 0 plus the value keeps the state's placement on the mesh)
+        state = new._replace(ctrl=new.ctrl._replace(beta=new.ctrl.beta * 0 + jnp.float32(beta)))
         for s in ckpt.steps(mgr):
             if s > dec.step:
                 mgr.delete(s)

@@ -38,6 +38,17 @@ from conftest import base_config, cli_args, lines, run_main  # noqa: E402  (jax_
 # ---- the rollback decision, pure ---------------------------------------------------------------
 
 
+def test_rollback_beta_compounds_over_repeated_rollbacks():
+    from klrl.reliability import rollback_beta
+
+    beta = 0.05  # a fixed controller: the checkpoint and the failing state hold the same beta
+    for k in range(1, 4):  # rolled back to the same checkpoint (beta 0.05) three times
+        beta = rollback_beta(0.05, beta, 2.0)
+        assert beta == pytest.approx(0.05 * 2**k)
+    # an adaptive controller that lowered beta before the crossing: the restored one is larger
+    assert rollback_beta(0.2, 0.03, 2.0) == pytest.approx(0.4)
+
+
 def test_decide_rollback_examples():
     trace = [10.0, 10.5, 10.2, 10.8, 11.5, 12.0]  # threshold 1.1: 11.5 (iteration 4) is the first past 11
     assert first_crossing(trace, 1.1) == 4
