@@ -23,7 +23,7 @@ from klrl.report import write_report
 from klrl.rollout import Rollout, generate
 from klrl.runner import RunResult, load_run, load_sweep, run
 from klrl.sweep import sweep  # the function; the module stays importable as klrl.sweep (sys.modules)
-from klrl.train import Train, TrainState, make_train
+from klrl.train import Phases, Train, TrainState, make_train
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PPOConfig",
+    "Phases",
     "Rollout",
     "RunConfig",
     "RunResult",
