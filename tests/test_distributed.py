@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -64,11 +65,16 @@ DRIVER = textwrap.dedent(
     from klrl.config import RunConfig
 
     cfg = RunConfig.from_dict(json.load(open(cfg_path)))
-    if len(sys.argv) > 7:  # resume run_dir up to this many iterations
-        cfg = cfg.replace(train={"iterations": int(sys.argv[7])})
-        result = klrl.run(cfg, resume=run_dir)
-    else:
-        result = klrl.run(cfg, run_dir=run_dir)
+    from klrl.reliability import RunStopped
+
+    try:
+        if len(sys.argv) > 7:  # resume run_dir up to this many iterations
+            cfg = cfg.replace(train={"iterations": int(sys.argv[7])})
+            result = klrl.run(cfg, resume=run_dir)
+        else:
+            result = klrl.run(cfg, run_dir=run_dir)
+    except RunStopped as e:  # e.g. out of rollbacks: the run so far is the result
+        result = e.result
     out = {"beta": result.metrics["ctrl/beta"], "final_beta": D.to_host(result.state.ctrl.beta)}
     for path, leaf in jax.tree_util.tree_leaves_with_path(D.to_host(result.state.params)):
         out["param/" + jax.tree_util.keystr(path)] = leaf
@@ -84,29 +90,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(d: Path, resume_iterations: int | None = None) -> dict[str, dict]:
-    """Run the 1-process reference and the 2-process job together (each ``klrl.run`` on its own
-    run directory, or resuming it up to ``resume_iterations``); collect their dumps; kill whatever
-    is left."""
+def _launch(d: Path, resume_iterations: int | None = None, job: str = "") -> dict[str, dict]:
+    """Run the 1-process reference and the 2-process job together (each ``klrl.run`` of
+    ``cfg{job}.json`` on its own run directory, or resuming it up to ``resume_iterations``); collect
+    their dumps; kill whatever is left."""
     base = dict(os.environ, JAX_PLATFORMS="cpu")
     for k in ("XLA_FLAGS", "KLRL_COORDINATOR", "KLRL_NUM_PROCESSES", "KLRL_PROCESS_ID"):
         base.pop(k, None)
     port = _free_port()
     specs = {  # name -> (n_proc, proc_id, run_dir, extra env)
-        "single": (1, 0, d / "run-single", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
-        "p0": (2, 0, d / "run-multi", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
-        "p1": (2, 1, d / "run-multi", {
+        "single": (1, 0, d / f"run{job}-single", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
+        "p0": (2, 0, d / f"run{job}-multi", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
+        "p1": (2, 1, d / f"run{job}-multi", {
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             "KLRL_COORDINATOR": f"localhost:{port}", "KLRL_NUM_PROCESSES": "2", "KLRL_PROCESS_ID": "1",
         }),
     }  # fmt: skip
-    tag = "" if resume_iterations is None else f"-resumed{resume_iterations}"
+    tag = job + ("" if resume_iterations is None else f"-resumed{resume_iterations}")
     procs: dict[str, subprocess.Popen] = {}
     outputs: dict[str, tuple[int, str, Path]] = {}
     try:
         for name, (n, i, run_dir, extra) in specs.items():
             out = d / f"{name}{tag}.npz"
-            args = [str(n), str(i), str(port), str(d / "cfg.json"), str(run_dir), str(out)]
+            args = [str(n), str(i), str(port), str(d / f"cfg{job}.json"), str(run_dir), str(out)]
             if resume_iterations is not None:
                 args.append(str(resume_iterations))
             procs[name] = subprocess.Popen(
@@ -211,3 +217,33 @@ def test_only_process_zero_writes(jobs) -> None:
     single = sorted(p.name for p in (d / "run-single").iterdir())
     assert sorted(p.name for p in run.iterdir()) == single  # the same files as a single-process run
     assert (run / "checkpoints" / "3").is_dir()  # the final checkpoint, saved by both (orbax coordinates)
+
+
+@pytest.fixture(scope="module")
+def rollback_jobs(tiny_cfg, tiny_task, tmp_path_factory):
+    """A run whose rollback metric crosses at once (the KL, ~1e-7 at iteration 0): it rolls back
+    to the initial state until ``max_rollbacks`` is spent, on 1 process and on 2."""
+    d = tmp_path_factory.mktemp("distributed-rollback")
+    cfg = tiny_cfg.replace(
+        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/seq_sum",
+               "rollback_threshold": 1.5, "max_rollbacks": 2},
+        kl={"beta": 0.001},
+    )  # fmt: skip
+    (d / "cfg-rb.json").write_text(json.dumps(cfg.to_dict()))
+    (d / "driver.py").write_text(DRIVER)
+    return _launch(d, job="-rb"), d
+
+
+def test_two_processes_roll_back_as_one(rollback_jobs) -> None:
+    out, d = rollback_jobs
+    _compare(out, "rollback")
+    events = {}
+    for name in ("single", "multi"):
+        lines = (d / f"run-rb-{name}" / "events.jsonl").read_text().splitlines()
+        msgs = [json.loads(line)["message"] for line in lines if '"rollback"' in line]
+        # the ratio to a ~1e-7 start value differs in its 6th digit between device layouts
+        events[name] = [re.sub(r" is \S+x its start", "", m) for m in msgs]
+    assert events["multi"] == events["single"]  # one writer, the same decisions
+    # two rollbacks to the initial state: beta compounds (0.001 -> 0.002, then -> 0.004)
+    assert len(events["multi"]) == 2
+    assert "beta 0.001 -> 0.002" in events["multi"][0] and "beta 0.001 -> 0.004" in events["multi"][1]
