@@ -244,22 +244,28 @@ def test_one_vs_four_devices(parity_run) -> None:
 
 
 def test_phases_compose_to_the_step(bench: Bench) -> None:
-    """``Train.phases``, each compiled on its own (as ``benchmarks/`` times them) and chained by
-    hand, give the step's parameters, optimiser state and beta: the phases are the step's code."""
+    """``Train.phases``, each compiled on its own by the benchmark's ``build_phases`` (what
+    ``benchmarks/`` times) and chained by hand, give the step's parameters, optimiser state and
+    beta: the phases are the step's code."""
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        import common
+    finally:
+        sys.path.remove(bench_dir)
+
     train = bench.train
-
-    def compiled(fn, n_args):
-        specs = (P(),) * n_args
-        return jax.jit(jax.shard_map(fn, mesh=train.mesh, in_specs=specs, out_specs=P(), check_vma=False))
-
+    ph = common.build_phases(train)
     state = bench.state(_prop(1e-3), beta=0.05)
     env = bench.env(0.0)
-    ph = train.phases
-    ro = compiled(ph.rollout, 2)(state, env)
-    sc = compiled(ph.score, 3)(state, env, ro)
-    ad = compiled(ph.advantages, 3)(state, ro, sc)
-    params, opt_state, stats = compiled(ph.update, 2)(state, ad["batch"])
-    ctrl, kl_seen = compiled(ph.control, 3)(state, ad["kl_ctrl"], ro.mask)
+    ro = ph["rollout"](state, env)
+    sc = ph["scoring"](state, env, ro)
+    ad = ph["advantages"](state, ro, sc)
+    params, opt_state, stats = ph["update"](state, ad["batch"])
+    ctrl, kl_seen = ph["controller"](state, ad["kl_ctrl"], ro.mask)
     want = _host((params, opt_state, ctrl.beta))
     new, m = train.step(state, env)
     got = _host((new.params, new.opt_state, new.ctrl.beta))
