@@ -38,7 +38,6 @@ from klrl.tasks.base import Task
 from klrl.train import Train, make_train
 
 WORKLOADS = ("default", "peer-medium", "peer-small")
-PHASES = ("rollout", "scoring", "advantages", "update", "controller")
 
 
 def log(msg: str) -> None:
