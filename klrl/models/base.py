@@ -1,0 +1,132 @@
+"""The causal-LM interface: what rollout, scoring and the update use of a model, and nothing else.
+
+A model *family* (klrl's own GPT, GPT-2, Llama, Qwen2, ...) is one object implementing
+:class:`CausalLM`. Its parameters are a plain pytree (float32 leaves; the family's ``dtype`` is
+the *compute* dtype), so they checkpoint, ``vmap`` and shard like any other state.
+
+Shapes and conventions, shared by every family:
+
+* ``tokens [B, T]`` int32, left-padded.
+* ``positions [B, T]`` int32: the first real token of a row is position 0
+  (:func:`positions_from_mask`).
+* ``mask [B, T, S]`` bool: query ``t`` may attend key ``s``; causality and padding are folded in
+  (:func:`causal_mask`). Without a cache ``S = T``; with one, ``S`` is the cache length and the
+  ``T`` new tokens are written at slot ``index``.
+* The KV cache is a pytree the family defines (:meth:`CausalLM.init_cache`), threaded by the
+  caller, so decoding is a plain ``lax.scan``.
+* Outputs: ``logits [B, T, V]`` float32 (``V = vocab_size``, the embedding's rows) and the final
+  hidden states ``hidden [B, T, D]`` (after the final norm), from which value and reward heads
+  (:mod:`klrl.models.heads`) read.
+
+Partitioning: :meth:`CausalLM.partition_rules` is the hook through which a family declares how its
+parameters are placed on a device mesh with the named axes ``fsdp`` and ``tensor`` (see
+:func:`spec_for`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+Params = Any
+Cache = Any
+# (regex matched against the '/'-joined parameter path, PartitionSpec over mesh axes 'fsdp'/'tensor')
+PartitionRules = Sequence[tuple[str, PartitionSpec]]
+
+
+class LMOutput(NamedTuple):
+    logits: Array | None  # [B, T, V] float32; None when called with ``logits=False``
+    hidden: Array  # [B, T, D] final hidden states (after the final norm), compute dtype
+    cache: Cache | None  # the updated cache when one was passed, else None
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model as klrl uses it."""
+
+    vocab_size: int  # rows of the embedding / columns of the logits
+    hidden_size: int  # D, the width heads read
+    max_len: int  # the longest sequence (positions) the model supports
+
+    def init(self, key: Array) -> Params:
+        """Fresh random float32 parameters."""
+        ...
+
+    def apply(
+        self,
+        params: Params,
+        tokens: Array,
+        positions: Array,
+        mask: Array,
+        cache: Cache | None = None,
+        index: Array | int | None = None,
+        *,
+        logits: bool = True,
+    ) -> LMOutput:
+        """Forward over ``tokens [B, T]``; with ``cache``, one decode step writing slot ``index``."""
+        ...
+
+    def init_cache(self, batch: int, length: int) -> Cache:
+        """An empty KV cache of ``length`` slots for ``batch`` rows."""
+        ...
+
+    def partition_rules(self) -> PartitionRules:
+        """How the parameters are placed on a ``(data, fsdp, tensor)`` mesh; unmatched leaves are
+        replicated."""
+        ...
+
+
+# ---- helpers shared by every family ------------------------------------------------------------
+
+
+def positions_from_mask(mask: Array) -> Array:
+    """Position ids for left-padded rows: the first real token gets 0."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(key_mask: Array) -> Array:
+    """``[B, S] -> [B, S, S]``: causal attention restricted to real keys.
+
+    A padded query attends to itself so its softmax stays defined.
+    """
+    s = key_mask.shape[-1]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    m = causal[None] & key_mask.astype(bool)[:, None, :]
+    return m | jnp.eye(s, dtype=bool)[None]
+
+
+def forward(
+    model: CausalLM, params: Params, tokens: Array, key_mask: Array, *, logits: bool = True
+) -> LMOutput:
+    """Teacher-forced forward of whole left-padded sequences ``tokens [B, S]`` with ``key_mask [B, S]``."""
+    return model.apply(params, tokens, positions_from_mask(key_mask), causal_mask(key_mask), logits=logits)
+
+
+def param_path(path: tuple) -> str:
+    """A ``jax.tree_util`` key path as ``'a/b/c'``."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        parts.append(str(name))
+    return "/".join(parts)
+
+
+def spec_for(rules: PartitionRules, params: Params) -> Any:
+    """A pytree of :class:`PartitionSpec` like ``params``: the first rule whose regex
+    ``re.search``-matches a leaf's path gives its spec; no match: replicated (``PartitionSpec()``)."""
+    compiled = [(re.compile(r), s) for r, s in rules]
+
+    def one(path, _leaf):
+        p = param_path(path)
+        for rx, spec in compiled:
+            if rx.search(p):
+                return spec
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(one, params)
