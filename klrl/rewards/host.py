@@ -173,7 +173,7 @@ class HostReward:
                 raise RewardLoadError(f"reward column {k!r}: {len(v)} values for {len(self.prompts)} prompts")
         self._accepts = tuple(_accepted(f) for f in self.fns)
         self._stops = frozenset(int(s) for s in tokenizer.stop_ids)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # device shards call back from several threads: one at a time
         self.errors: list[str] = []
         self.n_all_none = 0
         self.n_calls = 0
@@ -191,7 +191,13 @@ class HostReward:
             self.errors.append(f"reward function {self.names[j]}: {problem}")
 
     def score_numpy(self, prompt_idx, response, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(scores, per_function [..., F], error)`` for NumPy inputs with any leading batch axes."""
+        """``(scores, per_function [..., F], error)`` for NumPy inputs with any leading batch axes.
+
+        Calls are serialised (the reward functions and the tokenizer need not be thread-safe)."""
+        with self._lock:
+            return self._score(prompt_idx, response, mask)
+
+    def _score(self, prompt_idx, response, mask):
         prompt_idx, response, mask = np.asarray(prompt_idx), np.asarray(response), np.asarray(mask)
         lead = np.broadcast_shapes(prompt_idx.shape, response.shape[:-1], mask.shape[:-1])
         r = response.shape[-1]
@@ -206,6 +212,7 @@ class HostReward:
             "completion_ids": [d[1] for d in decoded],
             **{k: [v[i] for i in idx] for k, v in self.columns.items()},
         }
+        at = lambda i: i if len(lead) == 1 else tuple(int(x) for x in np.unravel_index(i, lead))
         values = np.full((m, f), np.nan)
         error = np.zeros(m, dtype=np.int32)
         for j, fn in enumerate(self.fns):
@@ -229,18 +236,17 @@ class HostReward:
                 if v is None:
                     continue
                 if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
-                    self._record(j, f"returned a {type(v).__name__} for completion {i}, not a number")
+                    self._record(j, f"returned a {type(v).__name__} for completion {at(i)}, not a number")
                     error[i] = error[i] or WRONG_TYPE
                 elif not math.isfinite(float(v)):
-                    self._record(j, f"returned {float(v)} for completion {i} (prompt row {int(idx[i])})")
+                    self._record(j, f"returned {float(v)} for completion {at(i)} (prompt row {int(idx[i])})")
                     error[i] = error[i] or NOT_FINITE
                 else:
                     values[i, j] = float(v)
         none = np.isnan(values).all(axis=1) & (error == OK)
         scores = np.where(error == OK, np.nansum(values * self.weights, axis=1), 0.0)
-        with self._lock:
-            self.n_calls += 1
-            self.n_all_none += int(none.sum())
+        self.n_calls += 1
+        self.n_all_none += int(none.sum())
         return (
             scores.astype(np.float32).reshape(lead),
             values.astype(np.float32).reshape(*lead, f),
