@@ -39,6 +39,7 @@ TEMPLATES = [
     "Write a short comment about {t} for a travel blog.",
 ]
 
+# fmt: off
 TOPICS = [
     "a rainy afternoon", "the local library", "your morning coffee", "a long train ride", "a city park",
     "an old bicycle", "a busy market", "a quiet beach", "a mountain hike", "a small bakery",
@@ -47,12 +48,14 @@ TOPICS = [
     "a thunderstorm", "a picnic by the river", "a museum visit", "a late flight", "a street musician",
     "a home-cooked meal", "a snowy morning", "a football match", "an early alarm", "a village square",
     "a cup of tea", "a road trip", "a board game night", "a power cut", "a garden in spring",
-    "a music lesson", "a hospital waiting room", "a lighthouse", "a farmers' market", "a cat on a windowsill",
+    "a music lesson", "a hospital waiting room", "a lighthouse", "a farmers' market",
+    "a cat on a windowsill",
     "a dog at the park", "a noisy restaurant", "a traffic jam", "a quiet library corner", "a sunset",
     "a camping trip", "a chess club", "a science fair", "a cooking class", "a bike repair shop",
     "an autumn walk", "a bakery queue", "a concert in the rain", "a ferry crossing", "a night market",
     "a broken phone screen", "a handwritten letter", "a long weekend", "a school reunion", "a new recipe",
 ]
+# fmt: on
 
 
 def instructions(n: int = 400, seed: int = 15) -> list[dict]:
