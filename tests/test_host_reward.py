@@ -64,6 +64,20 @@ def topic_len(completions, topic):
     return [float(len(t)) for t in topic]
 
 NOT_A_FUNCTION = 3
+
+import dataclasses
+
+@dataclasses.dataclass
+class Scale:  # a dataclass in a file loaded by path (needs the module in sys.modules)
+    k: float = 2.0
+
+    def __call__(self, completions, **kw):
+        return [self.k] * len(completions)
+
+scaled = Scale()
+
+def multiline(completions):
+    raise RuntimeError("first line\\nsecond line")
 """
 
 
@@ -255,6 +269,24 @@ def test_failures_are_recorded_and_raised_by_check(tok, batch, rfile, name, mode
     _expect(name, rfile, scores, error, rw, sweep=mode == "vmap")
     rw.reset()
     rw.check(np.zeros(8, np.int32))  # forgotten after reset
+
+
+def test_callback_problems_are_recorded_not_raised(tok, batch, rfile) -> None:
+    resp, mask = batch
+    rw = make_host_reward(["positivity"], None, tok, PROMPTS)
+    scores, error = jax.jit(rw)(np.array([0, 1, 2, 3, 4, 0, 0, 0], np.int32), resp, mask)
+    assert (np.asarray(error) == RAISED).all() and not np.asarray(scores).any()
+    want = (
+        r"^reward callback: cannot decode the completions \(IndexError: prompt index 4 outside the pool of 4"
+    )
+    with pytest.raises(RewardFunctionError, match=want + r" prompts\)$"):
+        rw.check(error)
+    rw = make_host_reward([f"{rfile}:multiline", f"{rfile}:scaled"], None, tok, PROMPTS)
+    with pytest.raises(
+        RewardFunctionError, match=r":multiline: raised RuntimeError: first line / second line$"
+    ):
+        rw.check(jax.jit(rw)(IDX, resp, mask)[1])
+    assert (np.asarray(rw.score_numpy(IDX, resp, mask)[1])[:, 1] == 2.0).all()
 
 
 def test_check_without_the_message_still_raises(tok) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import csv
 import json
-import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,12 @@ import numpy as np
 
 from klrl.config import ConfigError, _check, _choice, _f
 from klrl.data.tokenizer import Tokenizer
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: message`` on one line (a multi-line message joined with " / ")."""
+    return f"{type(e).__name__}: {' / '.join(x.strip() for x in str(e).splitlines() if x.strip())}"
+
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text", "disk")
 TRUNCATE = ("left", "error")
@@ -205,7 +210,7 @@ def _read_parquet(path: Path) -> list[dict]:
     try:
         return pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises its own error types for corrupt files
-        raise PromptDataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        raise PromptDataError(f"{path}: not a readable Parquet file ({one_line(e)})") from None
 
 
 def _read_disk(path: Path, split: str) -> list[dict]:
@@ -218,7 +223,7 @@ def _read_disk(path: Path, split: str) -> list[dict]:
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # FileNotFoundError or datasets' own errors for a foreign directory
-        raise PromptDataError(f"{path}: not a saved datasets directory ({type(e).__name__}: {e})") from None
+        raise PromptDataError(f"{path}: not a saved datasets directory ({one_line(e)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise PromptDataError(f"{path}: no split {split!r} (splits: {', '.join(ds)}); set data.split")
@@ -256,7 +261,7 @@ def read_records(
         else:
             records = _read_disk(p, split)
     except (OSError, UnicodeDecodeError) as e:
-        raise PromptDataError(f"{p}: cannot read ({type(e).__name__}: {e})") from None
+        raise PromptDataError(f"{p}: cannot read ({one_line(e)})") from None
     if not records:
         raise PromptDataError(f"{p}: no prompts in the file")
     return records, where or [f"row {i}" for i in range(len(records))]
@@ -294,7 +299,7 @@ def render(value: Any, tokenizer: Tokenizer, chat_template: bool, label: str) ->
             msgs if msgs is not None else [{"role": "user", "content": value}], add_generation_prompt=True
         )
     except Exception as e:  # jinja2's TemplateError, or whatever the template raises
-        raise PromptDataError(f"{label}: the chat template failed ({type(e).__name__}: {e})") from None
+        raise PromptDataError(f"{label}: the chat template failed ({one_line(e)})") from None
 
 
 def build_pool(
@@ -389,16 +394,3 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptSplits:
     return PromptSplits(
         train, build_pool(tokenizer=tokenizer, cfg=cfg, source=src, **sub(ev)) if len(ev) else None
     )
-
-
-def arithmetic_records(n: int, *, seed: int = 0, max_operand: int = 50) -> list[dict[str, Any]]:
-    """``n`` prompts "What is a + b?" (+, -, *) with their integer ``answer``: a verifier task."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b, op = rng.randint(1, max_operand), rng.randint(1, max_operand), rng.choice("+-*")
-        ans = a + b if op == "+" else a - b if op == "-" else a * b
-        word = {"+": "plus", "-": "minus", "*": "times"}[op]
-        form = rng.choice([f"What is {a} {op} {b}?", f"Compute {a} {op} {b}.", f"What is {a} {word} {b}?"])
-        out.append({"prompt": form + " Give the answer as a number.", "answer": ans})
-    return out

@@ -36,6 +36,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from klrl.data.prompts import one_line
 from klrl.data.tokenizer import Tokenizer
 from klrl.rewards import text
 
@@ -83,19 +85,20 @@ def load_reward_fn(spec: str) -> Callable:
         if not path.is_file():
             raise RewardLoadError(f"reward {spec!r}: file {path} not found")
         try:
-            mod_spec = importlib.util.spec_from_file_location(f"klrl_reward_{abs(hash(str(path)))}", path)
+            name = f"klrl_reward_{path.stem}_{abs(hash(str(path.resolve())))}"
+            mod_spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[name] = module  # as `import` does: dataclasses and pickle look the module up
             mod_spec.loader.exec_module(module)
         except Exception as e:
-            raise RewardLoadError(
-                f"reward {spec!r}: {path} does not import ({type(e).__name__}: {e})"
-            ) from None
+            sys.modules.pop(name, None)
+            raise RewardLoadError(f"reward {spec!r}: {path} does not import ({one_line(e)})") from None
     else:
         try:
             module = importlib.import_module(where)
         except Exception as e:
             raise RewardLoadError(
-                f"reward {spec!r}: module {where} does not import ({type(e).__name__}: {e})"
+                f"reward {spec!r}: module {where} does not import ({one_line(e)})"
             ) from None
     if not hasattr(module, attr):
         raise RewardLoadError(f"reward {spec!r}: {where} has no attribute {attr!r}")
@@ -186,9 +189,9 @@ class HostReward:
             kept = kept[:-1]
         return self.tokenizer.decode(kept, skip_special_tokens=True), kept
 
-    def _record(self, j: int, problem: str) -> None:
+    def _record(self, j: int | None, problem: str) -> None:
         with self._lock:
-            self.errors.append(f"reward function {self.names[j]}: {problem}")
+            self.errors.append(f"reward function {self.names[j]}: {problem}" if j is not None else problem)
 
     def score_numpy(self, prompt_idx, response, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(scores, per_function [..., F], error)`` for NumPy inputs with any leading batch axes.
@@ -205,7 +208,20 @@ class HostReward:
         resp = np.broadcast_to(response, (*lead, r)).reshape(-1, r)
         msk = np.broadcast_to(mask, (*lead, r)).reshape(-1, r)
         m, f = idx.shape[0], len(self.fns)
-        decoded = [self.decode(resp[i], msk[i]) for i in range(m)]
+        try:  # never raise through XLA: a bad prompt index or an undecodable id is recorded too
+            bad = idx[(idx < 0) | (idx >= len(self.prompts))]
+            if bad.size:
+                raise IndexError(
+                    f"prompt index {int(bad[0])} outside the pool of {len(self.prompts)} prompts"
+                )
+            decoded = [self.decode(resp[i], msk[i]) for i in range(m)]
+        except Exception as e:
+            self._record(None, f"reward callback: cannot decode the completions ({one_line(e)})")
+            return (
+                np.zeros(lead, np.float32),
+                np.full((*lead, f), np.nan, np.float32),
+                np.full(lead, RAISED, np.int32),
+            )
         kwargs: dict[str, Any] = {
             "prompts": [self.prompts[i] for i in idx],
             "completions": [d[0] for d in decoded],
@@ -221,7 +237,7 @@ class HostReward:
             try:
                 out = fn(**kw)
             except Exception as e:
-                self._record(j, f"raised {type(e).__name__}: {e}")
+                self._record(j, f"raised {one_line(e)}")
                 error[:] = np.where(error == OK, RAISED, error)
                 continue
             if not isinstance(out, Sequence | np.ndarray) or isinstance(out, str | bytes):

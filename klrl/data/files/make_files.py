@@ -9,8 +9,7 @@ templates and topics below (no copied data); ``arithmetic.jsonl``: verifier prom
 import json
 import random
 from pathlib import Path
-
-from klrl.data.prompts import arithmetic_records
+from typing import Any
 
 TEMPLATES = [
     "Describe {t} in one sentence.",
@@ -62,6 +61,19 @@ def instructions(n: int = 400, seed: int = 15) -> list[dict]:
     pairs = [(t, p) for t in TEMPLATES for p in TOPICS]
     random.Random(seed).shuffle(pairs)
     return [{"id": i, "prompt": t.format(t=p), "topic": p} for i, (t, p) in enumerate(pairs[:n])]
+
+
+def arithmetic_records(n: int, *, seed: int = 0, max_operand: int = 50) -> list[dict[str, Any]]:
+    """``n`` prompts "What is a + b?" (+, -, *) with their integer ``answer``: a verifier task."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, op = rng.randint(1, max_operand), rng.randint(1, max_operand), rng.choice("+-*")
+        ans = a + b if op == "+" else a - b if op == "-" else a * b
+        word = {"+": "plus", "-": "minus", "*": "times"}[op]
+        form = rng.choice([f"What is {a} {op} {b}?", f"Compute {a} {op} {b}.", f"What is {a} {word} {b}?"])
+        out.append({"prompt": form + " Give the answer as a number.", "answer": ans})
+    return out
 
 
 def write(path: Path, records: list[dict]) -> None:
