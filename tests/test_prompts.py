@@ -117,7 +117,7 @@ def _write_all_formats(tmp_path) -> dict[str, str]:
     out = {"jsonl": write_jsonl(tmp_path / "p.jsonl", RECORDS)}
     (tmp_path / "p.json").write_text(json.dumps(RECORDS))
     out["json"] = str(tmp_path / "p.json")
-    with open(tmp_path / "p.csv", "w", newline="") as f:
+    with open(tmp_path / "p.csv", "w", newline="", encoding="utf-8-sig") as f:  # with a BOM, as Excel writes
         w = csv.DictWriter(f, fieldnames=["prompt", "answer", "topic"])
         w.writeheader()
         w.writerows(RECORDS)

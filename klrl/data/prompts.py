@@ -177,7 +177,7 @@ def _format_of(path: Path, fmt: str) -> str:
 
 def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
     records, where = [], []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -194,7 +194,7 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
 
 def _read_json(path: Path) -> list[dict]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         raise PromptDataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
@@ -249,13 +249,13 @@ def read_records(
         elif fmt == "json":
             records = _read_json(p)
         elif fmt == "csv":
-            with p.open(encoding="utf-8", newline="") as f:
+            with p.open(encoding="utf-8-sig", newline="") as f:
                 records = [dict(r) for r in csv.DictReader(f)]
             where = [f"row {i + 2}" for i in range(len(records))]  # the header is row 1
         elif fmt == "parquet":
             records = _read_parquet(p)
         elif fmt == "text":
-            lines = p.read_text(encoding="utf-8").splitlines()
+            lines = p.read_text(encoding="utf-8-sig").splitlines()
             keep = [(n, s) for n, s in enumerate(lines, 1) if s.strip()]
             records, where = [{field: s} for _, s in keep], [f"line {n}" for n, _ in keep]
         else:
