@@ -287,6 +287,14 @@ def test_callback_problems_are_recorded_not_raised(tok, batch, rfile) -> None:
     ):
         rw.check(jax.jit(rw)(IDX, resp, mask)[1])
     assert (np.asarray(rw.score_numpy(IDX, resp, mask)[1])[:, 1] == 2.0).all()
+    nan_all = lambda completions: [math.nan] * len(completions)
+    rw = make_host_reward([nan_all], None, tok, PROMPTS)
+    rw.score_numpy(np.zeros(64, np.int32), np.repeat(resp[:1], 64, 0), np.repeat(mask[:1], 64, 0))
+    assert rw.n_errors == 64 and len(rw.errors) == 32  # the registry is capped
+    with pytest.raises(
+        RewardFunctionError, match=r"returned nan for completion 0 \(prompt row 0\) \(and 63 more"
+    ):
+        rw.check()
 
 
 def test_check_without_the_message_still_raises(tok) -> None:

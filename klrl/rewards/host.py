@@ -50,6 +50,7 @@ from klrl.data.prompts import one_line
 from klrl.data.tokenizer import Tokenizer
 from klrl.rewards import text
 
+MAX_MESSAGES = 32
 OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE = 0, 1, 2, 3, 4
 MEANING = {
     RAISED: "raised",
@@ -177,7 +178,8 @@ class HostReward:
         self._accepts = tuple(_accepted(f) for f in self.fns)
         self._stops = frozenset(int(s) for s in tokenizer.stop_ids)
         self._lock = threading.RLock()  # device shards call back from several threads: one at a time
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # the first MAX_MESSAGES problems, in the order they happened
+        self.n_errors = 0
         self.n_all_none = 0
         self.n_calls = 0
 
@@ -191,7 +193,11 @@ class HostReward:
 
     def _record(self, j: int | None, problem: str) -> None:
         with self._lock:
-            self.errors.append(f"reward function {self.names[j]}: {problem}" if j is not None else problem)
+            self.n_errors += 1
+            if len(self.errors) < MAX_MESSAGES:  # a batch of NaNs must not grow the registry without end
+                self.errors.append(
+                    f"reward function {self.names[j]}: {problem}" if j is not None else problem
+                )
 
     def score_numpy(self, prompt_idx, response, mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(scores, per_function [..., F], error)`` for NumPy inputs with any leading batch axes.
@@ -296,7 +302,7 @@ class HostReward:
         """
         codes = None if error is None else np.asarray(error)
         with self._lock:
-            first, more = (self.errors[0], len(self.errors) - 1) if self.errors else (None, 0)
+            first, more = (self.errors[0], self.n_errors - 1) if self.errors else (None, 0)
         if first is not None:
             raise RewardFunctionError(first + (f" (and {more} more problems)" if more else ""))
         if codes is not None and np.any(codes != OK):
@@ -309,6 +315,7 @@ class HostReward:
         """Forget recorded errors (e.g. after a rollback the loop chose to retry)."""
         with self._lock:
             self.errors.clear()
+            self.n_errors = 0
 
 
 def make_host_reward(
