@@ -1,0 +1,404 @@
+"""Host-side text rewards behind ``jax.pure_callback``: loading, the weighted TRL sum, the three
+failure modes (raise, NaN, wrong count) and a wrong type, under ``jit``, ``vmap`` and ``shard_map``.
+
+The reference scores are computed here by calling the reward functions on the completion
+*strings* (the callback has to decode them from token ids) and summing in a Python loop.
+``shard_map`` runs in a subprocess with 4 forced host devices (as tests/test_sweep.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from texttok import make_tokenizer
+
+from klrl.rewards import RewardFunctionError, RewardLoadError, load_reward_fn, make_host_reward, parse_specs
+from klrl.rewards.host import NOT_FINITE, RAISED, WRONG_COUNT, WRONG_TYPE
+from klrl.rewards.text import arithmetic, positivity
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+PROMPTS = ["What is 17 + 25?", "Say something nice.", "What is 3 * 4?", "Describe the rain."]
+COLUMNS = {"answer": [42, None, 12, None], "topic": ["maths", "chat", "maths", "weather"]}
+COMPLETIONS = [
+    "The answer is 42.",
+    "You are wonderful and kind.",
+    "It is 13, not good",
+    "The rain was awful and cold.",
+    "42",
+    "hello",
+    "3 * 4 = 12, great!",
+    "",
+]
+IDX = np.array([0, 1, 2, 3, 0, 1, 2, 3], np.int32)
+R = 20
+WEIGHTS = (1.0, 2.0)
+
+REWARD_FILE = """
+import math
+
+def short(prompts, completions, **kw):
+    return [0.0] * (len(completions) - 1)
+
+def boom(completions):
+    raise ValueError("boom")
+
+def nan_at_1(completions, **kw):
+    return [math.nan if i == 1 else 1.0 for i in range(len(completions))]
+
+def strings(completions, **kw):
+    return ["high"] * len(completions)
+
+def topic_len(completions, topic):
+    return [float(len(t)) for t in topic]
+
+NOT_A_FUNCTION = 3
+
+import dataclasses
+
+@dataclasses.dataclass
+class Scale:  # a dataclass in a file loaded by path (needs the module in sys.modules)
+    k: float = 2.0
+
+    def __call__(self, completions, **kw):
+        return [self.k] * len(completions)
+
+scaled = Scale()
+
+def multiline(completions):
+    raise RuntimeError("first line\\nsecond line")
+"""
+
+
+def encode_batch(tok, completions, r=R):
+    """Token ids + stop id, left-aligned; the rest is junk under mask 0 (the callback must skip it)."""
+    resp = np.full((len(completions), r), 300, np.int32)
+    mask = np.zeros((len(completions), r), np.float32)
+    for i, c in enumerate(completions):
+        ids = tok.encode(c) + [tok.stop_ids[1]]
+        assert len(ids) <= r
+        resp[i, : len(ids)], mask[i, : len(ids)] = ids, 1.0
+    return resp, mask
+
+
+def reference(completions, idx, weights=WEIGHTS):
+    pos = positivity([PROMPTS[i] for i in idx], completions)
+    ver = arithmetic([PROMPTS[i] for i in idx], completions, answer=[COLUMNS["answer"][i] for i in idx])
+    out = []
+    for p, v in zip(pos, ver, strict=True):
+        s = weights[0] * p
+        if v is not None:
+            s += weights[1] * v
+        out.append(s)
+    return np.array(out, np.float32), np.array([pos, [math.nan if v is None else v for v in ver]]).T
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def rfile(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("rewards") / "my_rewards.py"
+    path.write_text(REWARD_FILE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    return encode_batch(tok, COMPLETIONS)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def test_load_specs(rfile, tmp_path) -> None:
+    assert load_reward_fn("positivity") is positivity
+    assert load_reward_fn("klrl.rewards.text:arithmetic") is arithmetic
+    assert load_reward_fn(f"{rfile}:short")(["a"], ["a", "b"]) == [0.0]
+    assert parse_specs(" positivity, x.py:f ", "1, 0.5") == (["positivity", "x.py:f"], [1.0, 0.5])
+    assert parse_specs("positivity") == (["positivity"], None)
+    (tmp_path / "broken.py").write_text("import no_such_module_klrl\n")
+    cases = [
+        ("sentiment", r"reward 'sentiment': no built-in reward 'sentiment'"),
+        ("nowhere/r.py:f", r"reward 'nowhere/r.py:f': file nowhere/r.py not found"),
+        (f"{tmp_path}/broken.py:f", r"broken.py does not import \(ModuleNotFoundError: No module named"),
+        ("no_such_module_klrl:f", r"module no_such_module_klrl does not import \(ModuleNotFoundError"),
+        (f"{rfile}:missing", r"my_rewards.py has no attribute 'missing'"),
+        (f"{rfile}:NOT_A_FUNCTION", r"NOT_A_FUNCTION is a int, not callable"),
+        ("klrl.rewards.text:", r"expected module:function"),
+    ]
+    for spec, msg in cases:
+        with pytest.raises(RewardLoadError, match=msg) as e:
+            load_reward_fn(spec)
+        assert "\n" not in str(e.value)
+    with pytest.raises(RewardLoadError, match="expected comma-separated numbers"):
+        parse_specs("positivity", "1,x")
+
+
+def test_construction_errors(tok) -> None:
+    with pytest.raises(RewardLoadError, match="2 weights for 1 reward functions"):
+        make_host_reward(["positivity"], [1.0, 2.0], tok, PROMPTS)
+    with pytest.raises(RewardLoadError, match="must be finite"):
+        make_host_reward(["positivity"], [math.inf], tok, PROMPTS)
+    with pytest.raises(RewardLoadError, match="column 'answer': 3 values for 4 prompts"):
+        make_host_reward(["positivity"], None, tok, PROMPTS, {"answer": [1, 2, 3]})
+    with pytest.raises(RewardLoadError, match="not callable"):
+        make_host_reward([3], None, tok, PROMPTS)
+
+
+# ---- the happy path -----------------------------------------------------------------------------
+
+
+def test_jit_matches_the_reference_and_decodes_exactly(tok, batch) -> None:
+    seen = {}
+
+    def record(prompts, completions, completion_ids, topic):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, topic=topic)
+        return [None] * len(completions)  # no opinion: does not change the sum
+
+    resp, mask = batch
+    rw = make_host_reward(["positivity", "arithmetic", record], [*WEIGHTS, 5.0], tok, PROMPTS, COLUMNS)
+    scores, error = jax.jit(rw)(jnp.asarray(IDX), jnp.asarray(resp), jnp.asarray(mask))
+    want, parts = reference(COMPLETIONS, IDX)
+    np.testing.assert_allclose(np.asarray(scores), want, rtol=1e-6, atol=1e-6)
+    assert np.asarray(error).dtype == np.int32 and not np.asarray(error).any()
+    rw.check(error)
+    assert seen["completions"] == COMPLETIONS  # exact decode; junk after the mask and the stop id dropped
+    assert seen["prompts"] == [PROMPTS[i] for i in IDX]
+    assert seen["topic"] == [COLUMNS["topic"][i] for i in IDX]
+    assert seen["ids"][0] == tok.encode(COMPLETIONS[0])
+    _, per_fn, _ = jax.jit(rw.components)(IDX, resp, mask)
+    np.testing.assert_allclose(np.asarray(per_fn)[:, :2], parts, rtol=1e-6)
+    assert np.isnan(np.asarray(per_fn)[:, 2]).all()
+    assert rw.n_all_none == 0
+
+
+def test_all_none_scores_zero_and_is_counted(tok, batch) -> None:
+    resp, mask = batch
+    rw = make_host_reward(["arithmetic"], None, tok, PROMPTS, COLUMNS)
+    scores, error = rw.score_numpy(IDX, resp, mask)[::2]
+    ans = [COLUMNS["answer"][i] for i in IDX]
+    assert [s for s, a in zip(scores, ans, strict=True) if a is None] == [0.0] * 4
+    assert rw.n_all_none == 4 and not error.any()
+
+
+def test_vmap_is_one_host_call_for_the_whole_sweep(tok) -> None:
+    members = [COMPLETIONS, COMPLETIONS[::-1], ["good"] * 8]
+    enc = [encode_batch(tok, c) for c in members]
+    resp, mask = np.stack([e[0] for e in enc]), np.stack([e[1] for e in enc])
+    rw = make_host_reward(["positivity", "arithmetic"], WEIGHTS, tok, PROMPTS, COLUMNS)
+    scores, error = jax.jit(jax.vmap(rw, in_axes=(None, 0, 0)))(IDX, resp, mask)
+    assert np.asarray(scores).shape == (3, 8) and rw.n_calls == 1
+    for s, c in zip(np.asarray(scores), members, strict=True):
+        np.testing.assert_allclose(s, reference(c, IDX)[0], rtol=1e-6, atol=1e-6)
+    idx2 = np.stack([IDX, IDX[::-1], IDX])
+    scores2, _ = jax.jit(jax.vmap(rw))(idx2, resp, mask)
+    for s, c, i in zip(np.asarray(scores2), members, idx2, strict=True):
+        np.testing.assert_allclose(s, reference(c, i)[0], rtol=1e-6, atol=1e-6)
+    rw.check(error)
+
+
+# ---- failures -----------------------------------------------------------------------------------
+
+FAILURES = {
+    "short": (WRONG_COUNT, "all", r"reward function {f}:short: returned 7 values for 8 completions$"),
+    "boom": (RAISED, "all", r"reward function {f}:boom: raised ValueError: boom$"),
+    "nan_at_1": (
+        NOT_FINITE,
+        [1],
+        r"reward function {f}:nan_at_1: returned nan for completion 1 \(prompt row 1\)",
+    ),
+    "strings": (
+        WRONG_TYPE,
+        "all",
+        r"reward function {f}:strings: returned a str for completion 0, not a number",
+    ),
+}
+
+
+def _expect(name: str, rfile: str, scores, error, rw, sweep: bool = False) -> None:
+    code, rows, msg = FAILURES[name]
+    if sweep:  # the host call saw both members' 16 completions, indexed (member, row)
+        msg = msg.replace("7 values for 8", "15 values for 16").replace(
+            "completion 1", r"completion \(0, 1\)"
+        )
+        msg = msg.replace("completion 0", r"completion \(0, 0\)")
+    error, scores = np.asarray(error), np.asarray(scores)
+    bad = np.arange(8) if rows == "all" else np.array(rows)
+    assert (error[bad] == code).all() and (np.delete(error, bad) == 0).all(), error
+    good = np.setdiff1d(np.arange(8), bad)
+    want = reference(COMPLETIONS, IDX, (1.0, 0.0))[0]
+    np.testing.assert_allclose(scores[good], want[good] + (1.0 if name == "nan_at_1" else 0.0), rtol=1e-6)
+    assert (scores[bad] == 0.0).all()
+    import re
+
+    with pytest.raises(RewardFunctionError, match=msg.format(f=re.escape(rfile))) as e:
+        rw.check(error)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+@pytest.mark.parametrize("mode", ["jit", "vmap"])
+def test_failures_are_recorded_and_raised_by_check(tok, batch, rfile, name, mode) -> None:
+    resp, mask = batch
+    rw = make_host_reward(["positivity", f"{rfile}:{name}"], None, tok, PROMPTS, COLUMNS)
+    if mode == "jit":
+        scores, error = jax.jit(rw)(IDX, resp, mask)
+    else:  # a sweep of 2 members, one host call
+        scores, error = jax.jit(jax.vmap(rw, in_axes=(None, 0, 0)))(
+            IDX, np.stack([resp] * 2), np.stack([mask] * 2)
+        )
+        if name != "nan_at_1":
+            assert (np.asarray(error)[0] == np.asarray(error)[1]).all()
+        else:  # flat index 1 of the one host call is member 0's row 1
+            assert not np.asarray(error)[1].any()
+        scores, error = scores[0], error[0]
+    _expect(name, rfile, scores, error, rw, sweep=mode == "vmap")
+    rw.reset()
+    rw.check(np.zeros(8, np.int32))  # forgotten after reset
+
+
+def test_callback_problems_are_recorded_not_raised(tok, batch, rfile) -> None:
+    resp, mask = batch
+    rw = make_host_reward(["positivity"], None, tok, PROMPTS)
+    scores, error = jax.jit(rw)(np.array([0, 1, 2, 3, 4, 0, 0, 0], np.int32), resp, mask)
+    assert (np.asarray(error) == RAISED).all() and not np.asarray(scores).any()
+    want = (
+        r"^reward callback: cannot decode the completions \(IndexError: prompt index 4 outside the pool of 4"
+    )
+    with pytest.raises(RewardFunctionError, match=want + r" prompts\)$"):
+        rw.check(error)
+    rw = make_host_reward([f"{rfile}:multiline", f"{rfile}:scaled"], None, tok, PROMPTS)
+    with pytest.raises(
+        RewardFunctionError, match=r":multiline: raised RuntimeError: first line / second line$"
+    ):
+        rw.check(jax.jit(rw)(IDX, resp, mask)[1])
+    assert (np.asarray(rw.score_numpy(IDX, resp, mask)[1])[:, 1] == 2.0).all()
+    nan_all = lambda completions: [math.nan] * len(completions)
+    rw = make_host_reward([nan_all], None, tok, PROMPTS)
+    rw.score_numpy(np.zeros(64, np.int32), np.repeat(resp[:1], 64, 0), np.repeat(mask[:1], 64, 0))
+    assert rw.n_errors == 64 and len(rw.errors) == 32  # the registry is capped
+    with pytest.raises(
+        RewardFunctionError, match=r"returned nan for completion 0 \(prompt row 0\) \(and 63 more"
+    ):
+        rw.check()
+
+
+def test_check_without_the_message_still_raises(tok) -> None:
+    rw = make_host_reward(["positivity"], None, tok, PROMPTS)  # its process saw no error
+    rw.check()
+    with pytest.raises(RewardFunctionError, match="returned the wrong number of values on another process"):
+        rw.check(np.array([0, WRONG_COUNT], np.int32))
+
+
+def test_topic_keyword_only_function_gets_its_column(tok, batch, rfile) -> None:
+    resp, mask = batch
+    rw = make_host_reward([f"{rfile}:topic_len"], None, tok, PROMPTS, COLUMNS)
+    scores, _ = jax.jit(rw)(IDX, resp, mask)
+    np.testing.assert_array_equal(np.asarray(scores), [len(COLUMNS["topic"][i]) for i in IDX])
+
+
+# ---- shard_map on 4 host devices (subprocess) ----------------------------------------------------
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from texttok import make_tokenizer
+    from test_host_reward import COLUMNS, COMPLETIONS, IDX, PROMPTS, WEIGHTS, encode_batch
+    from klrl.rewards import RewardFunctionError, make_host_reward
+
+    rfile, out_path = sys.argv[1:3]
+    assert jax.device_count() == 4, jax.devices()
+    tok = make_tokenizer()
+    resp, mask = encode_batch(tok, COMPLETIONS)
+    data = Mesh(np.array(jax.devices()), ("data",))
+    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("sweep", "data"))
+    out = {}
+
+    def sharded(rw):
+        f = jax.shard_map(rw, mesh=data, in_specs=(P("data"),) * 3, out_specs=(P("data"), P("data")),
+                          check_vma=False)
+        return jax.jit(f)(IDX, resp, mask)
+
+    rw = make_host_reward(["positivity", "arithmetic"], WEIGHTS, tok, PROMPTS, COLUMNS)
+    s, e = sharded(rw)
+    rw.check(e)
+    out["ok"] = {"scores": np.asarray(s).tolist(), "error": np.asarray(e).tolist(), "calls": rw.n_calls}
+
+    # a sweep of 2 members on a 2 x 2 (sweep x data) mesh: vmap inside shard_map
+    f = jax.shard_map(jax.vmap(rw), mesh=grid, in_specs=(P("sweep", "data"),) * 3,
+                      out_specs=(P("sweep", "data"),) * 2, check_vma=False)
+    s2, e2 = jax.jit(f)(np.stack([IDX, IDX]), np.stack([resp, resp[::-1]]), np.stack([mask, mask[::-1]]))
+    rw.check(e2)
+    out["sweep"] = {"scores": np.asarray(s2).tolist(), "error": np.asarray(e2).tolist()}
+
+    for name in ["short", "boom", "nan_at_1"]:
+        rw = make_host_reward(["positivity", f"{rfile}:{name}"], None, tok, PROMPTS, COLUMNS)
+        s, e = sharded(rw)
+        try:
+            rw.check(e)
+            msg = None
+        except RewardFunctionError as err:
+            msg = str(err)
+        out[name] = {"scores": np.asarray(s).tolist(), "error": np.asarray(e).tolist(), "message": msg}
+    json.dump(out, open(out_path, "w"))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_results(rfile, tmp_path_factory):
+    d = tmp_path_factory.mktemp("shard")
+    (d / "script.py").write_text(SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(d / "script.py"), rfile, str(d / "out.json")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((d / "out.json").read_text())
+
+
+def test_shard_map_happy_path_and_sweep(sharded_results) -> None:
+    ok = sharded_results["ok"]
+    np.testing.assert_allclose(ok["scores"], reference(COMPLETIONS, IDX)[0], rtol=1e-6, atol=1e-6)
+    assert ok["error"] == [0] * 8 and ok["calls"] == 4  # one call per device shard
+    sw = sharded_results["sweep"]
+    np.testing.assert_allclose(sw["scores"][0], reference(COMPLETIONS, IDX)[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sw["scores"][1], reference(COMPLETIONS[::-1], IDX)[0], rtol=1e-6, atol=1e-6)
+    assert sw["error"] == [[0] * 8] * 2
+
+
+def test_shard_map_failures(sharded_results, rfile) -> None:
+    import re
+
+    r = re.escape(rfile)
+    # each device shard has 2 completions: the counts and indices in the message are per shard
+    short = sharded_results["short"]
+    assert short["error"] == [WRONG_COUNT] * 8 and short["scores"] == [0.0] * 8
+    want = rf"reward function {r}:short: returned 1 values for 2 completions \(and 3 more problems\)"
+    assert re.fullmatch(want, short["message"])
+    boom = sharded_results["boom"]
+    assert boom["error"] == [RAISED] * 8
+    assert re.match(rf"reward function {r}:boom: raised ValueError: boom", boom["message"])
+    nan = sharded_results["nan_at_1"]
+    assert nan["error"] == [0, NOT_FINITE] * 4
+    assert re.match(
+        rf"reward function {r}:nan_at_1: returned nan for completion 1 \(prompt row \d\)", nan["message"]
+    )
