@@ -142,6 +142,12 @@ def kv_bytes_per_token(s: Shape, kv_bytes: int = 2) -> int:
     return 2 * s.n_layers * s.n_kv_heads * s.head_dim * kv_bytes
 
 
+def kv_cache_bytes(s: Shape, batch: float, length: int, tensor: int = 1, kv_bytes: int = 2) -> float:
+    """KV cache of ``batch`` sequences of ``length`` tokens on one device of a ``tensor``-way split:
+    KV heads are split up to ``n_kv_heads`` ways and replicated beyond (GQA)."""
+    return batch * length * kv_bytes_per_token(s, kv_bytes) / min(tensor, s.n_kv_heads)
+
+
 # ---------------------------------------------------------------------------------------------------
 # memory per device
 
@@ -186,7 +192,6 @@ def memory_per_device(
     p_pol, p_val = n_params(shape, "lm"), n_params(shape, "scalar")
     b_roll = w.batch / (data * fsdp)
     mb = microbatch if microbatch is not None else w.minibatch / (data * fsdp)
-    kv_split = min(tensor, shape.n_kv_heads)
     act_tok = activation_bytes_per_token(shape, tensor, w.act_bytes, remat)
     logit_tok = 8 * shape.vocab / tensor  # fp32 logits + fp32 gradient of the log-softmax
     out = {
@@ -197,7 +202,7 @@ def memory_per_device(
         "reference": w.frozen_bytes * p_pol / shard,
         "reward": w.frozen_bytes * p_val / shard,
         "activations": mb * w.seq_len * (2 * act_tok + logit_tok),
-        "kv_cache": b_roll * w.seq_len * kv_bytes_per_token(shape, w.kv_bytes) / kv_split,
+        "kv_cache": kv_cache_bytes(shape, b_roll, w.seq_len, tensor, w.kv_bytes),
         "logits": (2 * b_roll * w.response_len * shape.vocab * 4 / tensor) if w.keep_logits else 0.0,
     }
     out["persistent"] = sum(out[k] for k in ("params", "optimizer", "value", "reference", "reward"))

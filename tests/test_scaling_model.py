@@ -88,6 +88,8 @@ def test_sharding_divides_state_and_batch():
         assert m[k] == pytest.approx(one[k] / 32)  # fsdp x tensor
     assert m["kv_cache"] == pytest.approx(one["kv_cache"] / (2 * 4 * 8))  # batch / (data fsdp), KV heads / 8
     assert sm.memory_per_device(s, (1, 1, 16), microbatch=1)["kv_cache"] == pytest.approx(one["kv_cache"] / 8)
+    # 70B: 2 x 80 layers x 8 KV heads x 128 x 2 B = 320 KiB per token
+    assert sm.kv_cache_bytes(sm.SHAPES["70B"], 512, 1024) == 512 * 1024 * 327_680 == 160 * 2**30
     remat = sm.memory_per_device(s, (1, 1, 1), microbatch=1, remat=True)
     assert remat["activations"] < one["activations"] / 4
 
