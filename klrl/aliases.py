@@ -65,7 +65,7 @@ KLRL_METRICS: frozenset[str] = frozenset(
     | {f"kl/loss_{a}" for a in LOSS_AGGS}
 )
 
-# trl.experimental.ppo.PPOTrainer (TRL 1.x; the 0.12-0.x PPOTrainer used the same names)
+# trl.experimental.ppo.PPOTrainer (TRL 1.x; the PPOTrainer of 0.12 onwards used the same names)
 TRL_METRICS: dict[str, str] = {
     "kl/seq_sum": "objective/kl",  # sum over tokens of TRL's kl_estimator (k1 default), batch mean
     "reward/task": "objective/scores",  # TRL's includes missing_eos_penalty
