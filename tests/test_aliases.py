@@ -1,0 +1,112 @@
+"""klrl.aliases: every klrl side is a real config field or a metric klrl writes."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from klrl import aliases
+from klrl.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC_DICTS = {
+    "TRL_METRICS": aliases.TRL_METRICS,
+    "TRL_LEGACY_METRICS": aliases.TRL_LEGACY_METRICS,
+    "TRL_GRPO_METRICS": aliases.TRL_GRPO_METRICS,
+    "VERL_METRICS": aliases.VERL_METRICS,
+    "OPENRLHF_METRICS": aliases.OPENRLHF_METRICS,
+}
+
+
+def _config_fields() -> set[str]:
+    cfg = RunConfig()
+    return {
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(cfg)
+        for f in dataclasses.fields(getattr(cfg, s.name))
+    }
+
+
+def _source_metric_names() -> tuple[set[str], list[re.Pattern]]:
+    """String constants shaped like metric names in train.py and the tasks (the literal names), and
+    the f-string templates of train.py as regexes (``kl/reward_{est}_seq_sum``)."""
+    literals, templates = set(), []
+    for path in [ROOT / "klrl" / "train.py", *sorted((ROOT / "klrl" / "tasks").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"[a-z]+/[a-z0-9_]+", node.value):
+                    literals.add(node.value)
+            elif isinstance(node, ast.JoinedStr):
+                parts = [
+                    re.escape(v.value) if isinstance(v, ast.Constant) else "[a-z0-9_]+" for v in node.values
+                ]
+                pattern = "".join(parts)
+                if re.match(r"[a-z]+/", pattern):
+                    templates.append(re.compile(pattern))
+    return literals, templates
+
+
+def test_every_flag_alias_is_a_config_field():
+    fields = _config_fields()
+    assert "kl.beta" in fields and "ctrl.target" in fields  # the reading of the config works
+    bad = {k: v for k, v in aliases.FLAG_ALIASES.items() if v not in fields}
+    assert not bad
+
+
+def test_required_aliases():
+    expect = {
+        "kl_coef": "kl.beta",
+        "init_kl_coef": "kl.beta",
+        "target": "ctrl.target",
+        "target_kl": "ctrl.target",
+        "horizon": "ctrl.horizon",
+        "cliprange": "ppo.clip",
+        "learning_rate": "optim.lr",
+        "num_ppo_epochs": "ppo.epochs",
+        "num_mini_batches": "ppo.minibatches",
+        "cliprange_value": "ppo.vf_clip",
+        "vf_coef": "ppo.vf_coef",
+    }
+    assert {k: aliases.FLAG_ALIASES[k] for k in expect} == expect
+
+
+@pytest.mark.parametrize("name", list(METRIC_DICTS))
+def test_metric_maps_use_klrl_metric_names(name):
+    mapping = METRIC_DICTS[name]
+    assert mapping and set(mapping) <= aliases.KLRL_METRICS
+    assert all(isinstance(v, str) and v for v in mapping.values())
+
+
+def test_klrl_metrics_are_what_the_source_writes():
+    literals, templates = _source_metric_names()
+    assert "kl/seq_sum" in literals and templates  # the source scan found something
+    for m in aliases.KLRL_METRICS:
+        assert m in literals or any(t.fullmatch(m) for t in templates), m
+    # and the other way: every literal metric of the metrics dict in train.py is listed
+    train = ast.parse((ROOT / "klrl" / "train.py").read_text())
+    in_dicts = {
+        k.value
+        for node in ast.walk(train)
+        if isinstance(node, ast.Dict)
+        for k in node.keys
+        if isinstance(k, ast.Constant) and isinstance(k.value, str) and "/" in k.value
+    }
+    assert in_dicts and in_dicts <= aliases.KLRL_METRICS
+
+
+def test_lookup_normalises():
+    assert aliases.lookup("--init-kl-coef") == "kl.beta"
+    assert aliases.lookup("--algorithm.kl_ctrl.kl_coef=0.001") == "kl.beta"
+    assert aliases.lookup("actor_rollout_ref.actor.kl_loss_coef") == "kl.loss_coef"
+    assert aliases.lookup("--Num-PPO-Epochs") == "ppo.epochs"
+    assert aliases.lookup("whiten_rewards") is None
+
+
+def test_no_counterpart_is_not_aliased():
+    assert not set(aliases.NO_COUNTERPART) & set(aliases.FLAG_ALIASES)
+    assert set(aliases.FLAG_NOTES) <= set(aliases.FLAG_ALIASES)
