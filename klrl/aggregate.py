@@ -221,13 +221,18 @@ _QUANTITY = {
 
 def metric_label(names: str | Sequence[str | None], quantity: str | None = None) -> str:
     """An axis label ``'<quantity> [<metric names>] (<unit>)'``, the unit the first name's; with a
-    ``quantity`` and several names, ``'<quantity> (<unit>)'`` (a legend names the metrics)."""
+    ``quantity`` and several names, ``'<quantity> (<unit>)'`` (a legend names the metrics). A long
+    label puts the unit on a second line."""
     names = [n for n in ((names,) if isinstance(names, str) else names) if n]
     names = list(dict.fromkeys(names))
     if not names:
         return f"{quantity or 'value'} (a.u.)"
+    unit = f"({unit_of(names[0])})"
     if quantity is not None and len(names) > 1:  # the names are in the legend
-        return f"{quantity} ({unit_of(names[0])})"
-    if quantity is None:
-        quantity = _QUANTITY.get(names[0]) or ("KL" if names[0].startswith(("kl/", "ctrl/kl")) else names[0])
-    return f"{quantity} [{', '.join(names)}] ({unit_of(names[0])})"
+        text = quantity
+    else:
+        if quantity is None:
+            kl = names[0].startswith(("kl/", "ctrl/kl"))
+            quantity = _QUANTITY.get(names[0]) or ("KL" if kl else names[0])
+        text = f"{quantity} [{', '.join(names)}]"
+    return f"{text}{chr(10) if len(text) + len(unit) > 28 else ' '}{unit}"  # long: the unit on a 2nd line

@@ -121,7 +121,7 @@ def beta_kl(
     ``kl=None`` shows KL per token when every adaptive setting targets nats/token
     (``ctrl.unit='token_mean'``), else per sequence, the exact KL where logged. ``ax``: 2 Axes.
     """
-    fig, (ax_b, ax_k) = axes_for(ax, 2, 3.0, "beta_kl")
+    fig, (ax_b, ax_k) = axes_for(ax, 2, 3.4, "beta_kl")
     gs, labels, colors = groups(results)
     auto, token = _kl_names(gs)
     names = auto if kl is None else kl
@@ -301,7 +301,7 @@ def perplexity_diversity(
     """Perplexities of policy samples (log scale where they span > x20) and distinct-n over
     iterations: colour the setting, line style the metric. ``ax=None`` leaves out a panel whose
     metrics no run logs; else 2 Axes."""
-    panels = [(tuple(ppl), "perplexity of policy samples"), (tuple(diversity), "distinct n-grams")]
+    panels = [(tuple(ppl), "sample perplexity"), (tuple(diversity), "distinct n-grams")]
     if ax is None:
         rs = [results] if isinstance(results, RunResult) else list(results)
         panels = [p for p in panels if any(first_logged(rs, (n,)) for n in p[0])] or panels[:1]

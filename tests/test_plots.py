@@ -231,7 +231,7 @@ def test_every_axis_has_a_label_with_a_unit(name):
                 assert a.get_shared_x_axes().joined(a, bottom)
                 assert unit(a.get_xlabel()) in UNITS or not a.get_xlabel()
     ylabels = [a.get_ylabel() for a in plots.frontier(study()).axes]
-    assert ylabels == ["proxy reward [reward/proxy] (a.u.)", "gold reward [reward/gold] (a.u.)"]
+    assert ylabels == ["proxy reward [reward/proxy]\n(a.u.)", "gold reward [reward/gold]\n(a.u.)"]
 
 
 def test_frontier_points_are_window_means():
