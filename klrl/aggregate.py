@@ -1,8 +1,9 @@
 """The statistics behind :mod:`klrl.plots` and :mod:`klrl.report`: seed groups, t-intervals over
 seeds, trailing-window means, metric units.
 
-A *setting* is a config up to ``train.seed``: runs that differ only in their seed form one
-:class:`Group`, summarised by the mean over seeds and the 95% Student-t interval of that mean,
+A *setting* is a config up to ``train.seed`` (and the fields that only name a run,
+:data:`NOT_SETTING`): runs that differ only in their seed form one :class:`Group`, summarised by
+the mean over seeds and the 95% Student-t interval of that mean,
 ``mean +- t_{0.975, n-1} * s / sqrt(n)`` (``s`` the sample standard deviation, ``ddof=1``; no
 interval for ``n < 2``). "Final" values are trailing-window means: the mean of the finite values
 over the last ``w`` iterations. The functions take anything with ``.config`` (a
@@ -21,6 +22,8 @@ import numpy as np
 
 LEVEL = 0.95
 SEED_FIELD = "train.seed"
+# fields that name a run or set what it prints: runs differing in them are the same setting
+NOT_SETTING = ("train.name", "train.out_dir", "train.log_every", "train.quiet")
 
 __all__ = [
     "Group",
@@ -42,9 +45,10 @@ __all__ = [
 
 # ---- seed groups ---------------------------------------------------------------------------------
 def setting_key(cfg: Any) -> str:
-    """The config as canonical JSON without ``train.seed``: equal keys = runs differing only in seed."""
+    """The config as canonical JSON without ``train.seed`` and the fields that only name or report a
+    run (:data:`NOT_SETTING`): equal keys = runs differing only in their seed."""
     d = cfg.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k != "seed"}
+    d["train"] = {k: v for k, v in d["train"].items() if k != "seed" and f"train.{k}" not in NOT_SETTING}
     return json.dumps(d, sort_keys=True, default=str)
 
 

@@ -92,8 +92,10 @@ def curve(
     if not lines:
         empty(a, metric if isinstance(metric, str) else " or ".join(metric))
         return fig
-    if log or (log is None and names[0] != BETA):
-        log_if_positive(a, arrays) if log is None else a.set_yscale("log")
+    if log is None:
+        log_if_positive(a, arrays)
+    elif log:
+        a.set_yscale("log")
     a.set_ylabel(metric_label(names))
     a.set_xlabel(ITERATIONS)
     legend(a, lines, texts, band_title(gs, smooth), ax is None)

@@ -264,10 +264,10 @@ def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
         "",
         *_settings_table(results, vary, keys, w),
         "",
-        f"{n_set} settings: members whose configs differ only in `train.seed`. Cells are final values "
-        f"(means over the last {w} iterations of each member) as the mean over seeds ± the half-width of "
-        "its 95% Student-t interval (t with n - 1 degrees of freedom times the standard deviation over "
-        "seeds over sqrt(n)); a mean alone where a setting has one seed.",
+        f"{n_set} settings: members whose configs differ only in `train.seed` (or the run's name). "
+        f"Cells are final values (means over the last {w} iterations of each member) as the mean over "
+        "seeds ± the half-width of its 95% Student-t interval (t with n - 1 degrees of freedom times the "
+        "standard deviation over seeds over sqrt(n)); a mean alone where a setting has one seed.",
         "",
         "## Members",
         "",

@@ -62,10 +62,10 @@ def test_trailing_tail_and_window_means_against_loops():
     assert np.isnan(A.tail_mean([], 5)) and len(A.window_means(v[:3], 5)[0]) == 0
 
 
-def test_seed_groups_ignore_only_the_seed():
+def test_seed_groups_ignore_only_the_seed_and_the_run_name():
     cfg = klrl.RunConfig()
     runs = [
-        RunResult(cfg.replace(train={"seed": s}, kl={"beta": b}), None, {})
+        RunResult(cfg.replace(train={"seed": s, "name": f"s{s}"}, kl={"beta": b}), None, {})
         for b in (0.1, 0.01)
         for s in (0, 1, 2)
     ]
@@ -73,6 +73,8 @@ def test_seed_groups_ignore_only_the_seed():
     gs = A.seed_groups(runs)
     assert [g.n for g in gs] == [3, 3, 1]
     assert gs[0].seeds == (0, 1, 2) and gs[1].config.kl.beta == 0.01
+    longer = RunResult(cfg.replace(train={"seed": 5, "iterations": 7}, kl={"beta": 0.1}), None, {})
+    assert [g.n for g in A.seed_groups([*runs[:3], longer])] == [3, 1]
 
 
 def test_units_and_labels():
