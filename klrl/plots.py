@@ -344,6 +344,7 @@ def perplexity_diversity(
 def controller_comparison(
     results: RunResult | Sequence[RunResult],
     *,
+    kl: str | Sequence[str] | None = None,
     beta: str = BETA,
     smooth: int = SMOOTH,
     ax: Sequence[Axes] | None = None,
@@ -352,7 +353,8 @@ def controller_comparison(
     (middle, as set); fixed-beta settings' KL in its own panel (bottom, where there are any).
 
     The KL is the one the controller sees (``ctrl/kl_observed_<ctrl.unit>``: its estimator, its
-    unit), else the exact/sampled KL in that unit; the target is the run's ``ctrl/target`` (else its
+    unit), else the exact/sampled KL in that unit, unless ``kl`` names others (it must then be in
+    the target's unit); the target is the run's ``ctrl/target`` (else its
     ``config.ctrl.target``). Adaptive settings are solid lines, fixed-beta ones dotted. ``ax``: 2
     Axes, 3 when there are fixed-beta settings.
     """
@@ -363,8 +365,10 @@ def controller_comparison(
     ax_f = axes[2] if fixed else None
     ratios, betas, fixed_kl, handles, texts = [], [], [], [], []
 
-    def observed(g: Group) -> tuple[str, ...]:
+    def observed(g: Group) -> str | Sequence[str]:
         u = g.config.ctrl.unit
+        if kl is not None:
+            return kl
         return (f"ctrl/kl_observed_{u}", *(KL_TOKEN if u == "token_mean" else KL_SEQ))
 
     def over_target(r: RunResult, v: np.ndarray) -> np.ndarray:

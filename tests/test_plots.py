@@ -273,6 +273,8 @@ def test_controller_comparison_normalises_only_adaptive_runs():
         assert handle.get_linestyle() == (":" if text.startswith("fixed") else "-")
     only_adaptive = plots.controller_comparison([rs[3]])
     assert len(only_adaptive.axes) == 2
+    sampled = plots.controller_comparison(rs, kl="kl/seq_sum", smooth=1)  # another KL, by name
+    np.testing.assert_allclose(sampled.axes[0].lines[0].get_ydata(), pi.metrics["kl/seq_sum"] / 3.0)
 
 
 def test_beta_kl_axis_label_and_target_line():
