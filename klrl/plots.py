@@ -24,6 +24,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from klrl.aggregate import first_logged, fit_gao, gao_curve, metric_label, stack, t_interval, window_means
 from klrl.plotkit import (
@@ -252,7 +253,7 @@ def overoptimization(
         if kname is None or (gname is None and pname is None):
             continue
         kl_seen.append(kname)
-        handles.append(Line2D([], [], color=col, marker="s", ls="none"))
+        handles.append(Patch(color=col))  # colour swatch: the setting (markers: the reward)
         texts.append(lab)
         for r in g.runs:
             d = np.sqrt(np.maximum(np.asarray(r.metrics[kname], float), 0.0))
