@@ -1,38 +1,64 @@
-"""Figures of a run or a beta study: each function takes one :class:`~klrl.runner.RunResult` or a list
-of them and returns a :class:`matplotlib.figure.Figure`.
+"""Figures of a run or a beta study, for a paper: each function takes one
+:class:`~klrl.runner.RunResult` or a list of them and returns a :class:`matplotlib.figure.Figure`.
 
-Figures are built with matplotlib's object API (``Figure``, not ``pyplot``): nothing is shown, no
-GUI backend is touched and nothing is kept alive by a figure manager, so the functions work
-headless (``fig.savefig`` renders with Agg) and in notebooks alike. A metric a run does not log is
-skipped; a panel with nothing to show says so.
+Runs that differ only in ``train.seed`` are one *setting* (:func:`klrl.aggregate.seed_groups`):
+one colour, the mean over seeds as a line and, with two or more seeds, its 95% Student-t interval
+over seeds as a band (error bars on the frontier); the legend's title says so. Curves over
+iterations are trailing means over ``smooth`` iterations (per seed, before averaging; beta is drawn
+as the controller set it). Legends sit outside the data, right of the (top) axes; every axis label
+is ``quantity [metric] (unit)``.
 
-KL is in nats per sequence (the exact KL ``kl/exact_seq_sum`` where the run logs it, else the
-sampled ``kl/seq_sum``), unless stated otherwise in the axis label.
+Every function takes ``ax=``: ``None`` makes a new figure; else one :class:`~matplotlib.axes.Axes`
+(one-panel figures) or a sequence of them, one per panel, and the figure drawn into is returned.
+Metric-name arguments (``kl=``, ``reward=``, ...) take a name or a tuple of alternatives (the first
+that a run logs is used). Figures are built with matplotlib's object API (``Figure``, not
+``pyplot``): nothing is shown and no GUI backend is touched, so they work headless (``savefig``
+renders with Agg) and in notebooks. A metric no run logs leaves its panel saying so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
-from klrl.config import RunConfig
-from klrl.runner import RunResult
+from klrl.aggregate import first_logged, fit_gao, gao_curve, metric_label, stack, t_interval, window_means
+from klrl.plotkit import (
+    ITERATIONS,
+    Group,
+    adaptive,
+    axes_for,
+    band_title,
+    curve_into,
+    empty,
+    groups,
+    label,
+    legend,
+    log_if_positive,
+    series,
+    xlabel,
+)
+from klrl.runner import RunResult  # the one import of run code (klrl.results after issue 13)
 
 KL_SEQ = ("kl/exact_seq_sum", "kl/seq_sum")
 KL_TOKEN = ("kl/exact_token_mean", "kl/token_mean")
 PROXY = ("reward/proxy", "reward/task")
 GOLD = "reward/gold"
+BETA = "ctrl/beta"
+TARGET = "ctrl/target"
 PERPLEXITIES = ("eval/oracle_ppl", "eval/independent_ppl", "eval/ref_ppl")
 DIVERSITY = ("eval/distinct_1", "eval/distinct_2")
+SMOOTH = 10
 _STYLES = ("-", "--", ":", "-.")
 
 __all__ = [
     "beta_kl",
     "controller_comparison",
+    "curve",
     "fit_gao",
     "frontier",
     "gao_curve",
@@ -42,344 +68,343 @@ __all__ = [
 ]
 
 
-# ---- helpers -------------------------------------------------------------------------------------
-def _as_list(results: RunResult | Sequence[RunResult]) -> list[RunResult]:
-    return [results] if isinstance(results, RunResult) else list(results)
-
-
-def _first(r: RunResult, names: Sequence[str]) -> tuple[str, np.ndarray] | tuple[None, None]:
-    """The first of ``names`` the run logs (with at least one finite value)."""
-    for n in names:
-        v = r.metrics.get(n)
-        if v is not None and len(v) and np.isfinite(np.asarray(v, float)).any():
-            return n, np.asarray(v, float)
-    return None, None
-
-
-def _adaptive(r: RunResult) -> bool:
-    return r.config.ctrl.kind != "fixed"
-
-
-def label(r: RunResult | RunConfig) -> str:
-    """A short label from the config: the controller, its target and gains, or the fixed beta."""
-    cfg = r.config if isinstance(r, RunResult) else r
-    c, beta = cfg.ctrl, cfg.kl.beta
-    if c.kind == "fixed":
-        return f"fixed beta={beta:g}"
-    gains = {
-        "proportional": f"horizon={c.horizon:g}",
-        "band": f"band={c.band:g} x{c.factor:g}",
-        "pi": f"kp={c.kp:g} ki={c.ki:g}",
-        "dual": f"lr={c.lr:g}",
-    }[c.kind]
-    unit = "/tok" if c.unit == "token_mean" else ""
-    warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
-    return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}"
-
-
-def _labels(results: list[RunResult]) -> list[str]:
-    """:func:`label` per run; the seed is added where seeds differ, an index where labels still collide."""
-    out = [label(r) for r in results]
-    if len({r.config.train.seed for r in results}) > 1:
-        out = [f"{s} seed={r.config.train.seed}" for s, r in zip(out, results, strict=True)]
-    if len(set(out)) < len(out):
-        out = [f"{i:02d}: {s}" for i, s in enumerate(out)]
-    return out
-
-
-def _colors(n: int) -> list[Any]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if n <= 10 else "viridis"]
-    return [cmap(i if n <= 10 else i / max(n - 1, 1)) for i in range(n)]
-
-
-def _empty(ax: Axes, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", transform=ax.transAxes, color="grey")
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def _legend(ax: Axes, runs: Sequence[tuple[str, Any]] = (), kinds: Sequence[tuple[str, dict]] = ()) -> None:
-    """A legend of the runs (colour) and of the kinds of line (style, marker), one entry each,
-    plus any labelled artists; outside the axes on the right when it is long."""
-    from matplotlib.lines import Line2D
-
-    handles, texts = ax.get_legend_handles_labels()
-    for text, col in runs:
-        handles.append(Line2D([], [], color=col, lw=2))
-        texts.append(text)
-    if len(kinds) > 1:
-        for text, style in kinds:
-            handles.append(Line2D([], [], color="k", **{"lw": 1, **style}))
-            texts.append(text)
-    if not handles:
-        return
-    if len(handles) > 4:
-        ax.legend(handles, texts, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax.legend(handles, texts, fontsize="small")
-
-
-def _log_if_positive(ax: Axes, arrays: list[np.ndarray]) -> None:
-    vals = np.concatenate([a[np.isfinite(a)] for a in arrays]) if arrays else np.array([])
-    if len(vals) and np.all(vals > 0) and vals.max() / vals.min() > 20:
-        ax.set_yscale("log")
-
-
-def _kl_unit(results: list[RunResult]) -> tuple[tuple[str, ...], str]:
-    """KL names and unit for a figure: per token only if every adaptive run targets nats/token."""
-    adaptive = [r for r in results if _adaptive(r)]
-    if adaptive and all(r.config.ctrl.unit == "token_mean" for r in adaptive):
-        return KL_TOKEN, "nats/token"
-    return KL_SEQ, "nats/sequence"
-
-
-def _kl_label(names: list[str | None], unit: str) -> str:
-    seen = sorted({n for n in names if n})
-    return f"KL ({', '.join(seen) or 'none'}) [{unit}]"
-
-
-def _iters(v: np.ndarray) -> np.ndarray:
-    return np.arange(len(v))
-
-
 # ---- figures -------------------------------------------------------------------------------------
-def beta_kl(results: RunResult | Sequence[RunResult]) -> Figure:
-    """Beta (top) and KL against the controller's target (bottom) over iterations, one colour per run.
+def curve(
+    results: RunResult | Sequence[RunResult],
+    metric: str | Sequence[str],
+    *,
+    smooth: int = SMOOTH,
+    ax: Axes | None = None,
+    log: bool | None = None,
+) -> Figure:
+    """Any logged metric over iterations: per setting the mean over seeds (trailing means over
+    ``smooth`` iterations) and its 95% t-interval band. ``log=None`` picks a log scale for a
+    positive metric spanning more than a factor 20."""
+    fig, (a,) = axes_for(ax, 1, 4.0, "curve")
+    gs, labels, colors = groups(results)
+    names, lines, texts, arrays = [], [], [], []
+    for g, lab, col in zip(gs, labels, colors, strict=True):
+        name, line, mean = curve_into(a, g, metric, smooth, col)
+        if line is not None:
+            names.append(name)
+            lines.append(line)
+            texts.append(lab)
+            arrays.append(mean)
+    if not lines:
+        empty(a, metric if isinstance(metric, str) else " or ".join(metric))
+        return fig
+    if log is None:
+        log_if_positive(a, arrays)
+    elif log:
+        a.set_yscale("log")
+    a.set_ylabel(metric_label(names))
+    a.set_xlabel(ITERATIONS)
+    legend(a, lines, texts, band_title(gs, smooth), ax is None)
+    return fig
 
-    The target (``ctrl/target``, else ``config.ctrl.target``) is drawn dashed for adaptive
-    controllers; KL is per token instead of per sequence when every adaptive run targets
-    nats/token (``ctrl.unit='token_mean'``), so that KL and target share a unit.
+
+def _kl_names(gs: list[Group]) -> tuple[tuple[str, ...], bool]:
+    """KL names for a figure: per token only if every adaptive setting targets nats/token."""
+    ad = [g for g in gs if adaptive(g)]
+    token = bool(ad) and all(g.config.ctrl.unit == "token_mean" for g in ad)
+    return (KL_TOKEN if token else KL_SEQ), token
+
+
+def beta_kl(
+    results: RunResult | Sequence[RunResult],
+    *,
+    kl: str | Sequence[str] | None = None,
+    beta: str = BETA,
+    smooth: int = SMOOTH,
+    ax: Sequence[Axes] | None = None,
+) -> Figure:
+    """Beta (top, as set) and KL (bottom) over iterations; the target (``ctrl/target``, else
+    ``config.ctrl.target``) dashed for adaptive settings whose target is in the KL's unit.
+
+    ``kl=None`` shows KL per token when every adaptive setting targets nats/token
+    (``ctrl.unit='token_mean'``), else per sequence, the exact KL where logged. ``ax``: 2 Axes.
     """
-    rs = _as_list(results)
-    fig = Figure(figsize=(8, 6), layout="constrained")
-    ax_b, ax_k = fig.subplots(2, 1, sharex=True)
-    names, unit = _kl_unit(rs)
-    betas, kl_names, runs, targets = [], [], [], False
-    for r, lab, col in zip(rs, _labels(rs), _colors(len(rs)), strict=True):
-        _, beta = _first(r, ("ctrl/beta",))
-        name, kl = _first(r, names)
-        if beta is None and kl is None:
+    fig, (ax_b, ax_k) = axes_for(ax, 2, 3.4, "beta_kl")
+    gs, labels, colors = groups(results)
+    auto, token = _kl_names(gs)
+    names = auto if kl is None else kl
+    handles, texts, betas, kl_seen, targets = [], [], [], [], False
+    for g, lab, col in zip(gs, labels, colors, strict=True):
+        bname, bline, bmean = curve_into(ax_b, g, beta, 1, col)
+        kname, kline, _ = curve_into(ax_k, g, names, smooth, col)
+        if bline is None and kline is None:
             continue
-        runs.append((lab, col))
-        if beta is not None:
-            ax_b.plot(_iters(beta), beta, color=col)
-            betas.append(beta)
-        kl_names.append(name)
-        if kl is None:
+        handles.append(bline or kline)
+        texts.append(lab)
+        if bmean is not None:
+            betas.append(bmean)
+        if kname is None:
             continue
-        ax_k.plot(_iters(kl), kl, color=col)
-        if _adaptive(r) and (unit == "nats/token") == (r.config.ctrl.unit == "token_mean"):
-            _, tgt = _first(r, ("ctrl/target",))
-            tgt = tgt if tgt is not None else np.full(len(kl), r.config.ctrl.target)
-            ax_k.plot(_iters(tgt), tgt, color=col, ls="--", lw=1)
+        kl_seen.append(kname)
+        if adaptive(g) and kname.endswith("token_mean") == (g.config.ctrl.unit == "token_mean"):
+            fill = lambda r, v: v
+            tgt = TARGET if first_logged(g.runs, TARGET) else None
+            if tgt is None:  # no logged target: the config's, constant
+                tgt, fill = kname, lambda r, v: np.full(len(v), r.config.ctrl.target)
+            mean, _, _ = t_interval(series(g, tgt, 1, fill))
+            ax_k.plot(np.arange(len(mean)), mean, color=col, ls="--", lw=1)
             targets = True
     if betas:
-        _log_if_positive(ax_b, betas)
-        ax_b.set_ylabel("beta (ctrl/beta)")
-        _legend(ax_b, runs)
+        log_if_positive(ax_b, betas)
+        ax_b.set_ylabel(metric_label(beta))
+        extra = []
+        if targets:
+            extra = [Line2D([], [], color="k", ls="-", lw=1.5), Line2D([], [], color="k", ls="--", lw=1)]
+        legend(ax_b, handles + extra, texts + (["KL", "target [ctrl/target]"] if targets else []),
+                band_title(gs, smooth, "beta: as set"), ax is None)  # fmt: skip
     else:
-        _empty(ax_b, "ctrl/beta")
-    if any(kl_names):
-        ax_k.set_ylabel(_kl_label(kl_names, unit))
-        ax_k.set_xlabel("iteration")
-        _legend(ax_k, kinds=[("KL", {}), ("target (ctrl/target)", {"ls": "--"})] if targets else ())
+        empty(ax_b, beta)
+        if kl_seen:
+            legend(ax_k, handles, texts, band_title(gs, smooth), ax is None)
+    if kl_seen:
+        ax_k.set_ylabel(metric_label(kl_seen))
     else:
-        _empty(ax_k, "KL")
+        empty(ax_k, "KL")
+    xlabel([ax_b, ax_k], ax is not None)
     ax_b.set_title("beta and KL")
     return fig
 
 
-def frontier(results: RunResult | Sequence[RunResult]) -> Figure:
-    """Reward against KL, one curve per run: proxy (``reward/proxy``, else ``reward/task``) solid,
-    gold (``reward/gold``, where logged) dashed in the same colour."""
-    rs = _as_list(results)
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.subplots()
-    kl_names, runs, kinds = [], [], {}
-    for r, lab, col in zip(rs, _labels(rs), _colors(len(rs)), strict=True):
-        kname, kl = _first(r, KL_SEQ)
-        pname, proxy = _first(r, PROXY)
-        _, gold = _first(r, (GOLD,))
-        if kl is None or (proxy is None and gold is None):
+def frontier(
+    results: RunResult | Sequence[RunResult],
+    *,
+    kl: str | Sequence[str] = KL_SEQ,
+    reward: Sequence[str | Sequence[str]] | str = (PROXY, GOLD),
+    window: int | None = None,
+    ax: Axes | Sequence[Axes] | None = None,
+) -> Figure:
+    """Reward against KL, one panel per entry of ``reward`` (default: proxy, gold).
+
+    Each run contributes the means over its non-overlapping ``window``-iteration windows
+    (:func:`klrl.aggregate.window_means`, aligned on the last iteration; default ``window`` = a
+    tenth of the longest run): one point per window, ``(mean KL, mean reward)``, joined in
+    training order, the last (the final trailing-window means) marked large. A setting shows the
+    mean over seeds per window, with 95% t-interval error bars in both directions. ``ax``: one
+    Axes per panel.
+    """
+    rewards = [reward] if isinstance(reward, str) else list(reward)
+    fig, axes = axes_for(ax, len(rewards), 3.6, "frontier")
+    gs, labels, colors = groups(results)
+    n_max = max((len(v) for g in gs for r in g.runs for v in r.metrics.values()), default=0)
+    w = window if window is not None else max(1, n_max // 10)
+    legend_done, xl = False, None
+    for a, names in zip(axes, rewards, strict=True):
+        handles, texts, kl_seen, r_seen = [], [], [], []
+        for g, lab, col in zip(gs, labels, colors, strict=True):
+            kname, rname = first_logged(g.runs, kl), first_logged(g.runs, names)
+            if kname is None or rname is None:
+                continue
+            xs = stack([window_means(r.metrics.get(kname, []), w)[1] for r in g.runs])
+            ys = stack([window_means(r.metrics.get(rname, []), w)[1] for r in g.runs])
+            (x, xh, _), (y, yh, _) = t_interval(xs), t_interval(ys)
+            (line,) = a.plot(x, y, color=col, marker="o", ms=3, lw=1.2)
+            a.plot(x[-1:], y[-1:], color=col, marker="o", ms=8, mec="k", ls="none")
+            if g.n > 1:
+                a.errorbar(x, y, xerr=xh, yerr=yh, fmt="none", ecolor=col, elinewidth=0.8, alpha=0.6)
+            handles.append(line)
+            texts.append(lab)
+            kl_seen.append(kname)
+            r_seen.append(rname)
+        if not handles:
+            empty(a, f"{names if isinstance(names, str) else ' or '.join(names)} or KL")
             continue
-        kl_names.append(kname)
-        runs.append((lab, col))
-        if proxy is not None:
-            ax.plot(kl, proxy, color=col, marker=".", ms=3, lw=1)
-            kinds[pname] = {"marker": "."}
-        if gold is not None:
-            ax.plot(kl, gold, color=col, ls="--", marker=".", ms=3, lw=1)
-            kinds[GOLD] = {"ls": "--", "marker": "."}
-    if not runs:
-        _empty(ax, "reward or KL")
-        return fig
-    ax.set_xlabel(_kl_label(kl_names, "nats/sequence"))
-    ax.set_ylabel(" / ".join(kinds) if len(kinds) > 1 else next(iter(kinds)))
-    ax.set_title("reward-KL frontier")
-    _legend(ax, runs, list(kinds.items()))
+        xl = metric_label(kl_seen)
+        a.set_ylabel(metric_label(r_seen))
+        if not legend_done:
+            title = f"points: means over {w}-iteration windows\nlarge: last {w} iterations"
+            title += (
+                "\nbars: 95% t-interval over seeds" if any(g.n > 1 for g in gs) else "\none seed per setting"
+            )
+            legend(a, handles, texts, title, ax is None)
+            legend_done = True
+    if xl:
+        xlabel(axes, ax is not None, xl)
+    axes[0].set_title("reward-KL frontier")
     return fig
 
 
-def fit_gao(d: Any, r: Any) -> tuple[float, float]:
-    """Least-squares ``(alpha, b)`` of the Gao et al. (2023) RL form ``R(d) = d (alpha - b log d)``.
-
-    ``d = sqrt(KL)`` and ``R`` the gold reward gain over the initial policy (``R(0) = 0``). The form
-    is linear in the coefficients, ``R = alpha d - b d log d`` (with ``d log d = 0`` at ``d = 0``),
-    so this is one linear least-squares solve. Non-finite pairs and ``d < 0`` are dropped; fewer
-    than two usable points raise :class:`ValueError`.
-    """
-    d = np.asarray(d, float).ravel()
-    r = np.asarray(r, float).ravel()
-    if d.shape != r.shape:
-        raise ValueError(f"fit_gao: d and r differ in length ({len(d)} != {len(r)})")
-    ok = np.isfinite(d) & np.isfinite(r) & (d >= 0)
-    d, r = d[ok], r[ok]
-    if len(d) < 2 or np.count_nonzero(d) < 2:
-        raise ValueError(f"fit_gao: needs at least two points with d > 0 (got {np.count_nonzero(d)})")
-    dlogd = np.where(d > 0, d * np.log(np.where(d > 0, d, 1.0)), 0.0)
-    a = np.stack([d, -dlogd], axis=1)
-    (alpha, b), *_ = np.linalg.lstsq(a, r, rcond=None)
-    return float(alpha), float(b)
-
-
-def gao_curve(d: Any, alpha: float, b: float) -> np.ndarray:
-    """``R(d) = d (alpha - b log d)``, with ``R(0) = 0``."""
-    d = np.asarray(d, float)
-    return np.where(d > 0, d * (alpha - b * np.log(np.where(d > 0, d, 1.0))), 0.0)
-
-
-def overoptimization(results: RunResult | Sequence[RunResult], fit: bool = True) -> Figure:
-    """Gold (circles) and proxy (crosses) reward gain against ``d = sqrt(KL)``, pooled over runs.
+def overoptimization(
+    results: RunResult | Sequence[RunResult],
+    fit: bool = True,
+    *,
+    kl: str | Sequence[str] = KL_SEQ,
+    gold: str | Sequence[str] = GOLD,
+    proxy: str | Sequence[str] | None = PROXY,
+    ax: Axes | None = None,
+) -> Figure:
+    """Gold (circles) and proxy (crosses) reward gain against ``d = sqrt(KL)``: every iteration of
+    every run a point, a setting's seeds in its colour.
 
     Rewards are relative to each run's first iteration (the initial policy), as in Gao et al. (2023).
     With ``fit`` the RL form ``R(d) = d (alpha - b log d)`` is fitted to the pooled gold points
-    (:func:`fit_gao`) and drawn, its coefficients in the legend.
+    (:func:`fit_gao`) and drawn, its coefficients in the legend. ``proxy=None`` leaves it out.
     """
-    rs = _as_list(results)
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.subplots()
-    kl_names, d_all, g_all, runs, kinds = [], [], [], [], {}
-    for r, lab, col in zip(rs, _labels(rs), _colors(len(rs)), strict=True):
-        kname, kl = _first(r, KL_SEQ)
-        _, gold = _first(r, (GOLD,))
-        pname, proxy = _first(r, PROXY)
-        if kl is None or (gold is None and proxy is None):
+    fig, (a,) = axes_for(ax, 1, 5.0, "overoptimization")
+    gs, labels, colors = groups(results)
+    kl_seen, d_all, g_all, handles, texts, kinds = [], [], [], [], [], {}
+    for g, lab, col in zip(gs, labels, colors, strict=True):
+        kname, gname = first_logged(g.runs, kl), first_logged(g.runs, gold)
+        pname = first_logged(g.runs, proxy) if proxy is not None else None
+        if kname is None or (gname is None and pname is None):
             continue
-        kl_names.append(kname)
-        runs.append((lab, col))
-        d = np.sqrt(np.maximum(kl, 0.0))
-        if gold is not None:
-            g = gold - gold[0]
-            ax.scatter(d, g, s=10, color=col, marker="o")
-            d_all.append(d)
-            g_all.append(g)
-            kinds[GOLD] = {"marker": "o", "ls": "none"}
-        if proxy is not None:
-            ax.scatter(d, proxy - proxy[0], s=14, color=col, marker="x", lw=0.8)
-            kinds[pname] = {"marker": "x", "ls": "none"}
-    if not runs:
-        _empty(ax, "reward or KL")
+        kl_seen.append(kname)
+        handles.append(Patch(color=col))  # colour swatch: the setting (markers: the reward)
+        texts.append(lab)
+        for r in g.runs:
+            d = np.sqrt(np.maximum(np.asarray(r.metrics[kname], float), 0.0))
+            for name, marker, pool in ((gname, "o", True), (pname, "x", False)):
+                v = np.asarray(r.metrics.get(name, []), float) if name else np.array([])
+                if len(v) != len(d) or not np.isfinite(v).any():
+                    continue
+                gain = v - v[np.isfinite(v)][0]
+                a.scatter(d, gain, s=10 if pool else 14, color=col, marker=marker, lw=0.8)
+                kinds[f"{'gold' if pool else 'proxy'} [{name}]"] = Line2D(
+                    [], [], color="k", marker=marker, ls="none"
+                )
+                if pool:
+                    d_all.append(d)
+                    g_all.append(gain)
+    if not handles:
+        empty(a, "reward or KL")
         return fig
     if fit and d_all:
-        d, g = np.concatenate(d_all), np.concatenate(g_all)
+        d, gn = np.concatenate(d_all), np.concatenate(g_all)
         try:
-            alpha, b = fit_gao(d, g)
+            alpha, b = fit_gao(d, gn)
         except ValueError:
             pass
         else:
             xs = np.linspace(0.0, float(np.nanmax(d)), 200)
-            ax.plot(xs, gao_curve(xs, alpha, b), color="k", lw=1.5,
-                    label=f"gold fit d(alpha - b log d):\nalpha={alpha:.3g}, b={b:.3g}")  # fmt: skip
-    ax.axhline(0.0, color="grey", lw=0.5)
-    ax.set_xlabel(f"d = sqrt({_kl_label(kl_names, 'nats/sequence')})")
-    ax.set_ylabel("reward - reward at iteration 0")
-    ax.set_title("overoptimization (Gao et al. 2023)")
-    _legend(ax, runs, list(kinds.items()))
+            (fl,) = a.plot(xs, gao_curve(xs, alpha, b), color="k", lw=1.5)
+            kinds[f"gold fit d(alpha - b log d):\nalpha={alpha:.3g}, b={b:.3g}"] = fl
+    a.axhline(0.0, color="grey", lw=0.5)
+    names = list(dict.fromkeys(kl_seen))
+    seq = all(n.endswith("seq_sum") for n in names)
+    a.set_xlabel(f"d = sqrt(KL) [sqrt {', '.join(names)}] (sqrt(nats/sequence))" if seq else
+                 f"d = sqrt({metric_label(names)})")  # fmt: skip
+    a.set_ylabel("reward gain over iteration 0 (a.u.)")
+    a.set_title("overoptimization (Gao et al. 2023)")
+    legend(a, handles + list(kinds.values()), texts + list(kinds), "every iteration a point", ax is None)
     return fig
 
 
-def perplexity_diversity(results: RunResult | Sequence[RunResult]) -> Figure:
-    """Perplexities (oracle, independent LM, reference; log scale) and distinct-n over iterations.
-
-    Colour is the run, line style the metric; a panel whose metrics no run logs is left out.
-    """
-    rs = _as_list(results)
-    groups = [(PERPLEXITIES, "perplexity of policy samples"), (DIVERSITY, "distinct n-grams (fraction)")]
-    logged = lambda names: any(_first(r, (n,))[1] is not None for r in rs for n in names)
-    present = [(names, ylabel) for names, ylabel in groups if logged(names)]
-    fig = Figure(figsize=(8, 3.2 * max(len(present), 1)), layout="constrained")
-    if not present:
-        _empty(fig.subplots(), "perplexity or distinct-n")
-        return fig
-    axes = np.atleast_1d(fig.subplots(len(present), 1, sharex=True))
-    labels, colors = _labels(rs), _colors(len(rs))
-    for ax, (names, ylabel) in zip(axes, present, strict=True):
-        arrays, runs, kinds = [], [], {}
-        for r, lab, col in zip(rs, labels, colors, strict=True):
+def perplexity_diversity(
+    results: RunResult | Sequence[RunResult],
+    *,
+    ppl: Sequence[str] = PERPLEXITIES,
+    diversity: Sequence[str] = DIVERSITY,
+    smooth: int = SMOOTH,
+    ax: Sequence[Axes] | None = None,
+) -> Figure:
+    """Perplexities of policy samples (log scale where they span > x20) and distinct-n over
+    iterations: colour the setting, line style the metric. ``ax=None`` leaves out a panel whose
+    metrics no run logs; else 2 Axes."""
+    panels = [(tuple(ppl), "sample perplexity"), (tuple(diversity), "distinct n-grams")]
+    if ax is None:
+        rs = [results] if isinstance(results, RunResult) else list(results)
+        panels = [p for p in panels if any(first_logged(rs, (n,)) for n in p[0])] or panels[:1]
+    fig, axes = axes_for(ax, len(panels), 3.2, "perplexity_diversity")
+    gs, labels, colors = groups(results)
+    for i, (a, (names, quantity)) in enumerate(zip(axes, panels, strict=True)):
+        arrays, handles, texts, kinds = [], [], [], {}
+        for g, lab, col in zip(gs, labels, colors, strict=True):
             drawn = False
             for name, ls in zip(names, _STYLES, strict=False):
-                _, v = _first(r, (name,))
-                if v is not None:
-                    ax.plot(_iters(v), v, color=col, ls=ls)
-                    arrays.append(v)
-                    kinds[name] = {"ls": ls}
+                _, line, mean = curve_into(a, g, (name,), smooth, col, ls)
+                if line is not None:
+                    arrays.append(mean)
+                    kinds[name] = Line2D([], [], color="k", ls=ls, lw=1.5)
                     drawn = True
-            if drawn:
-                runs.append((lab, col))
-        if names is PERPLEXITIES:
-            _log_if_positive(ax, arrays)
-        ax.set_ylabel(ylabel if len(kinds) > 1 else f"{ylabel}\n({next(iter(kinds))})")
-        _legend(ax, runs, list(kinds.items()))
-    axes[-1].set_xlabel("iteration")
+            if drawn and i == 0:
+                handles.append(Line2D([], [], color=col, ls="-", lw=1.5))
+                texts.append(lab)
+        if not kinds:
+            empty(a, " or ".join(names))
+            continue
+        if names == tuple(ppl):
+            log_if_positive(a, arrays)
+        a.set_ylabel(metric_label(list(kinds), quantity if len(kinds) > 1 else None))
+        styles = list(kinds) if len(kinds) > 1 else []  # the line-style key, with the settings on top
+        legend(
+            a,
+            handles + [kinds[k] for k in styles],
+            texts + styles,
+            band_title(gs, smooth) if i == 0 else None,
+            ax is None and i == 0,
+        )
+    xlabel(axes, ax is not None)
     axes[0].set_title("perplexity and diversity")
     return fig
 
 
-def controller_comparison(results: RunResult | Sequence[RunResult]) -> Figure:
-    """KL / target (top; 1 is on target) and beta (bottom) over iterations, one line per run.
+def controller_comparison(
+    results: RunResult | Sequence[RunResult],
+    *,
+    kl: str | Sequence[str] | None = None,
+    beta: str = BETA,
+    smooth: int = SMOOTH,
+    ax: Sequence[Axes] | None = None,
+) -> Figure:
+    """Adaptive settings: KL over their own target (top; 1 is on target); every setting's beta
+    (middle, as set); fixed-beta settings' KL in its own panel (bottom, where there are any).
 
     The KL is the one the controller sees (``ctrl/kl_observed_<ctrl.unit>``: its estimator, its
-    unit), else the exact/sampled KL in that unit; the target is ``ctrl/target`` (else the config's).
-    Fixed-beta runs are drawn dotted against the target their config names.
+    unit), else the exact/sampled KL in that unit, unless ``kl`` names others (it must then be in
+    the target's unit); the target is the run's ``ctrl/target`` (else its
+    ``config.ctrl.target``). Adaptive settings are solid lines, fixed-beta ones dotted. ``ax``: 2
+    Axes, 3 when there are fixed-beta settings.
     """
-    rs = _as_list(results)
-    fig = Figure(figsize=(8, 6), layout="constrained")
-    ax_r, ax_b = fig.subplots(2, 1, sharex=True)
-    ratios, betas, runs = [], [], []
-    for r, lab, col in zip(rs, _labels(rs), _colors(len(rs)), strict=True):
-        c = r.config.ctrl
-        ls = "-" if _adaptive(r) else ":"
-        names = (f"ctrl/kl_observed_{c.unit}", *(KL_TOKEN if c.unit == "token_mean" else KL_SEQ))
-        _, kl = _first(r, names)
-        _, beta = _first(r, ("ctrl/beta",))
-        if kl is None and beta is None:
-            continue
-        runs.append((lab, col))
+    gs, labels, colors = groups(results)
+    fixed = [g for g in gs if not adaptive(g)]
+    fig, axes = axes_for(ax, 2 + bool(fixed), 3.4, "controller_comparison")
+    ax_r, ax_b = axes[0], axes[1]
+    ax_f = axes[2] if fixed else None
+    ratios, betas, fixed_kl, handles, texts = [], [], [], [], []
+
+    def observed(g: Group) -> str | Sequence[str]:
+        u = g.config.ctrl.unit
         if kl is not None:
-            _, tgt = _first(r, ("ctrl/target",))
-            tgt = tgt if tgt is not None and len(tgt) == len(kl) else np.full(len(kl), c.target)
-            ratio = kl / np.where(tgt > 0, tgt, np.nan)
-            ax_r.plot(_iters(ratio), ratio, color=col, ls=ls)
-            ratios.append(ratio)
-        if beta is not None:
-            ax_b.plot(_iters(beta), beta, color=col, ls=ls)
-            betas.append(beta)
+            return kl
+        return (f"ctrl/kl_observed_{u}", *(KL_TOKEN if u == "token_mean" else KL_SEQ))
+
+    def over_target(r: RunResult, v: np.ndarray) -> np.ndarray:
+        t = np.asarray(r.metrics.get(TARGET, []), float)
+        t = t if len(t) == len(v) and np.isfinite(t).any() else np.full(len(v), r.config.ctrl.target)
+        return v / np.where(t > 0, t, np.nan)
+
+    for g, lab, col in zip(gs, labels, colors, strict=True):
+        ls = "-" if adaptive(g) else ":"
+        if adaptive(g):
+            kname, kline, mean = curve_into(ax_r, g, observed(g), smooth, col, ls, over_target)
+            ratios += [] if mean is None else [mean]
+        else:
+            kname, kline, mean = curve_into(ax_f, g, observed(g), smooth, col, ls)
+            fixed_kl += [] if kname is None else [kname]
+        _, bline, bmean = curve_into(ax_b, g, beta, 1, col, ls)
+        betas += [] if bmean is None else [bmean]
+        if kline is not None or bline is not None:
+            handles.append(bline or kline)
+            texts.append(lab)
     if ratios:
         ax_r.axhline(1.0, color="k", lw=0.8, ls="--")
-        _log_if_positive(ax_r, ratios)
-        ax_r.set_ylabel("KL / target (controller's unit)")
-        _legend(ax_r, runs)
+        log_if_positive(ax_r, ratios)
+        ax_r.set_ylabel("KL / own target (ratio)")
     else:
-        _empty(ax_r, "KL")
+        empty(ax_r, "adaptive controller's KL")
     if betas:
-        _log_if_positive(ax_b, betas)
-        ax_b.set_ylabel("beta (ctrl/beta)")
-        ax_b.set_xlabel("iteration")
-        if not ratios:
-            _legend(ax_b, runs)
+        log_if_positive(ax_b, betas)
+        ax_b.set_ylabel(metric_label(beta))
     else:
-        _empty(ax_b, "ctrl/beta")
-    ax_r.set_title("controller comparison (dotted: fixed beta)")
+        empty(ax_b, beta)
+    if ax_f is not None:
+        ax_f.set_ylabel(metric_label(fixed_kl)) if fixed_kl else empty(ax_f, "KL of fixed-beta runs")
+    xlabel(axes, ax is not None)
+    style = "solid: adaptive, dotted: fixed beta; " if fixed and len(fixed) < len(gs) else ""
+    legend(ax_r, handles, texts, band_title(gs, smooth, style + "beta: as set"), ax is None)
+    ax_r.set_title("controller comparison" + ("" if not fixed else ": fixed-beta KL in the bottom panel"))
     return fig

@@ -2,8 +2,9 @@
 
 ``write_report(RUN_DIR)`` (or a :class:`~klrl.runner.RunResult`, or the list a sweep returns)
 writes ``report.md`` and ``report-<plot>.png`` files beside it, in the run directory; for a sweep
-directory (``sweep.json``) one report covers all members, with a row per member. The command line
-is ``python experiments/run.py --report RUN_DIR``.
+directory (``sweep.json``) one report covers all members: a row per setting (members equal up to
+``train.seed``; final values as mean ± 95% t-interval over seeds) and a row per member. The command
+line is ``python experiments/run.py --report RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -17,16 +18,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from klrl.aggregate import seed_groups, t_interval, tail_mean, unit_of
 from klrl.diagnosis import final_regime, timeline
 from klrl.io.logging import read_jsonl
 
 if TYPE_CHECKING:
     from klrl.runner import RunResult
 
-# klrl.runner is imported where it is used, so that klrl.runner (and klrl.sweep) can import this
-# module at their top to write a report at the end of a run
+
+def _runner() -> Any:
+    """The one import of run code (``RunResult``, ``load_run``, ``load_sweep``; klrl.results after
+    issue 13), at call time: klrl.runner and klrl.sweep import this module to write their reports."""
+    import klrl.runner
+
+    return klrl.runner
+
 
 REPORT_NAME = "report.md"
+WINDOW = 10  # iterations: start and final values are means over the first / last WINDOW iterations
 
 # start/end rows of the summary, in this order, where logged
 REPORT_KEYS = (
@@ -69,8 +78,7 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
 
 # ---- loading -------------------------------------------------------------------------------------
 def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
-    from klrl.runner import load_run, load_sweep
-
+    load_run, load_sweep = _runner().load_run, _runner().load_sweep
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
     try:
@@ -86,8 +94,7 @@ def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
 def _resolve(
     source: str | Path | RunResult | Sequence[RunResult], out_dir: str | Path | None
 ) -> tuple[list[RunResult], Path, bool]:
-    from klrl.runner import RunResult
-
+    RunResult = _runner().RunResult
     if isinstance(source, str | Path):
         results, root, is_sweep = _load_dir(Path(source))
         return results, Path(out_dir) if out_dir is not None else root, is_sweep
@@ -116,13 +123,11 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
-def _start_end(v: np.ndarray) -> tuple[float, float]:
-    """Means of the first and last ``n`` finite-or-not values, ``n = max(1, min(5, len // 5))``
-    (as :meth:`RunResult.summary`); NaN where all are NaN."""
+def _start_end(v: np.ndarray, w: int = WINDOW) -> tuple[float, float]:
+    """Means of the finite values over the first and the last ``w`` iterations (NaN where none is
+    finite): the start and the final value."""
     v = np.asarray(v, float)
-    n = max(1, min(5, len(v) // 5))
-    mean = lambda x: float(np.mean(x[np.isfinite(x)])) if np.isfinite(x).any() else math.nan
-    return mean(v[:n]), mean(v[-n:])
+    return tail_mean(v[:w], w), tail_mean(v, w)
 
 
 def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
@@ -186,7 +191,7 @@ def _get(cfg: Any, dotted: str) -> Any:
     return getattr(getattr(cfg, section), field)
 
 
-def _single(r: RunResult, root: Path) -> list[str]:
+def _single(r: RunResult, root: Path, w: int) -> list[str]:
     from klrl.plots import label
 
     cfg = r.config
@@ -199,9 +204,9 @@ def _single(r: RunResult, root: Path) -> list[str]:
         "## Summary",
         "",
     ]
-    rows = [[k, *_start_end(r.metrics[k])] for k in _keys([r])]
-    lines += _table(["metric", "start", "end"], rows) if rows else ["No metrics logged."]
-    lines += ["", "Start and end are means over the first and last max(1, min(5, N // 5)) iterations.", ""]
+    rows = [[k, unit_of(k), *_start_end(r.metrics[k], w)] for k in _keys([r])]
+    lines += _table(["metric", "unit", "start", "final"], rows) if rows else ["No metrics logged."]
+    lines += ["", f"Start and final are means over the first and the last {w} iterations.", ""]
     lines += ["## Diagnosis timeline", "", *_timeline_table(r), ""]
     ev = _run_events(r.dir)
     if ev:
@@ -209,17 +214,60 @@ def _single(r: RunResult, root: Path) -> list[str]:
     return lines
 
 
-def _sweep(results: list[RunResult], root: Path) -> list[str]:
+def _pm(values: list[float]) -> str:
+    """``mean ± half`` (95% t-interval over seeds) of the finite values; the mean alone for one."""
+    mean, half, n = (float(x[0]) for x in t_interval(np.array(values, float)[:, None]))
+    if n == 0:
+        return "nan"
+    return f"{_fmt(mean)} ± {_fmt(half)}" if n >= 2 else _fmt(mean)
+
+
+def _settings_table(results: list[RunResult], vary: list[str], keys: list[str], w: int) -> list[str]:
+    """One row per setting (configs equal up to ``train.seed``): the final values (means over the
+    last ``w`` iterations) as mean ± half-width of the 95% t-interval over its seeds."""
+    from klrl.plots import label
+
+    cols = [v for v in vary if v != "train.seed"]
+    rows = []
+    for g in seed_groups(results):
+        regimes = [_regime(r) for r in g.runs]
+        counts = ", ".join(f"{k} x{regimes.count(k)}" if g.n > 1 else k for k in dict.fromkeys(regimes))
+        cells = [
+            *(_get(g.config, v) for v in cols),
+            label(g.config),
+            g.n,
+            ", ".join(map(str, g.seeds)),
+            counts,
+        ]
+        cells += [
+            _pm([tail_mean(r.metrics[k], w) if k in r.metrics else math.nan for r in g.runs]) for k in keys
+        ]
+        rows.append(cells)
+    head = [*cols, "label", "seeds (n)", "train.seed", "final regime", *(f"{k} ({unit_of(k)})" for k in keys)]
+    return _table(head, rows)
+
+
+def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
     from klrl.plots import label
 
     base = results[0].config
     vary = _varying(results)
     keys = _keys(results)
+    n_set = len(seed_groups(results))
     lines = [
         f"# klrl sweep report: {root.name}",
         "",
         f"{len(results)} members, {max(_n_iter(r) for r in results)} iterations of task `{base.task.name}`"
         + (f"; members differ in {', '.join(f'`{v}`' for v in vary)}." if vary else "."),
+        "",
+        "## Settings (aggregated over seeds)",
+        "",
+        *_settings_table(results, vary, keys, w),
+        "",
+        f"{n_set} settings: members whose configs differ only in `train.seed` (or the run's name). "
+        f"Cells are final values (means over the last {w} iterations of each member) as the mean over "
+        "seeds ± the half-width of its 95% Student-t interval (t with n - 1 degrees of freedom times the "
+        "standard deviation over seeds over sqrt(n)); a mean alone where a setting has one seed.",
         "",
         "## Members",
         "",
@@ -229,12 +277,12 @@ def _sweep(results: list[RunResult], root: Path) -> list[str]:
         cells = [r.dir.name if r.dir is not None else f"{i:02d}", *(_get(r.config, v) for v in vary)]
         cells += [label(r), _regime(r)]
         for k in keys:
-            s, e = _start_end(r.metrics[k]) if k in r.metrics else (math.nan, math.nan)
+            s, e = _start_end(r.metrics[k], w) if k in r.metrics else (math.nan, math.nan)
             cells.append(f"{_fmt(s)} -> {_fmt(e)}")
         rows.append(cells)
-    lines += _table(["member", *vary, "label", "final regime", *keys], rows)
-    lines += ["", "Metric cells are start -> end: means over the first and last max(1, min(5, N // 5)) "
-              "iterations.", "", "## Diagnosis timeline", ""]  # fmt: skip
+    lines += _table(["member", *vary, "label", "final regime", *(f"{k} ({unit_of(k)})" for k in keys)], rows)
+    lines += ["", f"Metric cells are start -> final: means over the first and the last {w} iterations.", "",
+              "## Diagnosis timeline", ""]  # fmt: skip
     for i, r in enumerate(results):
         name = r.dir.name if r.dir is not None else f"member {i:02d}"
         lines += [f"### {name}: {label(r)}", "", *_timeline_table(r), ""]
@@ -251,18 +299,20 @@ def write_report(
     out_dir: str | Path | None = None,
     plots: bool = True,
     dpi: int = 90,
+    window: int = WINDOW,
 ) -> Path:
     """Write ``report.md`` (and its PNG plots) for a run or a sweep; return its path.
 
     ``source`` is a run directory, a sweep directory (``sweep.json``: one report for all
     members), a :class:`RunResult`, or the list of results :func:`klrl.sweep` returned. The report
     goes into that directory (the sweep's root for a list of members) unless ``out_dir`` is given
-    (needed for results of ``write=False``). Raises :class:`ReportError` (a ``ValueError``) naming
-    the path when the source cannot be read.
+    (needed for results of ``write=False``). Start and final values are means over the first and
+    the last ``window`` iterations; a sweep's Settings table aggregates them over seeds. Raises
+    :class:`ReportError` (a ``ValueError``) naming the path when the source cannot be read.
     """
     results, root, is_sweep = _resolve(source, out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    lines = _sweep(results, root) if is_sweep else _single(results[0], root)
+    lines = _sweep(results, root, window) if is_sweep else _single(results[0], root, window)
     if plots and any(_n_iter(r) for r in results):
         from klrl import plots as P
 
@@ -270,7 +320,7 @@ def write_report(
         for name, title in _plots_for(results):
             fig = getattr(P, name)(results)
             fname = f"report-{name}.png"
-            fig.savefig(root / fname, dpi=dpi)
+            fig.savefig(root / fname, dpi=dpi, bbox_inches="tight")
             lines += [f"### {title}", "", f"![{name}]({fname})", ""]
     first = results[0].dir.name if results[0].dir is not None else "00"
     lines += [
@@ -290,9 +340,7 @@ def maybe_write_report(
 ) -> Path | None:
     """:func:`write_report` for the end of a run: never raises (a failed report must not fail a
     finished run), does nothing for results kept in memory (``write=False``)."""
-    from klrl.runner import RunResult
-
-    items = [source] if isinstance(source, RunResult) else source
+    items = [source] if isinstance(source, _runner().RunResult) else source
     if not isinstance(items, str | Path) and any(r.dir is None for r in items):
         return None
     try:
