@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from klrl.schema import ConfigError, UnknownFieldError, section, strict_init, unknown_field
+from klrl.schema import ConfigError, UnknownFieldError, section, short, strict_init, unknown_field
 
 ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
 KL_UNITS = ("seq_sum", "token_mean")
@@ -375,7 +375,7 @@ class RunConfig:
         for f in dataclasses.fields(self):
             want = type(f.default_factory())  # type: ignore[misc]
             if not isinstance(getattr(self, f.name), want):
-                raise ConfigError(f"{f.name}: expected a {want.__name__}, got {getattr(self, f.name)!r}")
+                raise ConfigError(f"{f.name}: expected a {want.__name__}, got {short(getattr(self, f.name))}")
         b = self.train.batch_size
         _check(
             b % self.ppo.minibatches == 0,

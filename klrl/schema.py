@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,6 +72,13 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
+def short(value: Any, n: int = 60) -> str:
+    """A bounded ``repr`` (depth and length), safe on deeply nested values."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 2, n, n
+    return r.repr(value)
+
+
 def _kind(f: dataclasses.Field) -> type:
     return type(f.default) if f.default is not dataclasses.MISSING else object
 
@@ -80,21 +88,21 @@ def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
     name, kind = f"{section}.{f.name}", _kind(f)
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+            raise ConfigError(f"{name}: expected true or false, got {short(value)}")
     elif kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+            raise ConfigError(f"{name}: expected an integer, got {short(value)}")
         if not INT_MIN <= value <= INT_MAX:
             raise ConfigError(f"{name}: must fit in int32 ([{INT_MIN}, {INT_MAX}]), got {value}")
     elif kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{name}: expected a number, got {value!r}")
+            raise ConfigError(f"{name}: expected a number, got {short(value)}")
         value = float(value)
         if not (math.isfinite(value) or f.metadata.get("nonfinite")):
             raise ConfigError(f"{name}: must be a finite number (got {value})")
     elif kind is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{name}: expected a string, got {value!r}")
+            raise ConfigError(f"{name}: expected a string, got {short(value)}")
         if "\x00" in value:
             raise ConfigError(f"{name}: must not contain a NUL character")
     return value
