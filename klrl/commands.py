@@ -205,6 +205,8 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
             initialize(ns.coordinator, ns.num_processes, ns.process_id)
         except ValueError as e:
             fail(f"--distributed: {e}")
+    if members is None:
+        _check_device_count(cfg)
     try:
         if members is not None:
             return _run_sweep(members, axes, cfg, ns.sweep_devices)
@@ -213,6 +215,21 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         if e.errno in _USER_ERRNOS:
             fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
         raise
+
+
+def _check_device_count(cfg: RunConfig) -> None:
+    """``train.devices`` against the devices there are (after ``--distributed``: all processes')."""
+    import jax
+
+    from klrl.config import check_devices
+
+    n = jax.device_count()
+    if cfg.train.devices > n:
+        fail(f"train.devices: asked for {cfg.train.devices} devices, {n} available")
+    try:
+        check_devices(cfg, cfg.train.devices or n)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def _run_sweep(members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int) -> int:

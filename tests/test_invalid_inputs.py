@@ -131,7 +131,7 @@ RANGES = [
     ("kl.beta", "2e6"), ("kl.beta", "-1"), ("train.name", "a/b"), ("train.name", ".."),
     ("train.out_dir", ""), ("kl.ref_mix", "0"), ("ctrl.step_clip", "1"), ("ppo.gamma", "1.01"),
     ("optim.b2", "1"), ("train.rollback_threshold", "1"), ("diag.window", "3"),
-    ("train.batch_size", "0"), ("ppo.minibatches", "3"), ("model.d_model", "30"),
+    ("train.batch_size", "0"), ("train.devices", "4096"), ("ppo.minibatches", "3"), ("model.d_model", "30"),
 ]  # fmt: skip
 
 
