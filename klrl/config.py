@@ -17,17 +17,15 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+from klrl.schema import ConfigError, UnknownFieldError, section, short, strict_init, unknown_field
 
 ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
 KL_UNITS = ("seq_sum", "token_mean")
 PLACEMENTS = ("reward", "sequence", "loss", "reward+loss")
 CONTROLLERS = ("fixed", "proportional", "band", "pi", "dual")
 ADVANTAGES = ("gae", "grpo", "rloo")
-
-
-class ConfigError(ValueError):
-    """A configuration value breaks a rule. The message names the field."""
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -43,7 +41,7 @@ def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, f"must be one of {', '.join(choices)} (got {value!r})")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("model")
 class ModelConfig:
     """GPT-2-style decoder: learned positions, pre-LayerNorm blocks, GELU MLP."""
 
@@ -67,7 +65,7 @@ class ModelConfig:
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("sampling")
 class SamplingConfig:
     """How responses are sampled in the rollout."""
 
@@ -86,7 +84,7 @@ class SamplingConfig:
         _check(self.top_k >= 0, "sampling.top_k", "must be >= 0")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("kl")
 class KLConfig:
     """Where the KL to the reference enters, with which estimator and coefficient."""
 
@@ -116,7 +114,7 @@ class KLConfig:
         _check(0 < self.ref_mix <= 1, "kl.ref_mix", "must be in (0, 1]")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("ctrl")
 class ControllerConfig:
     """The beta controller. Its state (beta included) lives in the train state."""
 
@@ -165,9 +163,13 @@ class ControllerConfig:
         _check(self.warmup_beta >= 0, "ctrl.warmup_beta", "must be >= 0")
         _check(self.beta_min >= 0, "ctrl.beta_min", "must be >= 0")
         _check(self.beta_max >= self.beta_min, "ctrl.beta_max", "must be >= ctrl.beta_min")
+        if self.warmup_iters > 0:  # the controller would clip it to the bounds without a word
+            bounds = f"[ctrl.beta_min, ctrl.beta_max] = [{self.beta_min}, {self.beta_max}]"
+            inside = self.beta_min <= self.warmup_beta <= self.beta_max
+            _check(inside, "ctrl.warmup_beta", f"must be in {bounds} (got {self.warmup_beta})")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("ppo")
 class PPOConfig:
     """PPO update and advantage estimation."""
 
@@ -190,6 +192,7 @@ class PPOConfig:
         _check(self.clip > 0, "ppo.clip", "must be > 0")
         _check(self.vf_clip > 0, "ppo.vf_clip", "must be > 0")
         _check(self.vf_coef >= 0, "ppo.vf_coef", "must be >= 0")
+        _check(self.ent_coef >= 0, "ppo.ent_coef", "must be >= 0")
         _check(0 <= self.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
         _check(0 <= self.lam <= 1, "ppo.lam", "must be in [0, 1]")
         _choice(self.advantage, "ppo.advantage", ADVANTAGES)
@@ -198,7 +201,7 @@ class PPOConfig:
             _check(self.group_size >= 2, "ppo.group_size", f"must be >= 2 for ppo.advantage={self.advantage}")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("optim")
 class OptimConfig:
     """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
 
@@ -225,7 +228,7 @@ class OptimConfig:
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("task")
 class TaskConfig:
     """The built-in task: a synthetic language, a pretrained reference, a reward."""
 
@@ -256,6 +259,7 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _choice(self.name, "task.name", ("testbed", "wordclass"))
+        _check(self.seed >= 0, "task.seed", "must be >= 0")
         _check(self.prompt_len >= 1, "task.prompt_len", "must be >= 1")
         _check(self.prompt_pool >= 1, "task.prompt_pool", "must be >= 1")
         _check(self.pretrain_steps >= 0, "task.pretrain_steps", "must be >= 0")
@@ -273,7 +277,7 @@ class TaskConfig:
         _check(self.gold_fluency_weight >= 0, "task.gold_fluency_weight", "must be >= 0")
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("train")
 class TrainConfig:
     """The outer loop."""
 
@@ -305,6 +309,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, "train.iterations", "must be >= 1")
+        _check(self.seed >= 0, "train.seed", "must be >= 0")
+        _check(self.out_dir != "", "train.out_dir", "must not be empty")
+        bad_name = "/" in self.name or "\\" in self.name or self.name in (".", "..")
+        _check(not bad_name, "train.name", f"must be a single directory name (got {self.name!r})")
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         _check(self.devices >= 0, "train.devices", "must be >= 0")
         _check(self.log_every >= 1, "train.log_every", "must be >= 1")
@@ -323,7 +331,7 @@ class TrainConfig:
                "must not have surrounding spaces")  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True)
+@section("diag")
 class DiagnosisConfig:
     """Thresholds of the regime diagnosis (frozen / hacking / healthy), over a trailing window."""
 
@@ -364,6 +372,10 @@ class RunConfig:
     diag: DiagnosisConfig = field(default_factory=DiagnosisConfig)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            want = type(f.default_factory())  # type: ignore[misc]
+            if not isinstance(getattr(self, f.name), want):
+                raise ConfigError(f"{f.name}: expected a {want.__name__}, got {short(getattr(self, f.name))}")
         b = self.train.batch_size
         _check(
             b % self.ppo.minibatches == 0,
@@ -378,14 +390,25 @@ class RunConfig:
         if self.ppo.group_size > 1:
             mb = b // self.ppo.minibatches
             _check(mb >= 1, "ppo.minibatches", "leaves empty minibatches")
+        c = self.ctrl
+        start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
+        if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently
+            _check(c.beta_min <= start[1] <= c.beta_max, start[0],
+                   f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
+                   f"(ctrl.drives={c.drives}), got {start[1]}")  # fmt: skip
 
     # ---- helpers -------------------------------------------------------
     def replace(self, **sections: Any) -> RunConfig:
-        """``cfg.replace(kl={'beta': 0.1})`` returns a new, re-validated config."""
+        """``cfg.replace(kl={'beta': 0.1})`` returns a new, re-validated config.
+
+        An unknown section or field raises :class:`UnknownFieldError` naming it and the valid names."""
         new = {}
         for name, value in sections.items():
-            cur = getattr(self, name)
-            new[name] = dataclasses.replace(cur, **value) if isinstance(value, dict) else value
+            if name not in SECTIONS:
+                raise UnknownFieldError(_unknown_section(name))
+            if isinstance(value, dict):
+                value = dataclasses.replace(getattr(self, name), **value)
+            new[name] = value
         return dataclasses.replace(self, **new)
 
     def to_dict(self) -> dict[str, Any]:
@@ -393,15 +416,18 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """The inverse of :meth:`to_dict`; a missing section or field takes its default.
+
+        Anything else than ``{section: {field: value}}`` with known names raises :class:`ConfigError`."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config: expected an object of sections, got {type(d).__name__}")
         kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name in d:
-                sub = f.default_factory  # type: ignore[misc]
-                sub_cls = type(sub())
-                known = {g.name for g in dataclasses.fields(sub_cls)}
-                unknown = set(d[f.name]) - known
-                _check(not unknown, f"{f.name}.{sorted(unknown)[0] if unknown else ''}", "unknown field")
-                kwargs[f.name] = sub_cls(**d[f.name])
+        for name, sub in d.items():
+            if name not in SECTIONS:
+                raise UnknownFieldError(_unknown_section(str(name)))
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{name}: expected an object of fields, got {type(sub).__name__}")
+            kwargs[name] = SECTIONS[name](**{str(k): v for k, v in sub.items()})
         return cls(**kwargs)
 
     def hash(self, *sections: str) -> str:
@@ -410,6 +436,52 @@ class RunConfig:
         if sections:
             d = {k: d[k] for k in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+strict_init(RunConfig, "", "config section")
+
+SECTIONS: dict[str, type] = {
+    f.name: type(f.default_factory())
+    for f in dataclasses.fields(RunConfig)  # type: ignore[misc]
+}
+
+
+def _unknown_section(name: str) -> str:
+    return unknown_field("", name, SECTIONS, "config section")
+
+
+def field_names() -> list[str]:
+    """Every ``section.field`` name, in order."""
+    return [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
+
+
+class TaskShape(NamedTuple):
+    """What :func:`check_task` needs of a task (a :class:`klrl.tasks.base.Task` has these too)."""
+
+    vocab_size: int
+    prompt_len: int
+    max_len: int
+
+
+def builtin_task_shape(cfg: RunConfig) -> TaskShape:
+    """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
+    from klrl.tasks import language  # the words never depend on the seed
+
+    vocab = 2 + sum(len(words) for words in language._LEXICON.values())  # PAD, EOS, the words
+    t = cfg.task
+    return TaskShape(vocab, t.prompt_len, max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len))
+
+
+def check_task(cfg: RunConfig, task: Any) -> None:
+    """Rules that need the task (its vocabulary and lengths): run right after the task is built
+    (or on :func:`builtin_task_shape` before), before anything of the iteration compiles."""
+    s, v = cfg.sampling, int(task.vocab_size)
+    _check(s.top_k <= v, "sampling.top_k",
+           f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip
+    total = int(task.prompt_len) + s.response_len
+    _check(total <= int(task.max_len), "sampling.response_len",
+           f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
+           f"max_len {task.max_len}")  # fmt: skip
 
 
 def check_devices(cfg: RunConfig, n_devices: int) -> None:

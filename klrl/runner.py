@@ -18,7 +18,8 @@ import numpy as np
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, read_jsonl
+from klrl.io import readers
+from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
 from klrl.io.resume import complete_lines, replace_file
 from klrl.io.resume import prepare as prepare_resume
 from klrl.parallel import make_mesh
@@ -338,8 +339,7 @@ class _Stop(Exception):
 def load_run(run_dir: str | Path) -> RunResult:
     """Read a finished or running run from disk (config and metrics; no state)."""
     d = Path(run_dir)
-    cfg = RunConfig.from_dict(json.loads((d / "config.json").read_text()))
-    rows = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else []
+    cfg, rows = readers.read_run(d)  # a damaged file: RunDirError (a ValueError) naming it
     return RunResult(cfg, d, columns(rows))
 
 
@@ -349,11 +349,4 @@ def load_sweep(sweep_dir: str | Path) -> list[RunResult]:
     Members are those ``sweep.json`` lists, else the ``member-XX/`` sub-directories in order.
     """
     d = Path(sweep_dir)
-    index = d / "sweep.json"
-    if index.is_file():
-        names = list(json.loads(index.read_text())["members"])
-    else:
-        names = sorted(p.name for p in d.glob("member-*") if (p / "config.json").is_file())
-    if not names:
-        raise FileNotFoundError(f"{d}: not a klrl sweep directory (no sweep.json or member-XX/config.json)")
-    return [load_run(d / n) for n in names]
+    return [load_run(d / n) for n in readers.read_sweep_members(d)]

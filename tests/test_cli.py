@@ -98,3 +98,140 @@ def test_help_lists_fields(results) -> None:
     for flag in ("--kl.beta", "--train.iterations", "--ctrl.target", "--ppo.minibatches", "--sampling.top_k"):
         assert flag in stdout, flag
     assert "initial KL coefficient" in stdout  # field help text is shown
+
+
+# ---- in process: the flags, --config, the klrl command, the teaching errors -----------------------
+def _klrl_run_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("klrl_run_for_test_cli", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _error(capsys, fn, argv) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture
+def modes(monkeypatch):
+    """Replace the executor: record ``(mode, config, sweep specs)`` instead of running."""
+    import klrl.commands as C
+
+    seen = []
+
+    def fake(mode, ns):
+        cfg = None
+        if mode in ("train", "study", "sweep"):
+            cfg = C.config_from_args(ns)
+        seen.append((mode, cfg, list(getattr(ns, "sweep", []) or [])))
+        return 0
+
+    monkeypatch.setattr(C, "execute", fake)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "argv,mode",
+    [
+        ([], "study"),
+        (["--study", "--kl.beta", "0.2"], "study"),
+        (["--kl.beta", "0.2"], "train"),
+        (["--sweep", "kl.beta=0.1,1"], "sweep"),
+        (["--resume", "R"], "resume"),
+        (["--report", "R"], "report"),
+    ],
+)
+def test_legacy_flags_choose_the_mode(argv, mode, modes) -> None:
+    assert _klrl_run_module().main(argv) == 0
+    assert modes[-1][0] == mode
+
+
+def test_klrl_subcommands(modes, tmp_path) -> None:
+    from klrl.commands import main
+
+    assert main(["train", "--kl.beta", "0.3"]) == 0 and modes[-1][0] == "train"
+    assert modes[-1][1].kl.beta == 0.3
+    assert main(["sweep", "kl.beta=0.1,1", "train.seed=0,1", "--train.iterations", "5"]) == 0
+    assert modes[-1][0] == "sweep" and modes[-1][2] == ["kl.beta=0.1,1", "train.seed=0,1"]
+    assert modes[-1][1].train.iterations == 5
+    assert main(["sweep", "--sweep", "kl.beta=0.1,1"]) == 0 and modes[-1][2] == ["kl.beta=0.1,1"]
+    for cmd in ("resume", "report"):
+        assert main([cmd, str(tmp_path)]) == 0 and modes[-1][0] == cmd
+
+
+def test_help_of_the_klrl_command(capsys) -> None:
+    from klrl.commands import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"klrl {c}" in out for c in ("train", "sweep", "study", "resume", "report"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    assert "--kl.beta" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
+    import json
+
+    import yaml
+
+    from klrl.config import RunConfig
+
+    cfg = RunConfig().replace(kl={"beta": 0.3, "estimator": "k3"}, train={"iterations": 7, "name": "x"},
+                              sampling={"use_eos": False, "temperature": 2})  # fmt: skip
+    path = tmp_path / f"c{suffix}"
+    d = cfg.to_dict()
+    path.write_text(json.dumps(d, indent=1) if suffix == ".json" else yaml.safe_dump(d))
+    from klrl.commands import main
+
+    assert main(["train", "--config", str(path)]) == 0
+    assert modes[-1][1] == cfg  # a run directory's config.json is re-runnable as it is
+    assert main(["train", "--config", str(path), "--kl.beta", "0.5"]) == 0
+    assert modes[-1][1] == cfg.replace(kl={"beta": 0.5})
+    part = tmp_path / f"part{suffix}"
+    part.write_text('{"kl": {"beta": 1}}' if suffix == ".json" else "kl:\n  beta: 1\n")
+    assert main(["train", "--config", str(part)]) == 0
+    assert modes[-1][1] == RunConfig().replace(kl={"beta": 1.0})  # missing fields take defaults
+
+
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["--kl.betta", "1"], "kl.betta: unknown field; did you mean --kl.beta?"),
+        (["--ctrl.targte", "1"], "did you mean --ctrl.target?"),
+        (["--kl_coef", "0.1"], "--kl_coef: not a klrl flag; klrl's is --kl.beta"),
+        (["--init_kl_coef", "0.1"], "klrl's is --kl.beta"),
+        (["--target_kl", "6"], "klrl's is --ctrl.target"),
+        (["--beta", "0.1"], "klrl's is --kl.beta"),
+        (["--target", "6"], "klrl's is --ctrl.target"),
+        (["--horizon", "10000"], "klrl's is --ctrl.horizon"),
+        (["--adap_kl_ctrl", "true"], "klrl's is --ctrl.kind"),
+        (["--learning_rate", "1e-5"], "klrl's is --optim.lr"),
+        (["--num_ppo_epochs", "4"], "klrl's is --ppo.epochs"),
+        (["--cliprange", "0.2"], "klrl's is --ppo.clip"),
+        (["--sweep", "kl.beta", "0.1,1"], "expected --sweep section.field=v1,v2"),
+        (["--estimator", "k3"], "--kl.estimator or --ctrl.estimator"),
+        (["--sweep-device", "2"], "did you mean --sweep-devices?"),
+    ],
+)
+def test_errors_that_teach(argv, want, capsys) -> None:
+    line = _error(capsys, _klrl_run_module().main, argv)
+    assert want in line, line
+
+
+def test_negative_and_nonfinite_values_reach_the_field(capsys) -> None:
+    # argparse would take '-inf' for a flag; the value reaches the field and its rule
+    line = _error(capsys, _klrl_run_module().main, ["--ppo.ent_coef", "-inf"])
+    assert line == "error: ppo.ent_coef: must be a finite number (got -inf)"
+    line = _error(capsys, _klrl_run_module().main, ["--kl.beta", "-1e-3"])
+    assert line.startswith("error: kl.beta: must be >= 0")

@@ -201,3 +201,95 @@ def test_config_warnings_flag_known_bad_combinations():
     assert any("per-token" in w for w in config_warnings(unit2))
     idle = RunConfig().replace(ctrl={"kind": "pi", "drives": "loss"})
     assert any("nothing uses beta" in w for w in config_warnings(idle))
+
+
+# ---- generic field checks, unknown names, the task-dependent rules ---------------------------------
+FLOAT_FIELDS = [
+    (cls, f.name)
+    for cls in (SamplingConfig, KLConfig, ControllerConfig, PPOConfig, OptimConfig, TaskConfig, TrainConfig)
+    for f in dataclasses.fields(cls)
+    if type(f.default) is float
+]
+
+
+@pytest.mark.parametrize("value", [nan, inf, -inf])
+@pytest.mark.parametrize("cls,name", FLOAT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in FLOAT_FIELDS])
+def test_every_float_field_must_be_finite(cls, name, value) -> None:
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        cls(**{name: value})
+
+
+def test_field_types_are_checked_and_ints_become_floats() -> None:
+    assert KLConfig(beta=1).beta == 1.0 and type(KLConfig(beta=1).beta) is float
+    for kwargs, name in [
+        ({"beta": "0.1"}, "kl.beta"),
+        ({"beta": True}, "kl.beta"),
+        ({"estimator": 3}, "kl.estimator"),
+        ({"ref_update_every": 1.0}, "kl.ref_update_every"),
+        ({"ref_update_every": True}, "kl.ref_update_every"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{name}:"):
+            KLConfig(**kwargs)
+    with pytest.raises(ConfigError, match="^sampling.use_eos:"):
+        SamplingConfig(use_eos="false")
+    with pytest.raises(ConfigError, match=r"^train.seed: must fit in int32"):
+        TrainConfig(seed=2**31)
+    with pytest.raises(ConfigError, match=r"^train.seed: must be >= 0"):
+        TrainConfig(seed=-1)
+    TrainConfig(seed=2**31 - 1)  # the largest seed is valid
+    with pytest.raises(ConfigError, match="^kl:"):
+        RunConfig(kl={"beta": 0.1})  # a section must be its dataclass (replace takes dicts)
+
+
+def test_unknown_names_say_which_and_what_is_valid() -> None:
+    from klrl.config import UnknownFieldError
+
+    for make in (lambda: KLConfig(betta=1), lambda: RunConfig().replace(kl={"betta": 1})):
+        with pytest.raises(UnknownFieldError) as e:
+            make()
+        msg = str(e.value)
+        assert msg.startswith("kl.betta: unknown field; did you mean kl.beta?"), msg
+        assert "estimator" in msg and "ref_mix" in msg  # the valid names
+        assert isinstance(e.value, TypeError) and isinstance(e.value, ConfigError)  # both contracts
+    with pytest.raises(UnknownFieldError, match=r"^kll: unknown config section; did you mean kl\?"):
+        RunConfig().replace(kll={"beta": 1})
+    with pytest.raises(UnknownFieldError, match="^kll:"):
+        RunConfig(kll=KLConfig())
+    with pytest.raises(UnknownFieldError, match="keyword arguments only"):
+        KLConfig(0.1)
+
+
+@pytest.mark.parametrize(
+    "doc,name",
+    [([], "config"), (None, "config"), ("x", "config"), ({"kl": [1]}, "kl"), ({"kll": {}}, "kll"),
+     ({"kl": {"beta": "1"}}, "kl.beta"), ({"train": {"iterations": 2.5}}, "train.iterations")],
+)  # fmt: skip
+def test_from_dict_rejects_what_is_not_a_config(doc, name) -> None:
+    with pytest.raises(ConfigError, match=f"^{name}:"):
+        RunConfig.from_dict(doc)
+
+
+def test_beta_bounds_are_checked_instead_of_clipped() -> None:
+    with pytest.raises(ConfigError, match="^kl.beta: must be in"):
+        RunConfig().replace(kl={"beta": 2.0}, ctrl={"beta_max": 1.0})
+    with pytest.raises(ConfigError, match="^kl.loss_coef: must be in"):
+        RunConfig().replace(kl={"loss_coef": 0.0}, ctrl={"drives": "loss", "beta_min": 0.1})
+    with pytest.raises(ConfigError, match="^ctrl.warmup_beta: must be in"):
+        ControllerConfig(warmup_iters=2, warmup_beta=5.0, beta_max=1.0)
+    RunConfig().replace(kl={"beta": 2.0}, ctrl={"beta_max": 1.0, "warmup_iters": 3, "warmup_beta": 0.5})
+
+
+def test_check_task_against_the_vocabulary_and_lengths() -> None:
+    from klrl.config import TaskShape, builtin_task_shape, check_task
+    from klrl.tasks.language import make_language
+
+    cfg = RunConfig()
+    shape = builtin_task_shape(cfg)
+    assert shape.vocab_size == make_language(3).vocab_size == 147  # the language the task builds
+    assert shape.max_len == max(cfg.task.pretrain_len, cfg.task.prompt_len + cfg.sampling.response_len)
+    check_task(cfg.replace(sampling={"top_k": 147}), shape)  # k = V is the whole vocabulary
+    with pytest.raises(ConfigError, match="^sampling.top_k: must be <= the task's vocabulary size 147"):
+        check_task(cfg.replace(sampling={"top_k": 148}), shape)
+    check_task(cfg, TaskShape(vocab_size=200, prompt_len=8, max_len=24))
+    with pytest.raises(ConfigError, match="^sampling.response_len:"):
+        check_task(cfg, TaskShape(vocab_size=200, prompt_len=8, max_len=23))

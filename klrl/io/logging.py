@@ -70,15 +70,11 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl``; a torn last line (a crash mid-write) is ignored."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
+    """Rows of a ``metrics.jsonl``; a torn last line (a crash mid-write) is ignored, any other bad
+    line raises :class:`klrl.io.readers.RunDirError` (see :func:`klrl.io.readers.read_jsonl`)."""
+    from klrl.io import readers
+
+    return readers.read_jsonl(path)
 
 
 def hparams_of(cfg: RunConfig) -> dict[str, Any]:

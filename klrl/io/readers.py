@@ -1,0 +1,159 @@
+"""Readers of a run directory's files that fail in one way: :class:`RunDirError` naming the file.
+
+A run directory may be damaged by a user or a disk: a ``config.json`` that is not an object, nested
+past Python's recursion limit, or not UTF-8; a ``metrics.jsonl`` with a garbage or binary line, or a
+directory in its place. Every such case raises :class:`RunDirError` (a ``ValueError``) with a one-line
+message naming the path, and nothing is written. A torn last line of a ``.jsonl`` file (a crash
+mid-write: no final newline) is the one damage that is tolerated: it is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from klrl.config import ConfigError, RunConfig
+from klrl.schema import short
+
+_NONFINITE = ("nan", "inf", "-inf")  # what klrl.io.logging writes for non-finite metrics
+MAX_JSON_BYTES = 64 << 20  # a config or index file larger than this is not one klrl wrote
+
+
+class RunDirError(ValueError):
+    """A run directory's file is missing, unreadable or damaged. The message names the file."""
+
+
+class NotARunDirError(RunDirError, FileNotFoundError):
+    """The path is not a klrl run or sweep directory at all (also a ``FileNotFoundError``)."""
+
+
+def _read_bytes(path: Path, limit: int | None = None) -> bytes:
+    try:
+        if limit is not None and path.is_file() and path.stat().st_size > limit:
+            raise RunDirError(f"{path}: {path.stat().st_size} bytes, too large for a klrl file")
+        return path.read_bytes()
+    except IsADirectoryError:
+        raise RunDirError(f"{path}: is a directory, expected a file") from None
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: no such file") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+
+
+def _loads(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise RunDirError(f"{where}: JSON nested too deeply") from None
+
+
+def _text(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{where}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of a small file (a config)."""
+    p = Path(path)
+    return _text(_read_bytes(p, MAX_JSON_BYTES), str(p))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value in ``path``."""
+    p = Path(path)
+    return _loads(_text(_read_bytes(p, MAX_JSON_BYTES), str(p)), str(p))
+
+
+def read_config(path: str | os.PathLike) -> RunConfig:
+    """The :class:`RunConfig` in a ``config.json``."""
+    p = Path(path)
+    d = read_json(p)
+    try:
+        return RunConfig.from_dict(d)
+    except ConfigError as e:
+        raise RunDirError(f"{p}: not a valid klrl config: {e}") from None
+    except RecursionError:
+        raise RunDirError(f"{p}: not a valid klrl config: nested too deeply") from None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The objects of a ``.jsonl`` file, one per line; a torn last line (no final newline) that does
+    not parse is left out, any other line that is not a JSON object raises :class:`RunDirError`."""
+    p = Path(path)
+    lines = _read_bytes(p).split(b"\n")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        torn = n == len(lines)  # after the last newline: empty, or a line cut mid-write
+        if torn and not line:
+            break
+        where = f"{p} line {n}"
+        try:
+            row = _loads(_text(line, where), where)
+        except RunDirError:
+            if torn:
+                break
+            raise
+        if not isinstance(row, dict):
+            if torn:
+                break
+            raise RunDirError(f"{where}: expected a JSON object, got {short(row)}")
+        rows.append(row)
+    return rows
+
+
+def _number(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int | float):
+        return True
+    return isinstance(v, str) and v in _NONFINITE
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``: :func:`read_jsonl`, each row ``{"iteration": int, name:
+    number or "nan"/"inf"/"-inf"}``."""
+    rows = read_jsonl(path)
+    for n, row in enumerate(rows, 1):
+        it = row.get("iteration")
+        if isinstance(it, bool) or not isinstance(it, int):
+            raise RunDirError(f"{path} line {n}: no integer 'iteration' (got {short(it)})")
+        for k, v in row.items():
+            if not _number(v):
+                raise RunDirError(f"{path} line {n}: metric {short(k)} is not a number (got {short(v)})")
+    return rows
+
+
+def read_run(run_dir: str | os.PathLike) -> tuple[RunConfig, list[dict[str, Any]]]:
+    """A run directory's config and metrics rows (no metrics file: no rows)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise NotARunDirError(f"{d}: not a klrl run directory (no such directory)")
+    if not ((d / "config.json").exists() or (d / "config.json").is_symlink()):
+        raise NotARunDirError(f"{d}: not a klrl run directory (no config.json)")
+    cfg = read_config(d / "config.json")
+    m = d / "metrics.jsonl"
+    rows = read_metrics(m) if (m.exists() or m.is_symlink()) else []
+    return cfg, rows
+
+
+def read_sweep_members(sweep_dir: str | os.PathLike) -> list[str]:
+    """The member directory names of a sweep: ``sweep.json``'s ``members``, else ``member-XX/``."""
+    d = Path(sweep_dir)
+    index = d / "sweep.json"
+    if index.exists():
+        doc = read_json(index)
+        members = doc.get("members") if isinstance(doc, dict) else None
+        ok = isinstance(members, list) and all(isinstance(m, str) for m in members)
+        if not ok or any(m in ("", ".", "..") or "/" in m or "\\" in m for m in members):
+            raise RunDirError(f"{index}: expected {{'members': [directory names]}}, got {short(doc)}")
+        return list(members)
+    names = sorted(p.name for p in d.glob("member-*") if (p / "config.json").is_file())
+    if not names:
+        raise NotARunDirError(f"{d}: not a klrl sweep directory (no sweep.json or member-XX/config.json)")
+    return names
