@@ -88,7 +88,7 @@ def _config(reader, path, tensors) -> LlamaConfig:
     arch = _field(reader, "general.architecture", path=path, required=True)
     if arch not in ("llama", "qwen2"):
         raise CheckpointFormatError(f"{path}: general.architecture {arch!r} is not supported (llama, qwen2)")
-    get = lambda k, **kw: _field(reader, f"{arch}.{k}", path=path, **kw)
+    get = lambda k, default=None, **kw: _field(reader, f"{arch}.{k}", default, path=path, **kw)
     if "token_embd.weight" not in tensors:
         raise CheckpointFormatError(f"{path}: missing tensor 'token_embd.weight'")
     vocab, width = (int(x) for x in tensors["token_embd.weight"].shape[::-1])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from klrl.data.hf_tokenizer import HFTokenizer, TokenizerFormatError, load_tokenizer_dir
@@ -18,12 +17,13 @@ from klrl.models.hf import CheckpointFormatError, load_hf, save_hf
 
 
 def _to_device(params):
-    """numpy leaves -> device arrays one leaf at a time (peak host memory: one extra leaf)."""
-    flat, tree = jax.tree.flatten(params)
-    for i, a in enumerate(flat):
-        flat[i] = jnp.asarray(a)
-        del a
-    return jax.tree.unflatten(tree, flat)
+    """numpy leaves -> device arrays, replaced in place one leaf at a time, so each host array is
+    freed as soon as its device copy exists (peak host memory: the parameters plus one leaf)."""
+    if isinstance(params, dict):
+        for k in list(params):
+            params[k] = _to_device(params[k])
+        return params
+    return jnp.asarray(params)
 
 
 def check_vocab(model, tokenizer, where: str) -> None:

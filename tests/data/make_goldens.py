@@ -199,3 +199,92 @@ if __name__ == "__main__":
     tiny()
     if "--smollm2" in sys.argv:
         smollm2()
+
+
+def gguf_tokenizer_fields():
+    """A 256-token byte-level vocabulary with two merges and four control tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = list(bytes_to_unicode().values())[:250]
+    tokens = chars + ["ab", "abc", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    types = [1] * 252 + [3] * 4
+    return tokens, ["a b", "ab c"], types
+
+
+def write_tiny_gguf(path, state: dict, cfg, *, q_type=None):
+    """Write a tiny Llama as llama.cpp's converter does (q/k rows permuted, ``[out, in]`` float32)."""
+    import gguf
+
+    def permute(w, n_head):  # convert_hf_to_gguf.LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens, merges, types = gguf_tokenizer_fields()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(253)
+    w.add_eos_token_id(254)
+    w.add_pad_token_id(255)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}  # fmt: skip
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    for k, a in state.items():
+        a = np.ascontiguousarray(a, np.float32)
+        if k in names:
+            g = names[k]
+        else:
+            i, rest = k.split(".", 3)[2], k.split(".", 3)[3]
+            g = f"blk.{i}.{layer[rest]}"
+            if rest.startswith("self_attn.q_proj"):
+                a = permute(a, cfg.num_attention_heads)
+            elif rest.startswith("self_attn.k_proj"):
+                a = permute(a, cfg.num_key_value_heads)
+        w.add_tensor(g, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny_gguf():
+    torch.manual_seed(SEED)
+    cfg = tf.LlamaConfig(**{**TINY["tiny_llama"].to_dict(), "rope_scaling": None, "rope_parameters": None,
+                            "rope_theta": 10000.0})  # fmt: skip
+    model = tf.LlamaForCausalLM(cfg).eval()
+    out = HERE / "tiny_gguf"
+    out.mkdir(exist_ok=True)
+    write_tiny_gguf(out / "tiny.gguf", {k: v.numpy() for k, v in model.state_dict().items()}, cfg)
+    ref = tf.AutoModelForCausalLM.from_pretrained(out, gguf_file="tiny.gguf", dtype=torch.float32,
+                                                  attn_implementation="eager").eval()  # fmt: skip
+    tokens, mask, positions = batch(cfg.vocab_size)
+    logits = logits_of(ref, tokens, mask, positions)
+    np.testing.assert_allclose(logits[mask], logits_of(model, tokens, mask, positions)[mask], atol=1e-5)
+    tok = tf.AutoTokenizer.from_pretrained(out, gguf_file="tiny.gguf")
+    strings = ["abc", "cab abc", "a<|im_end|>b", "xyz"]
+    ids = np.array([tok(s, add_special_tokens=False)["input_ids"] for s in strings], dtype=object)
+    np.savez_compressed(out / "golden.npz", tokens=tokens, mask=mask, positions=positions, logits=logits)
+    (out / "tokenizer_golden.json").write_text(json.dumps({"strings": strings, "ids": [list(i) for i in ids]}) + "\n")
+    print("tiny_gguf", ids.tolist())
+
+
+if __name__ == "__main__" and "--gguf" in sys.argv:
+    tiny_gguf()
