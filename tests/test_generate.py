@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from klrl.data.hf_tokenizer import bytes_to_unicode, byte_level_bpe, make_tokenizer
+from klrl.data.hf_tokenizer import byte_level_bpe, bytes_to_unicode, make_tokenizer
 from klrl.models.base import forward
 from klrl.models.generate import generate_ids, generate_text, left_pad
 from klrl.models.hf import load_hf
@@ -45,8 +45,16 @@ def test_batched_greedy_equals_unbatched_recompute():
         model, params = load_hf(DATA / name)
         prompts = [[5, 9, 200, 31, 77], [12, 40], [100, 3, 9]]
         tokens, mask = left_pad(prompts, 0)
-        new, real = generate_ids(model, params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0),
-                                 jnp.float32(0.0), max_new_tokens=6, stop_ids=())  # fmt: skip
+        new, real = generate_ids(
+            model,
+            params,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            jax.random.key(0),
+            jnp.float32(0.0),
+            max_new_tokens=6,
+            stop_ids=(),
+        )
         assert np.asarray(real).all()
         for row, p in zip(np.asarray(new), prompts, strict=True):
             assert row.tolist() == greedy_reference(model, params, p, 6), name
@@ -55,7 +63,11 @@ def test_batched_greedy_equals_unbatched_recompute():
 def test_generate_text_stops_at_a_stop_id_and_samples_with_temperature():
     model, params = load_hf(DATA / "tiny_llama")
     chars = list(bytes_to_unicode().values())
-    tok = make_tokenizer(byte_level_bpe(chars, []), {"eos_token": chars[0], "pad_token": chars[0]}, "{{ messages[0]['content'] }}")
+    tok = make_tokenizer(
+        byte_level_bpe(chars, []),
+        {"eos_token": chars[0], "pad_token": chars[0]},
+        "{{ messages[0]['content'] }}",
+    )
     prompt = "hello"
     ids = tok.encode(prompt)
     ref = greedy_reference(model, params, ids, 8)

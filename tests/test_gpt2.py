@@ -18,12 +18,16 @@ from klrl.models.gpt2 import GPT2, config_from_hf, config_to_hf
 from klrl.models.hf import load_hf
 
 DATA = Path(__file__).parent / "data"
-HAVE_TF = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+HAVE_TF = (
+    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+)
 
 
 def rel_error(model, params) -> float:
     g = np.load(DATA / "tiny_gpt2" / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(params, jnp.asarray(g["tokens"], jnp.int32), g["mask"])
+    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    )
     m = g["mask"]
     return float(np.abs(np.asarray(out)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max())
 
@@ -67,8 +71,16 @@ def test_hub_style_names_without_prefix_and_mask_buffers(tmp_path):
 
 
 def test_config_mapping():
-    d = {"model_type": "gpt2", "vocab_size": 50, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 32,
-         "activation_function": "gelu_new", "bos_token_id": 50256}  # fmt: skip
+    d = {
+        "model_type": "gpt2",
+        "vocab_size": 50,
+        "n_embd": 16,
+        "n_layer": 1,
+        "n_head": 2,
+        "n_positions": 32,
+        "activation_function": "gelu_new",
+        "bos_token_id": 50256,
+    }
     c = config_from_hf(d)
     assert c.inner == 64 and c.tie_word_embeddings and config_from_hf(config_to_hf(c)) == c
     with pytest.raises(ValueError, match="activation_function"):
@@ -84,6 +96,9 @@ def test_live_against_transformers():
     ref = transformers.GPT2LMHeadModel.from_pretrained(DATA / "tiny_gpt2", attn_implementation="eager").eval()
     g = np.load(DATA / "tiny_gpt2" / "golden.npz")
     with torch.no_grad():
-        want = ref(input_ids=torch.tensor(g["tokens"]), attention_mask=torch.tensor(g["mask"].astype(np.int64)),
-                   position_ids=torch.tensor(g["positions"])).logits.numpy()  # fmt: skip
+        want = ref(
+            input_ids=torch.tensor(g["tokens"]),
+            attention_mask=torch.tensor(g["mask"].astype(np.int64)),
+            position_ids=torch.tensor(g["positions"]),
+        ).logits.numpy()
     np.testing.assert_allclose(want[g["mask"]], g["logits"][g["mask"]], atol=1e-5)

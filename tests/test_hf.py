@@ -22,12 +22,16 @@ from klrl.models.pretrained import from_pretrained, save_pretrained
 
 DATA = Path(__file__).parent / "data"
 FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_gpt2"]
-HAVE_TF = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+HAVE_TF = (
+    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+)
 
 
 def logits(model, params, name="tiny_llama"):
     g = np.load(DATA / name / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(params, jnp.asarray(g["tokens"], jnp.int32), g["mask"])
+    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    )
     return np.asarray(out)[g["mask"]]
 
 
@@ -36,7 +40,12 @@ def tiny_tokenizer():
 
     chars = list(bytes_to_unicode().values())[:250] + ["ab", "<|im_start|>", "<|im_end|>"]
     tok = byte_level_bpe(chars, ["a b"], [1] * 251 + [3, 3])
-    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": None}
+    special = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": None,
+    }
     return make_tokenizer(tok, special, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
@@ -45,7 +54,12 @@ def test_save_pretrained_round_trip(tmp_path, name):
     model, params, _ = from_pretrained(DATA / name)
     tok = tiny_tokenizer()
     out = save_pretrained(model, params, tok, tmp_path / "out")
-    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     # the exported tensors are bit-equal to the file transformers itself wrote
     mine, theirs = load_file(out / "model.safetensors"), load_file(DATA / name / "model.safetensors")
     assert set(mine) == set(theirs) - {"lm_head.weight"} or set(mine) == set(theirs)
@@ -69,8 +83,11 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, name):
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     g = np.load(DATA / name / "golden.npz")
     with torch.no_grad():
-        want = ref(input_ids=torch.tensor(g["tokens"]), attention_mask=torch.tensor(g["mask"].astype(np.int64)),
-                   position_ids=torch.tensor(g["positions"])).logits.numpy()  # fmt: skip
+        want = ref(
+            input_ids=torch.tensor(g["tokens"]),
+            attention_mask=torch.tensor(g["mask"].astype(np.int64)),
+            position_ids=torch.tensor(g["positions"]),
+        ).logits.numpy()
     np.testing.assert_allclose(logits(model, params, name), want[g["mask"]], atol=1e-4)
 
 
@@ -95,7 +112,9 @@ def test_score_head_of_sequence_classifier_matches_transformers():
     model, params, score = load_hf(DATA / "tiny_llama_cls", score=True)
     assert score.shape == (1, 32) and load_score_head(DATA / "tiny_llama_cls").shape == (1, 32)
     g = np.load(DATA / "tiny_llama_cls" / "golden.npz")
-    hidden = jax.jit(lambda p, t, k: forward(model, p, t, k, logits=False).hidden)(params, g["tokens"].astype(np.int32), g["mask"])
+    hidden = jax.jit(lambda p, t, k: forward(model, p, t, k, logits=False).hidden)(
+        params, g["tokens"].astype(np.int32), g["mask"]
+    )
     got = np.asarray(hidden[:, -1] @ score.T)  # left padding: the last real token is the last slot
     np.testing.assert_allclose(got, g["scores"], atol=1e-5)
 

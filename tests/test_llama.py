@@ -18,14 +18,18 @@ from klrl.models.hf import load_hf
 from klrl.models.llama import Llama, LlamaConfig, config_from_hf, config_to_hf, inv_frequencies
 
 DATA = Path(__file__).parent / "data"
-HAVE_TF = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+HAVE_TF = (
+    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+)
 
 
 def golden_error(name: str, dtype=jnp.float32) -> float:
     """max |klrl - transformers| over real positions, relative to the logits' max |value|."""
     model, params = load_hf(DATA / name, dtype=dtype)
     g = np.load(DATA / name / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k))(params, jnp.asarray(g["tokens"], jnp.int32), g["mask"])
+    out = jax.jit(lambda p, t, k: forward(model, p, t, k))(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    )
     m = g["mask"]
     return float(np.abs(np.asarray(out.logits)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max())
 
@@ -76,16 +80,30 @@ def decode_vs_forward(model, params, tokens, mask, prefill: int) -> float:
 def test_kv_cache_decoding_matches_teacher_forcing(name):
     model, params = load_hf(DATA / name)
     g = np.load(DATA / name / "golden.npz")
-    assert decode_vs_forward(model, params, jnp.asarray(g["tokens"], jnp.int32), jnp.asarray(g["mask"]), 4) < 1e-5
+    assert (
+        decode_vs_forward(model, params, jnp.asarray(g["tokens"], jnp.int32), jnp.asarray(g["mask"]), 4)
+        < 1e-5
+    )
 
 
 def test_llama3_rope_frequencies_by_hand():
     c = LlamaConfig(
-        vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=8, rope_theta=500000.0,
-        rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                      ("original_max_position_embeddings", 16), ("rope_type", "llama3")),
-    )  # fmt: skip
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        rope_theta=500000.0,
+        rope_scaling=(
+            ("factor", 8.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 16),
+            ("rope_type", "llama3"),
+        ),
+    )
     base = 500000.0 ** (-np.arange(0, 8, 2) / 8)  # wavelengths 6.3, 167, 4.5e3, 1.2e5
     w = 2 * math.pi / base[0]  # 4 < w < 16: smoothed between scaled and unscaled
     s = (16 / w - 1.0) / (4.0 - 1.0)
@@ -94,11 +112,25 @@ def test_llama3_rope_frequencies_by_hand():
 
 
 def test_config_mapping_transformers4_and_5_styles_and_mistral():
-    v4 = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
-          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 1e6,
-          "rope_scaling": {"type": "linear", "factor": 2.0}, "sliding_window": None}  # fmt: skip
+    v4 = {
+        "model_type": "mistral",
+        "vocab_size": 10,
+        "hidden_size": 16,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 1e6,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "sliding_window": None,
+    }
     c = config_from_hf(v4)
-    assert (c.head_dim, c.rope_theta, dict(c.rope_scaling), c.qkv_bias) == (4, 1e6, {"rope_type": "linear", "factor": 2.0}, False)
+    assert (c.head_dim, c.rope_theta, dict(c.rope_scaling), c.qkv_bias) == (
+        4,
+        1e6,
+        {"rope_type": "linear", "factor": 2.0},
+        False,
+    )
     v5 = config_to_hf(c)
     assert config_from_hf(v5) == c
     assert config_from_hf({**v4, "model_type": "qwen2"}).qkv_bias

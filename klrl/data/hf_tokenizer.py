@@ -33,9 +33,15 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
 
 
 class TokenizerFormatError(ValueError):
@@ -44,7 +50,11 @@ class TokenizerFormatError(ValueError):
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (``openai/gpt-2 encoder.py``)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -65,9 +75,13 @@ def _template(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -102,11 +116,15 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         kw = {k: v for k, v in self.special.items() if v is not None}
-        return _template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kw)
+        return _template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **kw
+        )
 
     def save(self, out_dir: str | Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` as transformers reads them."""
@@ -130,7 +148,9 @@ def _token_str(v) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def make_tokenizer(tok: _Tok, special: dict, chat_template: str | None, extra_stops=(), add_bos=False) -> HFTokenizer:
+def make_tokenizer(
+    tok: _Tok, special: dict, chat_template: str | None, extra_stops=(), add_bos=False
+) -> HFTokenizer:
     """Ids from the special-token strings; stop ids = EOS, ``extra_stops`` and the end-of-turn
     tokens (:data:`END_OF_TURN`) the vocabulary holds as special tokens."""
     ids = {k: (tok.token_to_id(v) if v is not None else None) for k, v in special.items()}
@@ -152,7 +172,9 @@ def load_tokenizer_dir(path: str | Path) -> HFTokenizer:
     try:
         tok = _Tok.from_file(str(f))
     except Exception as e:
-        raise TokenizerFormatError(f"{f}: not a readable tokenizers file ({str(e).splitlines()[0]})") from None
+        raise TokenizerFormatError(
+            f"{f}: not a readable tokenizers file ({str(e).splitlines()[0]})"
+        ) from None
     cfg = {}
     cf = path / "tokenizer_config.json"
     if cf.is_file():
@@ -183,7 +205,8 @@ def byte_level_bpe(
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {
-        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
     }
     bpe = models.BPE(
         vocab=vocab,

@@ -31,7 +31,9 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np
 
 
 @partial(jax.jit, static_argnames=("model", "max_new_tokens", "stop_ids"))
-def generate_ids(model, params, tokens, mask, key, temperature, *, max_new_tokens: int, stop_ids: tuple[int, ...]):
+def generate_ids(
+    model, params, tokens, mask, key, temperature, *, max_new_tokens: int, stop_ids: tuple[int, ...]
+):
     """``tokens, mask [B, P]`` -> ``(new [B, N] int32, new_mask [B, N] bool)``: tokens up to and
     including each row's first stop id are marked real."""
     b, p = tokens.shape

@@ -69,16 +69,25 @@ def read_tokenizer(reader, path) -> HFTokenizer:
     """The byte-level BPE a GGUF's ``tokenizer.ggml.*`` metadata describes."""
     kind = _field(reader, "tokenizer.ggml.model", path=path, required=True)
     if kind != "gpt2":
-        raise CheckpointFormatError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (gpt2 byte-level BPE)")
+        raise CheckpointFormatError(
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported (gpt2 byte-level BPE)"
+        )
     tokens = _field(reader, "tokenizer.ggml.tokens", path=path, required=True)
     merges = _field(reader, "tokenizer.ggml.merges", path=path, required=True)
     types = _field(reader, "tokenizer.ggml.token_type", ()) or ()
     tok = byte_level_bpe(tokens, merges, types, _field(reader, "tokenizer.ggml.pre"))
     special = {}
-    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+    for name, key in (
+        ("bos_token", "bos"),
+        ("eos_token", "eos"),
+        ("unk_token", "unknown"),
+        ("pad_token", "padding"),
+    ):
         i = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if i is not None and not 0 <= int(i) < len(tokens):
-            raise CheckpointFormatError(f"{path}: tokenizer.ggml.{key}_token_id {i} is outside the vocabulary")
+            raise CheckpointFormatError(
+                f"{path}: tokenizer.ggml.{key}_token_id {i} is outside the vocabulary"
+            )
         special[name] = tokens[int(i)] if i is not None else None
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     return make_tokenizer(tok, special, _field(reader, "tokenizer.chat_template"), add_bos=add_bos)
@@ -97,7 +106,9 @@ def _config(reader, path, tensors) -> LlamaConfig:
     kind = get("rope.scaling.type")
     if kind not in (None, "none"):
         if kind != "linear":
-            raise CheckpointFormatError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (linear)")
+            raise CheckpointFormatError(
+                f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (linear)"
+            )
         rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", required=True))}
     return LlamaConfig(
         vocab_size=vocab,
@@ -149,7 +160,9 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32):
     for h, shape in expected.items():
         if h not in by_hf:
             parts = h.split(".")
-            g = gname.get(h) or "blk.{}.{}".format(parts[2], {v: k for k, v in _LAYER.items()}[".".join(parts[3:])])
+            g = gname.get(h) or "blk.{}.{}".format(
+                parts[2], {v: k for k, v in _LAYER.items()}[".".join(parts[3:])]
+            )
             raise CheckpointFormatError(f"{path}: missing tensor {g!r}")
         got = tuple(int(x) for x in by_hf[h].shape[::-1])
         if got != tuple(shape):
@@ -158,7 +171,10 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32):
             )
     _check_quant_types(gguf, reader.tensors, path)
     tokenizer = read_tokenizer(reader, path)
-    ids = (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.stop_ids[0] if tokenizer.stop_ids else None))
+    ids = (
+        ("bos_token_id", tokenizer.bos_id),
+        ("eos_token_id", tokenizer.stop_ids[0] if tokenizer.stop_ids else None),
+    )
     ids += (("pad_token_id", tokenizer.pad_id),)
     import dataclasses
 
@@ -192,5 +208,6 @@ def _check_quant_types(gguf, tensors, path) -> None:
             name = getattr(t.tensor_type, "name", t.tensor_type)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointFormatError(
-                f"{path}: tensor {t.name!r} has quantisation type {name}, which gguf cannot dequantise ({msg})"
+                f"{path}: tensor {t.name!r} has quantisation type {name}, "
+                f"which gguf cannot dequantise ({msg})"
             ) from None

@@ -55,7 +55,9 @@ class GPT2Config:
 
     def __post_init__(self):
         if self.activation_function not in _ACTS:
-            raise ValueError(f"activation_function: {self.activation_function!r} is not supported ({sorted(_ACTS)})")
+            raise ValueError(
+                f"activation_function: {self.activation_function!r} is not supported ({sorted(_ACTS)})"
+            )
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head: {self.n_head} does not divide n_embd {self.n_embd}")
 

@@ -55,7 +55,9 @@ def family_from_config(d: dict, *, dtype=jnp.float32, where: str = "config.json"
     """The family object a ``config.json`` dict describes."""
     mt = d.get("model_type")
     if mt not in FAMILIES:
-        raise CheckpointFormatError(f"{where}: model_type {mt!r} is not supported ({', '.join(sorted(FAMILIES))})")
+        raise CheckpointFormatError(
+            f"{where}: model_type {mt!r} is not supported ({', '.join(sorted(FAMILIES))})"
+        )
     parse, cls = FAMILIES[mt]
     try:
         return cls(parse(d), dtype)
@@ -128,7 +130,9 @@ def check_tensors(files: TensorFiles, expected: dict[str, tuple[int, ...]], cano
                 f"config.json implies {list(expected[c])}"
             )
         if dt not in _FLOAT:
-            raise CheckpointFormatError(f"{files.file_of(names[c])}: tensor {names[c]!r} has dtype {dt}, not a float")
+            raise CheckpointFormatError(
+                f"{files.file_of(names[c])}: tensor {names[c]!r} has dtype {dt}, not a float"
+            )
     return names
 
 

@@ -146,9 +146,9 @@ def inv_frequencies(c: LlamaConfig) -> np.ndarray:
     """``theta^(-2i/Dh)`` in float32, with HF's ``linear`` or ``llama3`` scaling
     (``modeling_rope_utils._compute_llama3_parameters``)."""
     dh = c.head_dim
-    inv = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, dh, 2).astype(np.float32) / np.float32(dh)))).astype(
-        np.float32
-    )
+    inv = (
+        1.0 / (np.float32(c.rope_theta) ** (np.arange(0, dh, 2).astype(np.float32) / np.float32(dh)))
+    ).astype(np.float32)
     rs = dict(c.rope_scaling)
     kind = rs.get("rope_type", "default")
     if kind == "linear":
@@ -227,7 +227,9 @@ class LlamaModule(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, mask, cache=None, index=None, logits=True):
         c = self.c
-        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, embedding_init=_INIT, name="embed_tokens")
+        embed = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, embedding_init=_INIT, name="embed_tokens"
+        )
         x = embed(tokens)
         cos, sin = rope_tables(inv_frequencies(c), positions)
         block = nn.remat(Block) if self.remat else Block
@@ -246,7 +248,9 @@ class LlamaModule(nn.Module):
             if c.tie_word_embeddings:
                 out = embed.attend(x)
             else:
-                out = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, kernel_init=_INIT, name="lm_head")(x)
+                out = nn.Dense(
+                    c.vocab_size, use_bias=False, dtype=self.dtype, kernel_init=_INIT, name="lm_head"
+                )(x)
             out = out.astype(jnp.float32)
         return LMOutput(out, x, cache)
 
@@ -314,7 +318,12 @@ class Llama:
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, with its (torch-layout) shape."""
         c = self.config
-        d, nq, nkv, f = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        d, nq, nkv, f = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
+        )
         s = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
         if not c.tie_word_embeddings:
             s["lm_head.weight"] = (c.vocab_size, d)
@@ -326,7 +335,12 @@ class Llama:
     def params_from_hf(self, get) -> dict:
         """``get(name) -> np.ndarray`` (HF names, torch layout) -> float32 parameters."""
         c = self.config
-        d, nq, nkv, f = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        d, nq, nkv, f = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
+        )
         p = {
             "embed_tokens": {"embedding": get("model.embed_tokens.weight")},
             "norm": {"scale": get("model.norm.weight")},
@@ -339,7 +353,10 @@ class Llama:
     def params_to_hf(self, params) -> dict[str, np.ndarray]:
         p = jax.tree.map(lambda a: np.asarray(a, np.float32), params["params"])
         c = self.config
-        out = {"model.embed_tokens.weight": p["embed_tokens"]["embedding"], "model.norm.weight": p["norm"]["scale"]}
+        out = {
+            "model.embed_tokens.weight": p["embed_tokens"]["embedding"],
+            "model.norm.weight": p["norm"]["scale"],
+        }
         if not c.tie_word_embeddings:
             out["lm_head.weight"] = p["lm_head"]["kernel"].T
         out.update(_unstack_layers(c.num_hidden_layers, p["layers"]))
@@ -359,7 +376,9 @@ def _layer_shapes(c: LlamaConfig, d: int, nq: int, nkv: int, f: int) -> dict[str
         "mlp.down_proj.weight": (d, f),
     }
     if c.qkv_bias:
-        s.update({"self_attn.q_proj.bias": (nq,), "self_attn.k_proj.bias": (nkv,), "self_attn.v_proj.bias": (nkv,)})
+        s.update(
+            {"self_attn.q_proj.bias": (nq,), "self_attn.k_proj.bias": (nkv,), "self_attn.v_proj.bias": (nkv,)}
+        )
     if c.o_bias:
         s["self_attn.o_proj.bias"] = (d,)
     if c.mlp_bias:

@@ -66,6 +66,10 @@ def save_pretrained(model, params, tokenizer: HFTokenizer | None, out_dir: str |
     out = save_hf(model, params, out_dir)
     if tokenizer is not None:
         tokenizer.save(out)
-        gen = {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids), "pad_token_id": tokenizer.pad_id}
+        gen = {
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": list(tokenizer.stop_ids),
+            "pad_token_id": tokenizer.pad_id,
+        }
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out

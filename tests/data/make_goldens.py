@@ -73,7 +73,11 @@ TINY = {
         eos_token_id=2,
     ),
 }
-MODEL_CLS = {"tiny_llama": tf.LlamaForCausalLM, "tiny_qwen2": tf.Qwen2ForCausalLM, "tiny_gpt2": tf.GPT2LMHeadModel}
+MODEL_CLS = {
+    "tiny_llama": tf.LlamaForCausalLM,
+    "tiny_qwen2": tf.Qwen2ForCausalLM,
+    "tiny_gpt2": tf.GPT2LMHeadModel,
+}
 
 
 def batch(vocab: int, lengths=(10, 7, 4), seed=SEED):
@@ -148,7 +152,9 @@ def smollm2():
     d = Path(spec.submodule_search_locations[0])
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = tf.AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = tf.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32, attn_implementation="eager")
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=name, dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in PROMPTS]
     prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -239,14 +245,25 @@ def write_tiny_gguf(path, state: dict, cfg, *, q_type=None):
     w.add_eos_token_id(254)
     w.add_pad_token_id(255)
     w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}  # fmt: skip
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for k, a in state.items():
         a = np.ascontiguousarray(a, np.float32)
         if k in names:
@@ -267,14 +284,21 @@ def write_tiny_gguf(path, state: dict, cfg, *, q_type=None):
 
 def tiny_gguf():
     torch.manual_seed(SEED)
-    cfg = tf.LlamaConfig(**{**TINY["tiny_llama"].to_dict(), "rope_scaling": None, "rope_parameters": None,
-                            "rope_theta": 10000.0})  # fmt: skip
+    cfg = tf.LlamaConfig(
+        **{
+            **TINY["tiny_llama"].to_dict(),
+            "rope_scaling": None,
+            "rope_parameters": None,
+            "rope_theta": 10000.0,
+        }
+    )
     model = tf.LlamaForCausalLM(cfg).eval()
     out = HERE / "tiny_gguf"
     out.mkdir(exist_ok=True)
     write_tiny_gguf(out / "tiny.gguf", {k: v.numpy() for k, v in model.state_dict().items()}, cfg)
-    ref = tf.AutoModelForCausalLM.from_pretrained(out, gguf_file="tiny.gguf", dtype=torch.float32,
-                                                  attn_implementation="eager").eval()  # fmt: skip
+    ref = tf.AutoModelForCausalLM.from_pretrained(
+        out, gguf_file="tiny.gguf", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tokens, mask, positions = batch(cfg.vocab_size)
     logits = logits_of(ref, tokens, mask, positions)
     np.testing.assert_allclose(logits[mask], logits_of(model, tokens, mask, positions)[mask], atol=1e-5)
@@ -282,7 +306,9 @@ def tiny_gguf():
     strings = ["abc", "cab abc", "a<|im_end|>b", "xyz"]
     ids = np.array([tok(s, add_special_tokens=False)["input_ids"] for s in strings], dtype=object)
     np.savez_compressed(out / "golden.npz", tokens=tokens, mask=mask, positions=positions, logits=logits)
-    (out / "tokenizer_golden.json").write_text(json.dumps({"strings": strings, "ids": [list(i) for i in ids]}) + "\n")
+    (out / "tokenizer_golden.json").write_text(
+        json.dumps({"strings": strings, "ids": [list(i) for i in ids]}) + "\n"
+    )
     print("tiny_gguf", ids.tolist())
 
 
