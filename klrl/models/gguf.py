@@ -128,8 +128,9 @@ def _config(reader, path, tensors) -> LlamaConfig:
     )
 
 
-def load_gguf(path: str | Path, *, dtype=jnp.float32):
-    """A GGUF file -> ``(model, params, tokenizer)`` with float32 numpy parameter leaves."""
+def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
+    """A GGUF file -> ``(model, params, tokenizer)`` with float32 parameter leaves (numpy, or
+    what ``put`` makes of each as soon as it is dequantised, e.g. ``jnp.asarray``)."""
     import gguf
 
     path = Path(path)
@@ -171,6 +172,7 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32):
             )
     _check_quant_types(gguf, reader.tensors, path)
     tokenizer = read_tokenizer(reader, path)
+    reader.fields.clear()  # the metadata's Python objects (~100 MB for a 49k vocabulary) are done with
     ids = (
         ("bos_token_id", tokenizer.bos_id),
         ("eos_token_id", tokenizer.stop_ids[0] if tokenizer.stop_ids else None),
@@ -191,7 +193,7 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32):
             a = unpermute(a, cfg.num_key_value_heads)
         return a
 
-    return model, model.params_from_hf(get), tokenizer
+    return model, model.params_from_hf(get, put), tokenizer
 
 
 def _check_quant_types(gguf, tensors, path) -> None:

@@ -228,22 +228,25 @@ class GPT2:
                 s[f"transformer.h.{i}.{name}"] = shape
         return s
 
-    def params_from_hf(self, get) -> dict:
+    def params_from_hf(self, get, put=None) -> dict:
+        """``get(name) -> np.ndarray`` (HF names) -> float32 parameters, each leaf through ``put``."""
+        put = put or (lambda a: a)
         c = self.config
         layers: dict = {}
         for name, (mod, leaf, shape) in _layer_map(c).items():
             buf = np.empty((c.n_layer, *shape), np.float32)
             for i in range(c.n_layer):
                 buf[i] = get(f"transformer.h.{i}.{name}")
-            layers.setdefault(mod, {})[leaf] = buf
+            layers.setdefault(mod, {})[leaf] = put(buf)
+            del buf
         p = {
-            "wte": {"embedding": get("transformer.wte.weight")},
-            "wpe": {"embedding": get("transformer.wpe.weight")},
-            "ln_f": {"scale": get("transformer.ln_f.weight"), "bias": get("transformer.ln_f.bias")},
+            "wte": {"embedding": put(get("transformer.wte.weight"))},
+            "wpe": {"embedding": put(get("transformer.wpe.weight"))},
+            "ln_f": {"scale": put(get("transformer.ln_f.weight")), "bias": put(get("transformer.ln_f.bias"))},
             "h": layers,
         }
         if not c.tie_word_embeddings:
-            p["lm_head"] = {"kernel": get("lm_head.weight").T}
+            p["lm_head"] = {"kernel": put(np.ascontiguousarray(get("lm_head.weight").T))}
         return {"params": p}
 
     def params_to_hf(self, params) -> dict[str, np.ndarray]:

@@ -136,8 +136,9 @@ def check_tensors(files: TensorFiles, expected: dict[str, tuple[int, ...]], cano
     return names
 
 
-def load_hf(path: str | Path, *, dtype=jnp.float32, score: bool = False):
-    """An HF directory -> ``(model, params)`` (float32 numpy leaves). With ``score=True`` the
+def load_hf(path: str | Path, *, dtype=jnp.float32, score: bool = False, put=None):
+    """An HF directory -> ``(model, params)`` (float32 leaves: numpy, or what ``put`` makes of
+    each, e.g. ``jnp.asarray``, as soon as it is read). With ``score=True`` the
     directory is a ``*ForSequenceClassification`` checkpoint: returns ``(model, params, score)``
     where ``score [num_labels, hidden]`` is its bias-free head and ``model`` the backbone."""
     path = Path(path)
@@ -152,7 +153,7 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, score: bool = False):
         expected["score.weight"] = (labels, model.hidden_size)
     names = check_tensors(files, expected, model.canonical_name)
     get = lambda c: files.get(names[c])
-    params = model.params_from_hf(get)
+    params = model.params_from_hf(get, put)
     if score:
         return model, params, get("score.weight")
     return model, params

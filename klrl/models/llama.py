@@ -332,8 +332,10 @@ class Llama:
                 s[f"model.layers.{i}.{name}"] = shape
         return s
 
-    def params_from_hf(self, get) -> dict:
-        """``get(name) -> np.ndarray`` (HF names, torch layout) -> float32 parameters."""
+    def params_from_hf(self, get, put=None) -> dict:
+        """``get(name) -> np.ndarray`` (HF names, torch layout) -> float32 parameters; each leaf
+        goes through ``put`` (e.g. ``jnp.asarray``) as soon as it is complete."""
+        put = put or (lambda a: a)
         c = self.config
         d, nq, nkv, f = (
             c.hidden_size,
@@ -342,12 +344,12 @@ class Llama:
             c.intermediate_size,
         )
         p = {
-            "embed_tokens": {"embedding": get("model.embed_tokens.weight")},
-            "norm": {"scale": get("model.norm.weight")},
-            "layers": _stack_layers(c.num_hidden_layers, _layer_shapes(c, d, nq, nkv, f), get),
+            "embed_tokens": {"embedding": put(get("model.embed_tokens.weight"))},
+            "norm": {"scale": put(get("model.norm.weight"))},
+            "layers": _stack_layers(c.num_hidden_layers, _layer_shapes(c, d, nq, nkv, f), get, put),
         }
         if not c.tie_word_embeddings:
-            p["lm_head"] = {"kernel": get("lm_head.weight").T}
+            p["lm_head"] = {"kernel": put(np.ascontiguousarray(get("lm_head.weight").T))}
         return {"params": p}
 
     def params_to_hf(self, params) -> dict[str, np.ndarray]:
@@ -394,7 +396,7 @@ def _flax_name(hf: str) -> tuple[str, str, bool]:
     return mod, "kernel" if leaf == "weight" else "bias", leaf == "weight"
 
 
-def _stack_layers(n: int, shapes: dict[str, tuple[int, ...]], get) -> dict:
+def _stack_layers(n: int, shapes: dict[str, tuple[int, ...]], get, put) -> dict:
     """One ``[L, ...]`` float32 array per layer tensor, filled layer by layer (peak memory: the
     stacked result plus one layer's tensor)."""
     out: dict = {}
@@ -404,7 +406,8 @@ def _stack_layers(n: int, shapes: dict[str, tuple[int, ...]], get) -> dict:
         for i in range(n):
             a = get(f"model.layers.{i}.{hf}")
             buf[i] = a.T if tr else a
-        out.setdefault(mod, {})[leaf] = buf
+        out.setdefault(mod, {})[leaf] = put(buf)
+        del buf
     return out
 
 

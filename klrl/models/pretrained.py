@@ -16,16 +16,6 @@ from klrl.data.hf_tokenizer import HFTokenizer, TokenizerFormatError, load_token
 from klrl.models.hf import CheckpointFormatError, load_hf, save_hf
 
 
-def _to_device(params):
-    """numpy leaves -> device arrays, replaced in place one leaf at a time, so each host array is
-    freed as soon as its device copy exists (peak host memory: the parameters plus one leaf)."""
-    if isinstance(params, dict):
-        for k in list(params):
-            params[k] = _to_device(params[k])
-        return params
-    return jnp.asarray(params)
-
-
 def check_vocab(model, tokenizer, where: str) -> None:
     """The tokenizer's ids must index the embedding's rows."""
     if tokenizer is not None and tokenizer.vocab_size > model.vocab_size:
@@ -46,10 +36,10 @@ def from_pretrained(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = Tr
     if path.suffix == ".gguf" or path.is_file():
         from klrl.models.gguf import load_gguf
 
-        model, params, tok = load_gguf(path, dtype=dtype)
+        model, params, tok = load_gguf(path, dtype=dtype, put=jnp.asarray)
         check_vocab(model, tok, str(path))
     else:
-        model, params = load_hf(path, dtype=dtype)
+        model, params = load_hf(path, dtype=dtype, put=jnp.asarray)
         tok = None
         if tokenizer and (path / "tokenizer.json").is_file():
             try:
@@ -57,7 +47,7 @@ def from_pretrained(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = Tr
             except TokenizerFormatError as e:
                 raise CheckpointFormatError(str(e)) from None
             check_vocab(model, tok, str(path / "tokenizer.json"))
-    return model, _to_device(params), (tok if tokenizer else None)
+    return model, params, (tok if tokenizer else None)
 
 
 def save_pretrained(model, params, tokenizer: HFTokenizer | None, out_dir: str | Path) -> Path:
