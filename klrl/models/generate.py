@@ -82,8 +82,14 @@ def generate_text(
 ) -> list[str]:
     """Completions of ``prompts`` as strings (a prompt given as a list of chat messages is rendered
     with the tokenizer's chat template, generation prompt added)."""
-    texts = [tokenizer.apply_chat_template(p) if not isinstance(p, str) else p for p in prompts]
-    rows = [tokenizer.encode(t, add_special_tokens=True) for t in texts]
+    # a rendered chat template already holds its special tokens (transformers encodes it with
+    # add_special_tokens=False); a plain string gets them (BOS) as transformers' tokenizer(text) does
+    rows = [
+        tokenizer.encode(p, add_special_tokens=True)
+        if isinstance(p, str)
+        else tokenizer.encode(tokenizer.apply_chat_template(p), add_special_tokens=False)
+        for p in prompts
+    ]
     tokens, mask = left_pad(rows, tokenizer.pad_id)
     key = jax.random.key(0) if key is None else key
     new, real = generate_ids(
