@@ -13,6 +13,7 @@ dequantise, the tokenizer) runs before the weights are dequantised; failures rai
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -173,14 +174,10 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     _check_quant_types(gguf, reader.tensors, path)
     tokenizer = read_tokenizer(reader, path)
     reader.fields.clear()  # the metadata's Python objects (~100 MB for a 49k vocabulary) are done with
-    ids = (
-        ("bos_token_id", tokenizer.bos_id),
-        ("eos_token_id", tokenizer.stop_ids[0] if tokenizer.stop_ids else None),
-    )
-    ids += (("pad_token_id", tokenizer.pad_id),)
-    import dataclasses
-
-    model = Llama(dataclasses.replace(cfg, tokens=tuple((k, v) for k, v in ids if v is not None)), dtype)
+    eos = tokenizer.stop_ids[0] if tokenizer.stop_ids else None
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_id}
+    cfg = dataclasses.replace(cfg, tokens=tuple((k, v) for k, v in ids.items() if v is not None))
+    model = Llama(cfg, dtype)
     arch_permuted = cfg.model_type == "llama"
 
     def get(h: str) -> np.ndarray:

@@ -9,6 +9,7 @@ Every check (config fields, the set of tensor names, each tensor's shape and dty
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,6 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, score: bool = False, put=Non
 
 
 def _tied(c):
-    import dataclasses
-
     return dataclasses.replace(c, tie_word_embeddings=True)
 
 
