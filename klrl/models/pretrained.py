@@ -1,0 +1,65 @@
+"""Pretrained checkpoints in and out: :func:`from_pretrained` (an HF directory or a GGUF file) and
+:func:`save_pretrained` (an HF directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads).
+
+Every failure is a :class:`klrl.models.hf.CheckpointFormatError` with a one-line message naming
+the file and the field or tensor, raised before any array reaches a device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from klrl.data.hf_tokenizer import HFTokenizer, TokenizerFormatError, load_tokenizer_dir
+from klrl.models.hf import CheckpointFormatError, load_hf, save_hf
+
+
+def check_vocab(model, tokenizer, where: str) -> None:
+    """The tokenizer's ids must index the embedding's rows."""
+    if tokenizer is not None and tokenizer.vocab_size > model.vocab_size:
+        raise CheckpointFormatError(
+            f"{where}: the tokenizer's vocabulary has {tokenizer.vocab_size} tokens, "
+            f"the embedding only {model.vocab_size} rows (vocab_size)"
+        )
+
+
+def from_pretrained(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = True):
+    """``path`` (an HF model directory or a ``.gguf`` file) -> ``(model, params, tokenizer)``.
+
+    ``model`` implements :class:`klrl.models.base.CausalLM` with compute ``dtype``; ``params`` are
+    float32 device arrays; ``tokenizer`` is a :class:`klrl.data.hf_tokenizer.HFTokenizer` (``None``
+    for a directory without ``tokenizer.json``, or when ``tokenizer=False``).
+    """
+    path = Path(path)
+    if path.suffix == ".gguf" or path.is_file():
+        from klrl.models.gguf import load_gguf
+
+        model, params, tok = load_gguf(path, dtype=dtype, put=jnp.asarray)
+        check_vocab(model, tok, str(path))
+    else:
+        model, params = load_hf(path, dtype=dtype, put=jnp.asarray)
+        tok = None
+        if tokenizer and (path / "tokenizer.json").is_file():
+            try:
+                tok = load_tokenizer_dir(path)
+            except TokenizerFormatError as e:
+                raise CheckpointFormatError(str(e)) from None
+            check_vocab(model, tok, str(path / "tokenizer.json"))
+    return model, params, (tok if tokenizer else None)
+
+
+def save_pretrained(model, params, tokenizer: HFTokenizer | None, out_dir: str | Path) -> Path:
+    """Write an HF directory: ``config.json``, ``model.safetensors`` (float32),
+    ``generation_config.json`` (the stop ids as ``eos_token_id``) and the tokenizer files."""
+    out = save_hf(model, params, out_dir)
+    if tokenizer is not None:
+        tokenizer.save(out)
+        gen = {
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": list(tokenizer.stop_ids),
+            "pad_token_id": tokenizer.pad_id,
+        }
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out
