@@ -1,12 +1,16 @@
 """Run directories and metric sinks: ``metrics.jsonl`` and TensorBoard (tensorboardX).
 
 Every iteration appends one JSON object (``{"iteration": i, "<slash/name>": value, ...}``)
-to ``metrics.jsonl`` and the same scalars to the event file, under the same names.
+to ``metrics.jsonl`` and the same scalars to the event file, under the same names. A non-finite
+value is written as ``"nan"``/``"inf"`` in JSON and as the float NaN/inf in the event file,
+without tensorboardX's per-value "NaN or Inf found in input tensor." warning (the non-finite
+guard reports those iterations itself; its ``guard/skipped`` metric counts them).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -35,6 +39,19 @@ def _clean(v: Any) -> Any:
     return v if math.isfinite(v) else str(v)  # JSON has no NaN; keep it visible as "nan"/"inf"
 
 
+class _NoNaNWarning(logging.Filter):
+    """Drops tensorboardX's "NaN or Inf found in input tensor." (one per non-finite scalar)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NaN or Inf found" not in record.getMessage()
+
+
+def _quiet_nan_warnings() -> None:
+    log = logging.getLogger("tensorboardX.x2num")
+    if not any(isinstance(f, _NoNaNWarning) for f in log.filters):
+        log.addFilter(_NoNaNWarning())
+
+
 class MetricsWriter:
     """Appends metrics to ``metrics.jsonl`` and a TensorBoard event file."""
 
@@ -44,6 +61,7 @@ class MetricsWriter:
         self._f = open(self.path, "a", buffering=1)
         self._tb = SummaryWriter(str(self.run_dir / "tb")) if tensorboard else None
         self._hparams = hparams
+        _quiet_nan_warnings()
 
     def write(self, iteration: int, metrics: dict[str, Any]) -> None:
         row = {"iteration": int(iteration), **{k: _clean(v) for k, v in metrics.items()}}
