@@ -77,6 +77,7 @@ class RunLock:
             return self
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
         while True:
+            existed = self.path.exists()
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -87,6 +88,9 @@ class RunLock:
                 os.close(fd)
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
                     raise
+                if not existed:  # the empty file just created here is no one's lock
+                    with contextlib.suppress(FileNotFoundError):
+                        self.path.unlink()
                 return self._acquire_exclusive(record)
             # a releasing holder may have removed the file between our open and flock: then the
             # locked inode is no longer the lock file; try again on the current one
