@@ -156,7 +156,8 @@ class StopSignals:
                 _exit_now(f"SIGINT again: exiting now{self.note}", 130)
             return
         self.received = signum
-        self._log(f"{signal.Signals(signum).name}: finishing this iteration, then checkpoint and stop")
+        again = " (Ctrl-C again: quit at once)" if signum == signal.SIGINT else ""
+        self._log(f"{signal.Signals(signum).name}: stopping after this iteration and a checkpoint{again}")
 
     def __enter__(self) -> StopSignals:
         self._depth += 1
