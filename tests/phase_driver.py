@@ -2,7 +2,8 @@
 
 When the run reaches ``PHASE`` the process prints ``PHASE-REACHED`` on stderr, so a test can send
 a signal at that moment (then it pauses ``KLRL_PHASE_PAUSE`` seconds, default 0, to hold the run
-in that phase while the signal arrives). Phases:
+in that phase while the signal arrives; ``KLRL_SLOW_EXIT`` seconds hold every run's way out, as a
+slow JAX/orbax teardown would). Phases:
 
 * ``build``: the task build (pretraining) starts;
 * ``init``: the run directory exists and holds config.json (the train state is built next);
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 PHASE = sys.argv[1]
 PAUSE = float(os.environ.get("KLRL_PHASE_PAUSE", "0"))
+SLOW_EXIT = float(os.environ.get("KLRL_SLOW_EXIT", "0"))
 
 
 def mark(name: str) -> None:
@@ -74,6 +76,7 @@ def main() -> None:
 
     def finish_(*a, **k):
         mark("exit")
+        time.sleep(SLOW_EXIT)
         return finish(*a, **k)
 
     runner.build_task, train_mod.make_train, ckpt.save, ckpt.finish = build_task_, make_train_, save_, finish_

@@ -386,10 +386,11 @@ def _env(jax_cache, **extra):
     return env
 
 
-def _start(args, jax_cache, phase=None, pause=0.0):
+def _start(args, jax_cache, phase=None, pause=0.0, slow_exit=0.0):
     """experiments/run.py (through the phase driver when ``phase``); waits until ``phase`` is reached."""
     cmd = [sys.executable, str(DRIVER), phase, *args] if phase else [sys.executable, str(SCRIPT), *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(jax_cache, KLRL_PHASE_PAUSE=str(pause)),
+    env = _env(jax_cache, KLRL_PHASE_PAUSE=str(pause), KLRL_SLOW_EXIT=str(slow_exit))
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     if phase:
         line = p.stderr.readline()
@@ -443,7 +444,7 @@ def test_second_sigint_exits_at_once(tiny_task, cache_dir, jax_cache, tmp_path):
     (JAX/orbax teardown took 2.4 s in the issue); a second SIGINT 0.3 s later ends it at once, 130."""
     cfg = base_config(cache_dir, iterations=1000, checkpoint_every=1, keep_checkpoints=2)
     args = [*cli_args(cfg), "--train.out_dir", str(tmp_path), "--train.name", "r"]
-    p = _start(args, jax_cache, "iterations")
+    p = _start(args, jax_cache, "iterations", slow_exit=3.0)
     p.send_signal(signal.SIGINT)
     time.sleep(0.3)
     t0 = time.time()
@@ -577,3 +578,19 @@ def test_real_full_disk_is_one_line_and_resumable_elsewhere(small_disk, tiny_tas
     assert len(err) == 1 and "disk full" in err[0] and str(small_disk / "r") in err[0], p.stderr[-3000:]
     moved = shutil.copytree(small_disk / "r", tmp_path / "moved")
     _assert_resumes(cfg, tiny_task, moved)
+
+
+def test_stop_signals_reentrant_and_restored():
+    from klrl.reliability import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    s = StopSignals(log=lambda m: None)
+    with s:
+        installed = signal.getsignal(signal.SIGTERM)
+        assert installed != before
+        with s:  # the loop re-enters the guard's instance: nothing changes, nothing is lost
+            assert signal.getsignal(signal.SIGTERM) == installed
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGTERM) == installed and s.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -1,0 +1,24 @@
+"""klrl.io.logging (issue 12): non-finite metrics are logged as NaN/inf without tensorboardX's warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+
+def test_nonfinite_metrics_are_written_without_warnings(tmp_path, caplog):
+    from klrl.io.logging import MetricsWriter
+
+    caplog.set_level(logging.DEBUG)
+    w = MetricsWriter(tmp_path, hparams={"kl/beta": 0.1})
+    for i in range(3):
+        w.write(i, {"loss": math.nan, "kl/seq_sum": math.inf, "reward/task": 0.5})
+    w.close({"loss": math.nan, "reward/task": 0.5})
+    assert not [r for r in caplog.records if "NaN or Inf" in r.getMessage()], caplog.text
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"iteration": 0, "loss": "nan", "kl/seq_sum": "inf", "reward/task": 0.5}
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    # the filter is on tensorboardX's logger only: other warnings still get through
+    logging.getLogger("tensorboardX.x2num").warning("something else")
+    assert "something else" in caplog.text
