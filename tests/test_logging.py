@@ -22,3 +22,28 @@ def test_nonfinite_metrics_are_written_without_warnings(tmp_path, caplog):
     # the filter is on tensorboardX's logger only: other warnings still get through
     logging.getLogger("tensorboardX.x2num").warning("something else")
     assert "something else" in caplog.text
+
+
+def test_a_failing_event_writer_thread_is_reported_not_hung(tmp_path, monkeypatch, capsys):
+    """ENOSPC in tensorboardX's writer thread: no traceback from the thread, no hang on its full queue,
+    the error comes out of the next write (where the run's guard reports a full disk in one line)."""
+    import errno
+    import time
+
+    import pytest
+    from tensorboardX import record_writer
+
+    from klrl.io.logging import MetricsWriter
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    w = MetricsWriter(tmp_path)  # (its first event is written here, in this thread)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    t0 = time.time()
+    with pytest.raises(OSError) as e:  # 50 scalars an iteration: a dead thread would fill the queue (10)
+        for i in range(200):
+            w.write(i, {f"m/{k}": float(k) for k in range(50)})
+            time.sleep(0.01)
+    assert e.value.errno == errno.ENOSPC and time.time() - t0 < 30
+    assert "Traceback" not in capsys.readouterr().err
