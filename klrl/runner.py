@@ -21,6 +21,7 @@ from klrl.io import checkpoint as ckpt
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, read_jsonl
 from klrl.io.resume import complete_lines, replace_file
 from klrl.io.resume import prepare as prepare_resume
+from klrl.io.resume import restore as restore_resume  # issue-12b
 from klrl.parallel import make_mesh
 from klrl.tasks.base import Task
 
@@ -147,11 +148,8 @@ def _run(
     rollbacks = 0
     if plan is not None:
         out = plan.dir
-        rmgr = ckpt.manager(out, read_only=True)
-        try:
-            state, meta = ckpt.restore(rmgr, abstract, plan.step)
-        finally:
-            rmgr.close()
+        # issue-12b: a checkpoint, or the initial state for a directory with nothing done yet
+        state, meta = restore_resume(plan, abstract, lambda: train.init(tc.seed))
         state = distributed.replicate(state, mesh)  # every process restored the same host values
         rollbacks = int(meta.get("rollbacks", 0))
         # past this point the resume is valid: cut metrics back to the checkpoint (atomically);

@@ -439,6 +439,47 @@ def test_sigterm_at_any_moment_leaves_a_resumable_directory(phase, tiny_task, ca
 
 
 @pytest.mark.slow
+def test_kill9_during_the_first_compile_resumes_from_iteration_0(tiny_task, cache_dir, jax_cache, tmp_path):
+    cfg = base_config(cache_dir, iterations=1000, checkpoint_every=1, keep_checkpoints=2)
+    args = [*cli_args(cfg), "--train.out_dir", str(tmp_path), "--train.name", "r"]
+    p = _start(args, jax_cache, "compile", pause=0.5)
+    p.kill()
+    p.communicate()
+    d = tmp_path / "r"
+    assert not (d / "checkpoints").exists() or not any((d / "checkpoints").iterdir())
+    assert not lines(d / "metrics.jsonl")  # nothing done: nothing to lose, so it resumes from 0
+    _resume_from_0(cfg, tiny_task, d)
+
+
+def _resume_from_0(cfg, task, d):
+    import klrl
+
+    r = klrl.run(cfg.replace(train={"iterations": 2}), task=task, resume=d)
+    assert r.info["start_iteration"] == 0 and r.info["iteration"] == 2
+    assert [json.loads(x)["iteration"] for x in lines(d / "metrics.jsonl")] == [0, 1]
+    assert json.loads(lines(d / "events.jsonl")[-1])["message"].startswith("resumed from checkpoint 0")
+
+
+def test_directory_with_only_its_config_resumes_from_iteration_0(tiny_task, cache_dir, jax_cache, tmp_path):
+    """What a kill between creating the directory and opening metrics.jsonl leaves; with metrics lines
+    but no checkpoint a resume is still refused (it would drop them)."""
+    from klrl.io.checkpoint import CheckpointError
+    from klrl.io.resume import prepare
+
+    cfg = base_config(cache_dir, iterations=1000, checkpoint_every=1)
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (d / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    with pytest.raises(CheckpointError, match="checkpoint"):
+        prepare(cfg, d)
+    (d / "metrics.jsonl").unlink()
+    plan = prepare(cfg, d)
+    assert plan.fresh and plan.step == 0 and not (d / "metrics.jsonl").exists()  # prepare changes nothing
+    _resume_from_0(cfg, tiny_task, d)
+
+
+@pytest.mark.slow
 def test_second_sigint_exits_at_once(tiny_task, cache_dir, jax_cache, tmp_path):
     """The first SIGINT lets the run finish its iteration and checkpoint; the way out is held 3 s here
     (JAX/orbax teardown took 2.4 s in the issue); a second SIGINT 0.3 s later ends it at once, 130."""
