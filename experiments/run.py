@@ -137,9 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if members is not None:
         import jax
 
-        from klrl.sweep import summary_table, sweep
-
         from klrl.io.checkpoint import CheckpointError
+        from klrl.sweep import summary_table, sweep
 
         try:
             results = sweep(members, sweep_devices=ns.sweep_devices)
