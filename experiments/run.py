@@ -13,8 +13,10 @@ and default.
 ``--resume RUN_DIR [--train.iterations N ...]`` continues a run from its latest complete
 checkpoint (only train.iterations and the logging/checkpoint/rollback knobs may change).
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130 stopped by SIGINT after a
-checkpoint, 1 the run stopped itself (non-finite guard, rollback limit), 2 bad input (one line on
-stderr, before anything compiles).
+checkpoint (a second SIGINT: at once, the last complete checkpoint intact), 1 the run stopped itself
+(non-finite guard, rollback limit), 2 bad input or a problem of the run's environment: a missing,
+damaged (checksum) or foreign checkpoint, a run directory another process is writing (locked), a
+full disk (the last complete checkpoint is intact: continue it with --resume on another disk).
 
 ``--sweep kl.beta=0.001,0.01,0.1,1.0 [--sweep train.seed=0,1] [--sweep-devices K]`` runs the
 Cartesian grid of the axes as one compiled program (:mod:`klrl.sweep`, members split over K

@@ -235,12 +235,13 @@ def _check_device_count(cfg: RunConfig) -> None:
 def _run_sweep(members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int) -> int:
     import jax
 
+    from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
     from klrl.sweep import summary_table, sweep
 
     try:
         results = sweep(members, sweep_devices=sweep_devices)
-    except (ConfigError, RunDirError) as e:
+    except (ConfigError, CheckpointError, RunDirError) as e:  # CheckpointError: locked, disk full
         fail(str(e))
     if jax.process_index() == 0:
         from klrl.diagnosis import final_regime

@@ -19,7 +19,9 @@ the state after ``i`` updates, which is exactly the state a checkpoint at step
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -122,17 +124,25 @@ def rollback_beta(restored: float, current: float, factor: float) -> float:
 class StopSignals:
     """A context manager: SIGTERM/SIGINT set :attr:`received` instead of killing the process.
 
-    The run loop polls it after every iteration, checkpoints and returns. A second SIGINT
-    raises ``KeyboardInterrupt`` at once (a user pressing Ctrl-C twice wants out). The
-    previous handlers are restored on exit. Outside the main thread nothing is installed.
+    The run loop polls it before every iteration, checkpoints and returns (a signal that came
+    before the first iteration, e.g. during the task build or the compile, stops the run there,
+    with checkpoint 0). A second SIGINT exits at once: one line on stderr, then
+    ``os._exit(130)`` (no unwinding through JAX or orbax; the last complete checkpoint is intact,
+    since orbax writes a step to a temporary directory and renames it when done). In an
+    interactive interpreter (REPL, Jupyter) it raises ``KeyboardInterrupt`` instead, so the
+    session survives. The previous handlers are restored on exit; entering again while installed
+    is a no-op (a loop may re-enter the guard's instance). Outside the main thread nothing is
+    installed.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, log: Callable[[str], None] | None = None):
         self.received: int | None = None
+        self.note = ""  # appended to the second-SIGINT line (e.g. where the last checkpoint is)
         self._log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self._previous: dict[int, Any] = {}
+        self._depth = 0
 
     @property
     def name(self) -> str | None:
@@ -141,12 +151,18 @@ class StopSignals:
     def _handler(self, signum: int, frame: Any) -> None:
         if self.received is not None:
             if signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                if _interactive():
+                    raise KeyboardInterrupt
+                _exit_now(f"SIGINT again: exiting now{self.note}", 130)
             return
         self.received = signum
-        self._log(f"{signal.Signals(signum).name}: finishing this iteration, then checkpoint and stop")
+        again = " (Ctrl-C again: quit at once)" if signum == signal.SIGINT else ""
+        self._log(f"{signal.Signals(signum).name}: stopping after this iteration and a checkpoint{again}")
 
     def __enter__(self) -> StopSignals:
+        self._depth += 1
+        if self._depth > 1:
+            return self
         for s in self.SIGNALS:
             try:
                 self._previous[s] = signal.signal(s, self._handler)
@@ -155,6 +171,74 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()
+
+
+def _interactive() -> bool:
+    return hasattr(sys, "ps1") or "ipykernel" in sys.modules
+
+
+def _exit_now(line: str, status: int) -> None:
+    """Flush, print ``line`` on stderr and end the process at once (no atexit, no finalizers)."""
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    with contextlib.suppress(Exception):
+        os.write(2, (line + "\n").encode())
+    os._exit(status)
+
+
+class RunGuard:
+    """The whole life of a writing run, as one context manager (enter it before anything is built):
+
+    * :attr:`signals`, a :class:`StopSignals` installed from the start, so SIGTERM/SIGINT during
+      the task build, the pretraining or the compile stop the run at its first iteration
+      boundary (checkpoint 0) instead of killing it;
+    * :meth:`hold` takes the run directory's lock (:mod:`klrl.io.lock`) once the directory is
+      known and keeps it until the guard exits, on every way out;
+    * a full disk anywhere in the run (orbax, ``metrics.jsonl``, TensorBoard, summaries), seen as
+      ENOSPC in the exception chain, leaves as one :class:`~klrl.io.checkpoint.DiskFull` naming
+      the directory and its last complete checkpoint.
+    """
+
+    def __init__(self, log: Callable[[str], None] | None = None, signals: bool = True):
+        self.signals = StopSignals(log)
+        self._with_signals = signals  # False: a caller that never polls them (a sweep)
+        self.dir: Any = None
+        self._lock: Any = None
+
+    def hold(self, run_dir: Any) -> None:
+        """Lock ``run_dir`` (an existing directory) for the rest of the guard's life."""
+        from klrl.io.lock import RunLock
+
+        if self._lock is None:
+            self._lock = RunLock(run_dir).acquire()
+        self.dir = run_dir
+        self.signals.note = f"; the last complete checkpoint in {run_dir} is intact (--resume {run_dir})"
+
+    def __enter__(self) -> RunGuard:
+        if self._with_signals:
+            self.signals.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            if isinstance(exc, Exception):
+                from klrl.io import checkpoint as ckpt
+
+                if not isinstance(exc, ckpt.DiskFull) and ckpt.is_disk_full(exc):
+                    if self.dir is not None:
+                        raise ckpt.disk_full_error(self.dir) from exc
+                    why = " ".join(str(exc).split())[:200]
+                    raise ckpt.DiskFull(f"disk full (no space left on device): {why}") from exc
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            if self._with_signals:
+                self.signals.__exit__(exc_type, exc, tb)

@@ -22,6 +22,7 @@ from klrl.io import readers
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
 from klrl.io.resume import complete_lines, replace_file
 from klrl.io.resume import prepare as prepare_resume
+from klrl.io.resume import restore as restore_resume  # issue-12b
 from klrl.parallel import make_mesh
 from klrl.tasks.base import Task
 
@@ -83,6 +84,22 @@ def run(
     log: Any = None,
     resume: str | Path | None = None,
 ) -> RunResult:
+    # issue-12b: the whole run inside RunGuard (signals from the start, the run directory's lock,
+    # a full disk as one DiskFull line); the body is _run
+    with reliability.RunGuard(log) as guard:
+        return _run(cfg, task=task, run_dir=run_dir, write=write, log=log, resume=resume, guard=guard)
+
+
+def _run(
+    cfg: RunConfig,
+    *,
+    task: Task | None = None,
+    run_dir: str | Path | None = None,
+    write: bool = True,
+    log: Any = None,
+    resume: str | Path | None = None,
+    guard: reliability.RunGuard,
+) -> RunResult:
     """Train ``cfg`` to the end and return its metrics, final state and run directory.
 
     ``write=False`` keeps everything in memory (no run directory, no checkpoints).
@@ -104,6 +121,8 @@ def run(
     if resume is not None:
         if not write:
             raise ConfigError("resume: a resumed run writes to its run directory (write=True)")
+        if jax.process_index() == 0 and Path(resume).is_dir():  # issue-12b: lock before reading
+            guard.hold(resume)
         plan = prepare_resume(cfg, resume)
     if metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
@@ -130,11 +149,8 @@ def run(
     rollbacks = 0
     if plan is not None:
         out = plan.dir
-        rmgr = ckpt.manager(out, read_only=True)
-        try:
-            state, meta = ckpt.restore(rmgr, abstract, plan.step)
-        finally:
-            rmgr.close()
+        # issue-12b: a checkpoint, or the initial state for a directory with nothing done yet
+        state, meta = restore_resume(plan, abstract, lambda: train.init(tc.seed))
         state = distributed.replicate(state, mesh)  # every process restored the same host values
         rollbacks = int(meta.get("rollbacks", 0))
         # past this point the resume is valid: cut metrics back to the checkpoint (atomically);
@@ -157,6 +173,7 @@ def run(
         if write and main:
             out = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
             out.mkdir(parents=True, exist_ok=True)
+            guard.hold(out)  # issue-12b: before anything is written into it
             (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
             (out / "task.json").write_text(json.dumps(task.info, indent=1, default=str))
             writer = MetricsWriter(out, hparams=hparams_of(cfg))
@@ -263,7 +280,7 @@ def run(
 
     pending = None  # (iteration, metrics) of the newest step, fetched while the next one runs
     try:
-        with reliability.StopSignals(log) as signals:
+        with guard.signals as signals:  # issue-12b: installed since the start of run()
             while True:
                 stopping = signals.received is not None  # no new step: sync, checkpoint, return
                 fetch = [pending] if pending is not None else []
@@ -312,8 +329,7 @@ def run(
                     break
     finally:
         if mgr is not None:
-            mgr.wait_until_finished()
-            mgr.close()
+            ckpt.finish(mgr)  # issue-12b: wait + close; a second error on the way out is dropped
     elapsed = time.time() - t0
     info = {"train_s": elapsed, "task": task.info, "start_iteration": start, "iteration": i,
             "stopped": stopped, "rollbacks": rollbacks,
@@ -330,6 +346,9 @@ def run(
     if stop_error is not None:
         raise reliability.RunStopped(f"stopped: {stop_error}", result)
     return result
+
+
+run.__doc__ = _run.__doc__  # issue-12b
 
 
 class _Stop(Exception):

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from klrl import distributed
+from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
 from klrl.parallel import SWEEP, make_mesh, shard_step
@@ -154,6 +154,23 @@ def sweep(
     sweep_devices: int = 1,
     log: Any = None,
 ) -> list[RunResult]:
+    # issue-12b: the sweep directory's lock for the whole sweep, a full disk as one DiskFull line
+    # (no signal handlers: this loop does not poll them)
+    with reliability.RunGuard(log, signals=False) as guard:
+        return _sweep(members, task=task, out_dir=out_dir, write=write, sweep_devices=sweep_devices,
+                      log=log, guard=guard)  # fmt: skip
+
+
+def _sweep(
+    members: list[RunConfig],
+    *,
+    task: Task | None = None,
+    out_dir: str | Path | None = None,
+    write: bool = True,
+    sweep_devices: int = 1,
+    log: Any = None,
+    guard: reliability.RunGuard,
+) -> list[RunResult]:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
     With ``write``, ``out_dir`` (default: a new run directory) gets ``member-XX/``
@@ -172,6 +189,7 @@ def sweep(
     if write and distributed.is_main():
         root = Path(out_dir) if out_dir is not None else new_run_dir(base)
         root.mkdir(parents=True, exist_ok=True)
+        guard.hold(root)  # issue-12b
         for i, m in enumerate(members):
             d = root / f"member-{i:02d}"
             d.mkdir(exist_ok=True)
@@ -222,6 +240,9 @@ def sweep(
 
         maybe_write_report(results, log)
     return results
+
+
+sweep.__doc__ = _sweep.__doc__  # issue-12b
 
 
 def summary_table(results: list[RunResult], axes: list[str] | None = None) -> str:

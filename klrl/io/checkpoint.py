@@ -8,12 +8,25 @@ steps. Saves are asynchronous (the state is copied to host memory first, so the
 donated device buffers can be reused at once); the last ``keep`` steps are kept.
 
 ``meta`` holds the run config, the klrl version, the iteration, the number of
-``metrics.jsonl`` lines written up to that state and the rollback count.
+``metrics.jsonl`` lines written up to that state, the rollback count and a SHA-256 of every
+array of the state (``checksum``: ``{leaf path: hex digest}`` over the leaf's dtype, shape and
+bytes), verified after every restore: bit rot in a data file is refused, not trained on.
+
+Damaged checkpoints end in :class:`CheckpointError` and nothing else: orbax runs its reads in a
+fresh asyncio loop and, when one read fails, closes that loop while the others are still in
+flight, whose completions then print ``RuntimeError: Event loop is closed`` tracebacks; the
+loop is drained before it is closed (:func:`_drain_on_error`), and orbax's own ERROR log lines,
+which repeat an error the caller gets as an exception, are dropped (:class:`_OrbaxErrors`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
+import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +46,109 @@ def version() -> str:
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, corrupt or incompatible."""
+
+
+class DiskFull(CheckpointError):
+    """A write to the run directory failed: no space left on its device (ENOSPC)."""
+
+
+# ---- orbax's error path, quiet ------------------------------------------------------------------
+
+
+def _drain_on_error(coro):
+    """orbax's ``_run_sync_via_new_loop``, but on an error the loop's remaining tasks are awaited
+    (30 s at most) before it is closed, so no tensorstore completion lands on a closed loop."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    except BaseException:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if pending:
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(asyncio.wait(pending, timeout=30))
+        raise
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _install_drain() -> None:
+    try:
+        from orbax.checkpoint._src import asyncio_utils
+    except ImportError:  # another orbax layout: nothing to patch
+        return
+    if hasattr(asyncio_utils, "_run_sync_via_new_loop"):
+        asyncio_utils._run_sync_via_new_loop = _drain_on_error
+
+
+class _OrbaxErrors(logging.Filter):
+    """Drops orbax's ERROR records (absl logger): each repeats an exception the caller receives."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _install_quiet_errors() -> None:
+    log = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxErrors) for f in log.filters):
+        log.addFilter(_OrbaxErrors())
+
+
+_install_drain()
+_install_quiet_errors()
+
+
+# ---- disk full ----------------------------------------------------------------------------------
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """``e`` or an exception in its chain is ENOSPC (an ``OSError``, or tensorstore's message)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == 28:  # errno.ENOSPC
+            return True
+        msg = str(e)
+        if "No space left on device" in msg or "os_error_code='28'" in msg:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def complete_steps(run_dir: str | Path) -> list[int]:
+    """The finalized checkpoint steps on disk (orbax renames a step's directory when it is complete)."""
+    path = directory(run_dir)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def disk_full_error(run_dir: str | Path) -> DiskFull:
+    """The one-line :class:`DiskFull` for ``run_dir``, naming its last complete checkpoint."""
+    d = Path(run_dir).absolute()
+    done = complete_steps(d)
+    last = (
+        f"the last complete checkpoint, {done[-1]}, is intact: free space or copy {d} to another disk "
+        "and continue it with --resume"
+        if done
+        else "no checkpoint was completed"
+    )
+    return DiskFull(f"{d}: disk full (no space left on device); {last}")
+
+
+def finish(mgr: ocp.CheckpointManager) -> None:
+    """Wait for the pending save and close ``mgr``; on an exception's way out (``finally``), an error
+    here is dropped, so the first error is the one reported."""
+    unwinding = sys.exc_info()[1] is not None
+    try:
+        mgr.wait_until_finished()
+    except Exception:
+        if not unwinding:
+            raise
+    finally:
+        with contextlib.suppress(Exception):
+            mgr.close()
 
 
 def directory(run_dir: str | Path) -> Path:
@@ -77,9 +193,37 @@ def host_copy(state: Any) -> Any:
     return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state))
 
 
+def checksums(state: Any) -> dict[str, str]:
+    """``{leaf path: sha256 hex}`` of every array of ``state`` (host values), over the dtype, the
+    shape and the C-order bytes, so a changed byte, shape or dtype changes the digest."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        x = np.ascontiguousarray(np.asarray(leaf))
+        h = hashlib.sha256(f"{x.dtype.str}{x.shape}".encode())
+        h.update(memoryview(x).cast("B") if x.size else b"")
+        out[jax.tree_util.keystr(path)] = h.hexdigest()
+    return out
+
+
+def verify(state: Any, expected: dict[str, str], where: str) -> None:
+    """Raise :class:`CheckpointError` naming the first leaf whose digest is not ``expected``."""
+    got = checksums(state)
+    if set(got) != set(expected):
+        raise CheckpointError(f"{where} does not match its checksum record (other leaves)")
+    bad = [k for k in got if got[k] != expected[k]]
+    if bad:
+        raise CheckpointError(
+            f"{where} is damaged: the SHA-256 of {len(bad)} array(s) ({bad[0]}"
+            f"{', ...' if len(bad) > 1 else ''}) differs from the one recorded at save"
+        )
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Start saving ``state`` and ``meta`` as ``step`` (returns before the write ends if async)."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(host_copy(state)), meta=ocp.args.JsonSave(meta))
+    """Start saving ``state`` and ``meta`` as ``step`` (returns before the write ends if async);
+    ``meta['checksum']`` gets the arrays' digests (:func:`checksums`)."""
+    host = host_copy(state)
+    meta = {**meta, "checksum": checksums(host)}
+    args = ocp.args.Composite(state=ocp.args.StandardSave(host), meta=ocp.args.JsonSave(meta))
     mgr.save(int(step), args=args, force=True)
 
 
@@ -107,7 +251,8 @@ def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
 def restore(mgr: ocp.CheckpointManager, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restore ``step`` (default: the latest complete one) onto the structure of ``abstract_state``.
 
-    Every leaf must match the abstract state's shape and dtype, else :class:`CheckpointError`.
+    Every leaf must match the abstract state's shape and dtype, and the digests recorded at save
+    (``meta['checksum']``, :func:`verify`), else :class:`CheckpointError`.
     """
     step = mgr.latest_step() if step is None else step
     if step is None:
@@ -129,7 +274,10 @@ def restore(mgr: ocp.CheckpointManager, abstract_state: Any, step: int | None = 
         for g, w in zip(got_leaves, want_leaves, strict=False)
     ):
         raise CheckpointError(f"checkpoint {step} in {mgr.directory} does not match this model's state")
-    return state, out["meta"]
+    meta = out["meta"]
+    if isinstance(meta, dict) and meta.get("checksum") is not None:
+        verify(state, meta["checksum"], f"checkpoint {step} in {mgr.directory}")
+    return state, meta
 
 
 def _why(e: BaseException) -> str:

@@ -1,15 +1,25 @@
 """Run directories and metric sinks: ``metrics.jsonl`` and TensorBoard (tensorboardX).
 
 Every iteration appends one JSON object (``{"iteration": i, "<slash/name>": value, ...}``)
-to ``metrics.jsonl`` and the same scalars to the event file, under the same names.
+to ``metrics.jsonl`` and the same scalars to the event file, under the same names. A non-finite
+value is written as ``"nan"``/``"inf"`` in JSON and as the float NaN/inf in the event file,
+without tensorboardX's per-value "NaN or Inf found in input tensor." warning (the non-finite
+guard reports those iterations itself; its ``guard/skipped`` metric counts them).
+
+tensorboardX writes events in a background thread. If that thread fails (e.g. ENOSPC: disk full),
+its traceback is not printed, the thread keeps emptying its queue (so the next ``add_scalar``
+cannot block forever on a full queue) and the error is raised by the next :meth:`MetricsWriter.write`
+in the caller's thread (where :class:`klrl.reliability.RunGuard` turns a full disk into one line).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +45,43 @@ def _clean(v: Any) -> Any:
     return v if math.isfinite(v) else str(v)  # JSON has no NaN; keep it visible as "nan"/"inf"
 
 
+class _NoNaNWarning(logging.Filter):
+    """Drops tensorboardX's "NaN or Inf found in input tensor." (one per non-finite scalar)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NaN or Inf found" not in record.getMessage()
+
+
+def _quiet_nan_warnings() -> None:
+    log = logging.getLogger("tensorboardX.x2num")
+    if not any(isinstance(f, _NoNaNWarning) for f in log.filters):
+        log.addFilter(_NoNaNWarning())
+
+
+_TB_ERRORS: dict[int, BaseException] = {}  # id(tensorboardX writer thread) -> the error that ended it
+
+
+def _tb_thread_hook(previous: Any) -> Any:
+    def hook(args: Any) -> None:
+        thread = args.thread
+        q = getattr(thread, "_queue", None)
+        ours = type(thread).__name__ == "_EventLoggerThread" and q is not None
+        if not (ours and isinstance(args.exc_value, OSError)):
+            previous(args)
+            return
+        _TB_ERRORS[id(thread)] = args.exc_value
+        while type(q.get()) is not object:  # drain until close()'s shutdown signal (a bare object())
+            pass
+
+    hook.klrl_tb = True
+    return hook
+
+
+def _catch_tb_thread_errors() -> None:
+    if not getattr(threading.excepthook, "klrl_tb", False):
+        threading.excepthook = _tb_thread_hook(threading.excepthook)
+
+
 class MetricsWriter:
     """Appends metrics to ``metrics.jsonl`` and a TensorBoard event file."""
 
@@ -44,11 +91,21 @@ class MetricsWriter:
         self._f = open(self.path, "a", buffering=1)
         self._tb = SummaryWriter(str(self.run_dir / "tb")) if tensorboard else None
         self._hparams = hparams
+        _quiet_nan_warnings()
+        _catch_tb_thread_errors()
+
+    def _tb_error(self) -> BaseException | None:
+        writer = getattr(getattr(self._tb, "file_writer", None), "event_writer", None)
+        worker = getattr(writer, "_worker", None)
+        return _TB_ERRORS.pop(id(worker), None) if worker is not None else None
 
     def write(self, iteration: int, metrics: dict[str, Any]) -> None:
         row = {"iteration": int(iteration), **{k: _clean(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(row) + "\n")
         if self._tb is not None:
+            err = self._tb_error()
+            if err is not None:
+                raise err
             for k, v in metrics.items():
                 self._tb.add_scalar(k, float(v), int(iteration))
 

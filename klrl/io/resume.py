@@ -1,9 +1,17 @@
 """Resuming a run: which config changes a resume allows, the checks that need no compiled code,
-and the atomic file replacement used to cut ``metrics.jsonl`` back to a checkpoint."""
+and the atomic file replacement used to cut ``metrics.jsonl`` back to a checkpoint.
+
+A run directory with no complete checkpoint and no complete ``metrics.jsonl`` line (the process
+died after creating it, before its first iteration: during the state init or the compile) resumes
+from iteration 0, i.e. the initial state rebuilt from the seed: nothing was done, so nothing is
+lost. With metrics lines but no checkpoint, a resume is refused (it would drop those lines).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +95,32 @@ class Resume:
     dir: Path
     step: int
     meta: dict[str, Any]
+    fresh: bool = False  # no checkpoint yet: start from the initial state (iteration 0)
+
+
+def _fresh(cfg: RunConfig, d: Path) -> Resume | None:
+    """The plan for a directory that holds a config and nothing done yet, else None."""
+    if ckpt.complete_steps(d) or complete_lines(d / "metrics.jsonl"):
+        return None
+    try:
+        saved = json.loads((d / "config.json").read_text())
+    except ValueError as e:
+        raise ckpt.CheckpointError(f"{d}/config.json is not valid JSON: {e}") from e
+    check_resumable(saved, cfg)
+    meta = {"config": saved, "version": ckpt.version(), "iteration": 0, "metrics_lines": 0, "rollbacks": 0}
+    return Resume(d, 0, meta, fresh=True)
+
+
+def restore(plan: Resume, abstract_state: Any, init: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """The state and meta ``plan`` resumes from: its checkpoint, or ``init()`` for a fresh one."""
+    if plan.fresh:
+        (plan.dir / "metrics.jsonl").touch()  # (it may not exist yet; creating it loses nothing)
+        return init(), plan.meta
+    mgr = ckpt.manager(plan.dir, read_only=True)
+    try:
+        return ckpt.restore(mgr, abstract_state, plan.step)
+    finally:
+        mgr.close()
 
 
 def prepare(cfg: RunConfig, run_dir: str | Path) -> Resume:
@@ -94,6 +128,9 @@ def prepare(cfg: RunConfig, run_dir: str | Path) -> Resume:
     d = Path(run_dir)
     if not (d / "config.json").is_file():
         raise ckpt.CheckpointError(f"{d}: not a klrl run directory (no config.json)")
+    fresh = _fresh(cfg, d)
+    if fresh is not None:
+        return fresh
     mgr = ckpt.manager(d, read_only=True)
     try:
         step = ckpt.latest_step(mgr)
