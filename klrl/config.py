@@ -19,11 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
+from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, TASKS  # names are checked against these
+
 KL_UNITS = ("seq_sum", "token_mean")
 PLACEMENTS = ("reward", "sequence", "loss", "reward+loss")
-CONTROLLERS = ("fixed", "proportional", "band", "pi", "dual")
-ADVANTAGES = ("gae", "grpo", "rloo")
 
 
 class ConfigError(ValueError):
@@ -255,7 +254,7 @@ class TaskConfig:
     gold_fluency_weight: float = _f(1.0, "testbed: gold penalty per nat/token below the fluency threshold")
 
     def __post_init__(self) -> None:
-        _choice(self.name, "task.name", ("testbed", "wordclass"))
+        _choice(self.name, "task.name", TASKS)
         _check(self.prompt_len >= 1, "task.prompt_len", "must be >= 1")
         _check(self.prompt_pool >= 1, "task.prompt_pool", "must be >= 1")
         _check(self.pretrain_steps >= 0, "task.pretrain_steps", "must be >= 0")

@@ -20,7 +20,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from klrl.config import RunConfig
-from klrl.runner import RunResult
+from klrl.registry import CONTROLLERS
+from klrl.results import RunResult
 
 KL_SEQ = ("kl/exact_seq_sum", "kl/seq_sum")
 KL_TOKEN = ("kl/exact_token_mean", "kl/token_mean")
@@ -66,12 +67,7 @@ def label(r: RunResult | RunConfig) -> str:
     c, beta = cfg.ctrl, cfg.kl.beta
     if c.kind == "fixed":
         return f"fixed beta={beta:g}"
-    gains = {
-        "proportional": f"horizon={c.horizon:g}",
-        "band": f"band={c.band:g} x{c.factor:g}",
-        "pi": f"kp={c.kp:g} ki={c.ki:g}",
-        "dual": f"lr={c.lr:g}",
-    }[c.kind]
+    gains = CONTROLLERS.meta(c.kind).get("label", lambda c: "")(c)  # the controller registry's label
     unit = "/tok" if c.unit == "token_mean" else ""
     warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
     return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}"

@@ -1,6 +1,6 @@
 """``report.md`` for a run or a sweep: config, start/end summary, diagnosis timeline, PNG plots.
 
-``write_report(RUN_DIR)`` (or a :class:`~klrl.runner.RunResult`, or the list a sweep returns)
+``write_report(RUN_DIR)`` (or a :class:`~klrl.results.RunResult`, or the list a sweep returns)
 writes ``report.md`` and ``report-<plot>.png`` files beside it, in the run directory; for a sweep
 directory (``sweep.json``) one report covers all members, with a row per member. The command line
 is ``python experiments/run.py --report RUN_DIR``.
@@ -13,18 +13,16 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from klrl.diagnosis import final_regime, timeline
 from klrl.io.logging import read_jsonl
+from klrl.results import RunResult, load_run, load_sweep
 
-if TYPE_CHECKING:
-    from klrl.runner import RunResult
-
-# klrl.runner is imported where it is used, so that klrl.runner (and klrl.sweep) can import this
-# module at their top to write a report at the end of a run
+# nothing in klrl imports this module but the command line and the user: the report is attached
+# to a finished run by its caller (``klrl.run``'s ``report`` argument, experiments/run.py)
 
 REPORT_NAME = "report.md"
 
@@ -69,7 +67,6 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
 
 # ---- loading -------------------------------------------------------------------------------------
 def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
-    from klrl.runner import load_run, load_sweep
 
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
@@ -86,8 +83,6 @@ def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
 def _resolve(
     source: str | Path | RunResult | Sequence[RunResult], out_dir: str | Path | None
 ) -> tuple[list[RunResult], Path, bool]:
-    from klrl.runner import RunResult
-
     if isinstance(source, str | Path):
         results, root, is_sweep = _load_dir(Path(source))
         return results, Path(out_dir) if out_dir is not None else root, is_sweep
@@ -290,8 +285,6 @@ def maybe_write_report(
 ) -> Path | None:
     """:func:`write_report` for the end of a run: never raises (a failed report must not fail a
     finished run), does nothing for results kept in memory (``write=False``)."""
-    from klrl.runner import RunResult
-
     items = [source] if isinstance(source, RunResult) else source
     if not isinstance(items, str | Path) and any(r.dir is None for r in items):
         return None
