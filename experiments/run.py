@@ -7,7 +7,8 @@ With configuration flags and no ``--study``/``--sweep``: one training run.
 ``--help`` lists every configuration field with its meaning and default.
 
 ``--resume RUN_DIR [--train.iterations N ...]`` continues a run from its latest complete
-checkpoint (only train.iterations and the logging/checkpoint/rollback knobs may change).
+checkpoint (only train.iterations and the logging/checkpoint/rollback knobs may change);
+``--resume SWEEP_DIR`` continues a sweep the same way (every member, bit for bit).
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130 stopped by SIGINT after a
 checkpoint, 1 the run stopped itself (non-finite guard, rollback limit), 2 bad input.
 
@@ -77,10 +78,24 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"--report: {e}")
         return 0
     base = None
+    resume_sweep = ns.resume is not None and os.path.isfile(os.path.join(ns.resume, "sweep.json"))
+    if resume_sweep:  # a sweep directory: its members' configs, with the overrides applied to each
+        from klrl.results import load_sweep
+
+        if ns.sweep or ns.study:
+            fail("--resume: a sweep resumes with its own members; drop --sweep/--study")
+        try:
+            saved = [r.config for r in load_sweep(ns.resume)]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            fail(f"--resume: {ns.resume} is not a readable klrl sweep directory: {e}")
+        members = [config_from_args(ns, base=m) for m in saved]
+        if ns.quiet:
+            members = [m.replace(train={"quiet": True}) for m in members]
+        return _sweep(members, [], ns, resume=ns.resume)
     if ns.resume is not None:
         path = os.path.join(ns.resume, "config.json")
         if not os.path.isfile(path):
-            fail(f"--resume: {ns.resume} is not a klrl run directory (no config.json)")
+            fail(f"--resume: {ns.resume} is not a klrl run directory (no config.json or sweep.json)")
         try:
             with open(path) as f:
                 base = RunConfig.from_dict(json.load(f))
@@ -132,32 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"--distributed: {e}")
 
     if members is not None:
-        import jax
-
-        from klrl.sweep import summary_table, sweep
-
-        try:
-            results = sweep(members, sweep_devices=ns.sweep_devices)
-        except ConfigError as e:
-            fail(str(e))
-        if jax.process_index() == 0:
-            from klrl.diagnosis import final_regime
-
-            print(summary_table(results, list(axes)))
-            for i, r in enumerate(results):
-                print(f"member {i:02d}: diagnosis {final_regime(r.metrics, r.config.diag)}")
-            if results[0].dir is not None:
-                print(f"sweep directory: {results[0].dir.parent}")
-            print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x "
-                  f"{cfg.train.iterations} iterations")  # fmt: skip
-        return 0
+        return _sweep(members, list(axes), ns)
 
     import klrl
     from klrl.io.checkpoint import CheckpointError
     from klrl.reliability import RunStopped
 
     try:
-        result = klrl.run(cfg, resume=ns.resume)
+        from klrl.report import maybe_write_report
+
+        result = klrl.run(cfg, resume=ns.resume, report=maybe_write_report)
     except (ConfigError, CheckpointError) as e:
         fail(str(e))
     except RunStopped as e:
@@ -179,6 +178,46 @@ def main(argv: list[str] | None = None) -> int:
         if stopped:
             print(f"stopped by {stopped} at iteration {result.info['iteration']} (checkpoint saved); "
                   f"continue with: python experiments/run.py --resume {result.dir}")  # fmt: skip
+    if stopped:
+        return 130 if stopped == "SIGINT" else 0
+    return 0
+
+
+def _sweep(members, axes, ns, resume=None) -> int:
+    """Run (or resume) a sweep; the summary table, exit status as for a single run."""
+    import jax
+
+    from klrl.cli import fail
+    from klrl.config import ConfigError
+    from klrl.io.checkpoint import CheckpointError
+    from klrl.reliability import RunStopped
+    from klrl.report import maybe_write_report
+    from klrl.sweep import summary_table, sweep
+
+    try:
+        results = sweep(members, sweep_devices=ns.sweep_devices, resume=resume, report=maybe_write_report)
+    except (ConfigError, CheckpointError) as e:
+        fail(str(e))
+    except RunStopped as e:
+        fail(str(e), 1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    stopped = results[0].info.get("stopped")
+    root = results[0].dir.parent if results[0].dir is not None else None
+    if jax.process_index() == 0:
+        from klrl.diagnosis import final_regime
+
+        print(summary_table(results, axes))
+        for i, r in enumerate(results):
+            print(f"member {i:02d}: diagnosis {final_regime(r.metrics, r.config.diag)}")
+        if root is not None:
+            print(f"sweep directory: {root}")
+        done = results[0].info["iteration"] - results[0].info["start_iteration"]
+        print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x {done} iterations")
+        if stopped:
+            print(f"stopped by {stopped} at iteration {results[0].info['iteration']} (checkpoint saved); "
+                  f"continue with: python experiments/run.py --resume {root}")  # fmt: skip
     if stopped:
         return 130 if stopped == "SIGINT" else 0
     return 0

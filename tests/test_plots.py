@@ -74,7 +74,12 @@ def test_missing_metrics_are_skipped(name, tmp_path):
     nan = RunResult(cfg, None, {"ctrl/beta": np.full(5, np.nan), "reward/task": np.full(5, np.nan)})
     fn = getattr(plots, name)
     for i, rs in enumerate(([empty], [only_kl], [nan, synthetic(gold=False)], [])):
-        render(fn(rs), tmp_path / f"{i}.png")
+        fig = fn(rs)
+        render(fig, tmp_path / f"{i}.png")
+        if i in (0, 3):  # nothing to draw: no data line anywhere, a "no ... logged" note instead
+            assert all(len(ax.get_lines()) == 0 and not ax.collections for ax in fig.axes), name
+            notes = [t.get_text() for ax in fig.axes for t in ax.texts]
+            assert notes and all(t.startswith("no ") and t.endswith(" logged") for t in notes), notes
 
 
 def test_beta_kl_axis_label_and_target_line():
