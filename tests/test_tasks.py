@@ -23,14 +23,13 @@ from klrl.train import make_train
 V, P, R = 11, 8, 4
 
 
-def _cfg(**upd) -> RunConfig:
+def _cfg(value_model: str = "head") -> RunConfig:
     return RunConfig().replace(
-        model={"n_layers": 1, "d_model": 16, "n_heads": 2},
+        model={"n_layers": 1, "d_model": 16, "n_heads": 2, "value_model": value_model},
         sampling={"response_len": R},
         train={"batch_size": 8, "devices": 1, "iterations": 2},
         ppo={"minibatches": 2, "epochs": 1},
         task={"prompt_len": P},
-        **upd,
     )
 
 
@@ -146,7 +145,7 @@ class Bigram:
 
 @pytest.mark.parametrize("value_model", ["head", "separate"])
 def test_make_train_takes_any_causal_lm(value_model):
-    cfg = _cfg(model={"n_layers": 1, "d_model": 16, "n_heads": 2, "value_model": value_model})
+    cfg = _cfg(value_model)
     bigram = Bigram(V, 6, 64)
     assert isinstance(bigram, CausalLM)
     task = _task(cfg)  # a GPT task: the policy passed in replaces it
