@@ -35,6 +35,10 @@ class Registry:
 
         return deco
 
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (tests that register a throw-away entry clean up with this)."""
+        self._items.pop(name, None)
+
     def _load(self) -> None:
         importlib.import_module(self.home)
 

@@ -24,24 +24,21 @@ reduction order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from klrl import kl as kl_lib
 from klrl import losses
-from klrl.advantages import ADVANTAGES, AdvantageInputs, needs_critic, whiten
+from klrl.advantages import ADVANTAGES, AdvantageInputs, whiten
 from klrl.config import ConfigError, RunConfig
-from klrl.control import Controller, ControllerState, from_config
+from klrl.control import ControllerState, from_config
 from klrl.models.base import CausalLM, forward
 from klrl.models.gpt import entropy, token_logprobs
-from klrl.models.heads import ValueHead, attach, detach
-from klrl.models.registry import get_family
+from klrl.models.heads import ValueHead, detach
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
 from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.shaping import sequence_returns, shaped_rewards
@@ -49,11 +46,15 @@ from klrl.tasks.base import Task, check_task
 from klrl.train_parts import (
     Advantages,
     Batch,
+    Context,
+    Models,
     Phases,
     Scores,
     Train,
     TrainState,
     all_finite,
+    build_models,
+    init_state,
     iteration_metrics,
     make_optimizer,
     set_learning_rate,
@@ -66,123 +67,6 @@ __all__ = [
     "Advantages", "Batch", "Context", "Models", "Phases", "Scores", "Train", "TrainState",
     "build_models", "make_optimizer", "make_train", "set_learning_rate",
 ]  # fmt: skip
-
-
-class Models(NamedTuple):
-    """The networks of a run. ``value_head`` sits on the policy trunk (``model.value_model=head``)
-    or on ``value`` (``separate``); both are None without a critic."""
-
-    policy: CausalLM
-    value: CausalLM | None
-    value_head: ValueHead | None
-
-
-def build_models(cfg: RunConfig, policy: CausalLM, family: str = "gpt") -> Models:
-    """The one factory: the value trunk (a ``family`` model of ``cfg.model`` without LM head, as
-    long as the policy) and the value head, as ``cfg.ppo.advantage`` and ``cfg.model.value_model`` ask."""
-    if not needs_critic(cfg.ppo.advantage):
-        return Models(policy, None, None)
-    if cfg.model.value_model == "head":
-        return Models(policy, None, ValueHead(policy.hidden_size))
-    value = get_family(family)(cfg.model, policy.vocab_size, policy.max_len, lm_head=False)
-    return Models(policy, value, ValueHead(value.hidden_size))
-
-
-@dataclass(frozen=True)
-class Context:
-    """What ``make_train`` fixed; every stage is a function of it."""
-
-    cfg: RunConfig
-    task: Task
-    models: Models
-    policy_params: Any  # the initial policy = the reference
-    value_params: Any  # initial separate value model (trunk + head), or None: a fresh one
-    stop_ids: tuple[int, ...]
-    controller: Controller
-    optimizer: optax.GradientTransformation
-    n_dev: int
-    keep_logits: bool = True  # exact KL is a metric of every run; small vocabularies make it cheap
-
-    # shapes and modes, all static
-    @property
-    def b_glob(self) -> int:
-        return self.cfg.train.batch_size
-
-    @property
-    def b_loc(self) -> int:
-        return self.b_glob // self.n_dev
-
-    @property
-    def mb_glob(self) -> int:
-        return self.b_glob // self.cfg.ppo.minibatches
-
-    @property
-    def p_len(self) -> int:
-        return self.task.prompt_len
-
-    @property
-    def r_len(self) -> int:
-        return self.cfg.sampling.response_len
-
-    @property
-    def critic(self) -> bool:
-        return self.models.value_head is not None
-
-    @property
-    def head(self) -> bool:
-        return self.critic and self.models.value is None
-
-    @property
-    def separate(self) -> bool:
-        return self.models.value is not None
-
-    @property
-    def kl_in_loss(self) -> bool:
-        return self.cfg.kl.placement in ("loss", "reward+loss")
-
-    @property
-    def drives_reward(self) -> bool:
-        return self.cfg.ctrl.drives == "reward"
-
-
-# ---- init -------------------------------------------------------------------------------------------
-
-
-def init_state(
-    ctx: Context, mesh: Any, seed: int | Array = 0, beta: float | Array | None = None
-) -> TrainState:
-    """The train state of ``seed``: policy = a copy of the reference (plus a fresh value head),
-    a fresh separate value model, the optimiser and the controller at ``beta`` (default ``kl.beta``)."""
-    # raw uint32 keys: plain arrays that checkpoint, vmap and compare like any other leaf
-    key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    k_head, k_value, k_run = jax.random.split(key, 3)
-    m, kl_cfg = ctx.models, ctx.cfg.kl
-    pol = jax.tree.map(jnp.copy, ctx.policy_params)  # own buffers: the step donates the state
-    if ctx.head:  # graft a fresh value head onto the pretrained trunk
-        pol = attach(pol, m.value_head.init(k_head))
-    value = None
-    if ctx.separate:
-        value = ctx.value_params
-        if value is None:
-            value = attach(m.value.init(k_value), m.value_head.init(k_value))
-        value = jax.tree.map(jnp.copy, value)
-    params = {"policy": pol, "value": value}
-    b_r = kl_cfg.beta if beta is None else beta
-    driven, other = (b_r, kl_cfg.loss_coef) if ctx.drives_reward else (kl_cfg.loss_coef, b_r)
-    state = TrainState(
-        params=params,
-        ref_params=jax.tree.map(jnp.copy, ctx.policy_params),
-        opt_state=ctx.optimizer.init(params),
-        ctrl=jax.tree.map(jnp.copy, ctx.controller.init(jnp.asarray(driven, jnp.float32))),  # own buffers
-        other_coef=jnp.asarray(other, jnp.float32),
-        rng=k_run,
-        iteration=jnp.zeros((), jnp.int32),
-        skipped=jnp.zeros((), jnp.int32),
-    )
-    # replicated on the mesh, as ``step`` returns it: otherwise the second call recompiles
-    return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
 
 
 # ---- small pieces -------------------------------------------------------------------------------------

@@ -85,15 +85,19 @@ def reference(cfg, logits_full, value_full, mb, n_tok, n_seq, beta_l):
     return loss
 
 
+GAE, GRPO, RLOO = (
+    {"advantage": "gae"},
+    {"advantage": "grpo", "group_size": 2},
+    {"advantage": "rloo", "group_size": 2},
+)
 CASES = {
-    "gae_head_k3_token": dict(ppo={"advantage": "gae"}, kl={"loss_estimator": "k3", "loss_agg": "token_mean"}),
+    "gae_head_k3_token": dict(ppo=GAE, kl={"loss_estimator": "k3", "loss_agg": "token_mean"}),
     "gae_separate_full_seq": dict(
-        ppo={"advantage": "gae"}, model={"value_model": "separate"},
-        kl={"loss_estimator": "full", "loss_agg": "seq_mean"},
+        ppo=GAE, model={"value_model": "separate"}, kl={"loss_estimator": "full", "loss_agg": "seq_mean"}
     ),
-    "grpo_k2_seq": dict(ppo={"advantage": "grpo", "group_size": 2}, kl={"loss_estimator": "k2", "loss_agg": "seq_mean"}),
-    "rloo_abs_token_reward_only": dict(ppo={"advantage": "rloo", "group_size": 2}, kl={"loss_estimator": "abs", "placement": "reward"}),
-    "gae_head_k1_token": dict(ppo={"advantage": "gae"}, kl={"loss_estimator": "k1", "placement": "reward+loss"}),
+    "grpo_k2_seq": dict(ppo=GRPO, kl={"loss_estimator": "k2", "loss_agg": "seq_mean"}),
+    "rloo_abs_token_reward_only": dict(ppo=RLOO, kl={"loss_estimator": "abs", "placement": "reward"}),
+    "gae_head_k1_token": dict(ppo=GAE, kl={"loss_estimator": "k1", "placement": "reward+loss"}),
 }  # fmt: skip
 
 

@@ -154,8 +154,9 @@ def test_make_train_takes_any_causal_lm(value_model):
     if value_model == "separate":
         from klrl.models.heads import ValueHead, attach
 
-        kw = {"value": Bigram(V, 3, 64), "value_params": attach(Bigram(V, 3, 64).init(jax.random.PRNGKey(6)),
-                                                                ValueHead(3).init(jax.random.PRNGKey(7)))}  # fmt: skip
+        trunk = Bigram(V, 3, 64)
+        value_params = attach(trunk.init(jax.random.PRNGKey(6)), ValueHead(3).init(jax.random.PRNGKey(7)))
+        kw = {"value": trunk, "value_params": value_params}
     train = make_train(cfg, task, policy=bigram, policy_params=params, stop_ids=(1, 2), **kw)
     state = train.init(0)
     state, m = train.step(state, task.env)
