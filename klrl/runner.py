@@ -76,6 +76,7 @@ def run(
     check_devices(cfg, mesh.shape["data"])
     task = task or build_task(cfg, log if not tc.quiet else None)
     train = make_train(cfg, task, mesh, **models)
+    task = train.context.task  # (a ``reward=`` passed in is part of it)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     prog = Program(
         configs=[cfg],

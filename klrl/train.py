@@ -24,6 +24,7 @@ reduction order.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -42,7 +43,7 @@ from klrl.models.heads import ValueHead, detach
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
 from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.shaping import sequence_returns, shaped_rewards
-from klrl.tasks.base import Task, check_task
+from klrl.tasks.base import JaxReward, Task, check_task
 from klrl.train_parts import (
     Advantages,
     Batch,
@@ -312,6 +313,7 @@ def make_train(
     policy_params: Any = None,
     value: CausalLM | None = None,
     value_params: Any = None,
+    reward: JaxReward | None = None,
     stop_ids: tuple[int, ...] | None = None,
 ) -> Train:
     """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
@@ -321,11 +323,14 @@ def make_train(
     initial parameters, which are also the frozen KL reference. ``value`` (a trunk without LM head)
     and ``value_params`` (its parameters with a :class:`~klrl.models.heads.ValueHead` attached) set
     the separate value model of ``model.value_model=separate``; by default :func:`build_models`
-    builds a fresh klrl GPT of ``cfg.model``. ``stop_ids`` (default: the task's tokenizer's) is
-    the set of tokens that end a response. The task's parts are checked against the policy first
-    (:func:`klrl.tasks.base.check_task`): a mismatch is a :class:`ConfigError` naming the part.
+    builds a fresh klrl GPT of ``cfg.model``. ``reward`` replaces the task's reward (its parameters
+    then travel in ``train.context.task.env``, the env to step with). ``stop_ids`` (default: the
+    task's tokenizer's) is the set of tokens that end a response. The task's parts are checked
+    against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
+    :class:`ConfigError` naming the part.
     """
     mesh = make_mesh(cfg.train.devices) if mesh is None else mesh
+    task = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
     models = build_models(cfg, policy)
     if value is not None:
