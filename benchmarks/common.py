@@ -7,7 +7,7 @@ See ``benchmarks/NOTES.md`` for what each number means. In short:
 * the phases (rollout, scoring, advantages, update, controller) are the step's own stages
   (``Train.phases``, the functions ``step`` is composed of), each compiled on its own; they do not
   sum exactly to the iteration;
-* FLOPs are matmul FLOPs from :func:`klrl.model.matmul_flops` (:func:`iteration_flops`).
+* FLOPs are matmul FLOPs from :func:`klrl.models.gpt.matmul_flops` (:func:`iteration_flops`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from klrl.advantages import needs_critic
 from klrl.config import (
     KLConfig,
     ModelConfig,
@@ -33,7 +34,7 @@ from klrl.config import (
     TaskConfig,
     TrainConfig,
 )
-from klrl.model import matmul_flops
+from klrl.models.gpt import matmul_flops
 from klrl.tasks.base import Task
 from klrl.train import Train, make_train
 
@@ -138,7 +139,7 @@ def iteration_flops(cfg: RunConfig, task: Task, reward_model: bool | None = None
     m, v = cfg.model, task.vocab_size
     b, p, r = cfg.train.batch_size, task.prompt_len, cfg.sampling.response_len
     s = p + r
-    critic = cfg.ppo.advantage == "gae"
+    critic = needs_critic(cfg.ppo.advantage)
     separate = critic and m.value_model == "separate"
     if reward_model is None:
         reward_model = task.name == "peer"
@@ -201,8 +202,8 @@ def time_phases(train: Train, state: Any, env: Any, n: int) -> tuple[dict[str, f
     ro = run("rollout", state, env)
     sc = run("scoring", state, env, ro)
     ad = run("advantages", state, ro, sc)
-    run("update", state, ad["batch"])
-    run("controller", state, ad["kl_ctrl"], ro.mask)
+    run("update", state, ad.batch)
+    run("controller", state, ad.kl_ctrl, ro.mask)
     return out, first
 
 

@@ -76,7 +76,7 @@ def phase_times(cfg: RunConfig, task: Any, n_members: int, reps: int = 3) -> dic
     ph = common.build_phases(train)
     state, env = train.init(0), task.env
     ro = jax.block_until_ready(ph["rollout"](state, env))
-    batch = ph["advantages"](state, ro, ph["scoring"](state, env, ro))["batch"]
+    batch = ph["advantages"](state, ro, ph["scoring"](state, env, ro)).batch
 
     def stacked(x):
         return jax.tree.map(lambda v: jnp.broadcast_to(v, (n_members, *v.shape)), x)

@@ -11,7 +11,8 @@ With configuration flags (or ``--config FILE``, JSON or YAML, e.g. a run's ``con
 and default.
 
 ``--resume RUN_DIR [--train.iterations N ...]`` continues a run from its latest complete
-checkpoint (only train.iterations and the logging/checkpoint/rollback knobs may change).
+checkpoint (only train.iterations and the logging/checkpoint/rollback knobs may change);
+``--resume SWEEP_DIR`` continues a sweep the same way (every member, bit for bit).
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130 stopped by SIGINT after a
 checkpoint (a second SIGINT: at once, the last complete checkpoint intact), 1 the run stopped itself
 (non-finite guard, rollback limit), 2 bad input or a problem of the run's environment: a missing,

@@ -84,7 +84,7 @@ def run_study(members: list[klrl.RunConfig], replay: str | None = None) -> tuple
         import dataclasses
 
         from klrl.config import DiagnosisConfig
-        from klrl.runner import load_sweep
+        from klrl.results import load_sweep
 
         out = Path(replay)
         results = [dataclasses.replace(r, config=dataclasses.replace(r.config, diag=DiagnosisConfig()))

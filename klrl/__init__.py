@@ -4,7 +4,7 @@ One iteration (rollout -> scoring -> KL shaping -> advantages -> PPO epochs x
 minibatches -> beta controller) is one jitted function ``step(state, env)``.
 """
 
-from klrl import advantages, control, kl, losses, shaping
+from klrl import advantages, control, kl, losses, shaping, tasks  # noqa: F401  (tasks: registers them)
 from klrl.config import (
     ConfigError,
     ControllerConfig,
@@ -18,10 +18,11 @@ from klrl.config import (
     TrainConfig,
 )
 from klrl.control import Controller, ControllerState
-from klrl.model import GPT
+from klrl.models.gpt import GPT
 from klrl.report import write_report
+from klrl.results import RunResult, load_run, load_sweep
 from klrl.rollout import Rollout, generate
-from klrl.runner import RunResult, load_run, load_sweep, run
+from klrl.runner import run
 from klrl.sweep import sweep  # the function; the module stays importable as klrl.sweep (sys.modules)
 from klrl.train import Phases, Train, TrainState, make_train
 

@@ -5,14 +5,33 @@
 * GRPO group normalisation (Shao et al. 2024, DeepSeekMath).
 * RLOO leave-one-out baseline (Ahmadian et al. 2024, "Back to basics").
 * Masked whitening, with statistics over the global batch when an axis name is given.
+
+The trainer reaches them through the :data:`ADVANTAGES` registry, one signature for all:
+``estimator(inputs: AdvantageInputs, cfg: PPOConfig) -> (advantages [B, T], returns [B, T])``,
+registered with ``critic=True`` when it reads a value function (the trainer then builds one).
+A new estimator is one registered function plus its test (``docs/extending.md``).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import chex
 import jax
 import jax.numpy as jnp
 
+from klrl.registry import ADVANTAGES
+
 Array = jax.Array
+
+
+class AdvantageInputs(NamedTuple):
+    """What an advantage estimator may read (every estimator gets all of it)."""
+
+    rewards: Array  # [B, T] shaped per-token rewards (task reward and KL per kl.placement)
+    seq_returns: Array  # [B] the sequence's total shaped return
+    values: Array  # [B, T] old values V(s_t) (zeros without a critic)
+    mask: Array  # [B, T] response mask
 
 
 def gae(rewards: Array, values: Array, mask: Array, gamma: float, lam: float) -> tuple[Array, Array]:
@@ -24,6 +43,7 @@ def gae(rewards: Array, values: Array, mask: Array, gamma: float, lam: float) ->
     The value after the last response token is 0 (the episode ends).
     Returns ``(advantages, returns)``, both ``[B, T]``, with returns = A + V.
     """
+    chex.assert_equal_shape([rewards, values, mask])
     mask = mask.astype(jnp.float32)
     values = values * mask
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
@@ -48,6 +68,7 @@ def grpo(returns: Array, group_size: int, use_std: bool = True, eps: float = 1e-
     or without the division when ``use_std`` is false. A group whose rewards are
     all equal gets zero advantages.
     """
+    chex.assert_rank(returns, 1)
     g = returns.reshape(-1, group_size)
     adv = g - g.mean(axis=1, keepdims=True)
     if use_std:
@@ -60,6 +81,7 @@ def rloo(returns: Array, group_size: int) -> Array:
 
     A_i = R_i - (sum_g R - R_i) / (G - 1)  =  G/(G-1) * (R_i - mean_g R).
     """
+    chex.assert_rank(returns, 1)
     g = returns.reshape(-1, group_size)
     baseline = (g.sum(axis=1, keepdims=True) - g) / (group_size - 1)
     return (g - baseline).reshape(-1)
@@ -85,3 +107,31 @@ def whiten(x: Array, mask: Array, axis_name: str | None = None, shift_mean: bool
     if not shift_mean:
         y = y + mean
     return y * mask
+
+
+# ---- the registry: one signature for the trainer --------------------------------------------------
+
+
+@ADVANTAGES.register("gae", critic=True)
+def gae_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
+    """:func:`gae` of the shaped per-token rewards with ``ppo.gamma``, ``ppo.lam``."""
+    return gae(x.rewards, x.values, x.mask, cfg.gamma, cfg.lam)
+
+
+@ADVANTAGES.register("grpo", critic=False)
+def grpo_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
+    """:func:`grpo` of the sequence returns, broadcast over the response; no returns (no critic)."""
+    a = grpo(x.seq_returns, cfg.group_size, cfg.group_std)
+    return a[:, None] * x.mask, jnp.zeros_like(x.mask)
+
+
+@ADVANTAGES.register("rloo", critic=False)
+def rloo_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
+    """:func:`rloo` of the sequence returns, broadcast over the response; no returns (no critic)."""
+    a = rloo(x.seq_returns, cfg.group_size)
+    return a[:, None] * x.mask, jnp.zeros_like(x.mask)
+
+
+def needs_critic(name: str) -> bool:
+    """Whether the advantage estimator ``name`` reads a value function."""
+    return bool(ADVANTAGES.meta(name)["critic"])

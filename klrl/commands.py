@@ -151,6 +151,22 @@ def _check_distributed(ns: argparse.Namespace) -> bool:
     return bool(want)
 
 
+def _is_sweep_dir(run_dir: str) -> bool:
+    import os
+
+    return os.path.isfile(os.path.join(run_dir, "sweep.json"))
+
+
+def _read_sweep_dir(sweep_dir: str) -> list[RunConfig]:
+    from klrl.io.readers import RunDirError
+    from klrl.results import load_sweep
+
+    try:
+        return [r.config for r in load_sweep(sweep_dir)]  # damaged files fail here, read-only
+    except (RunDirError, FileNotFoundError) as e:
+        fail(f"--resume: {e}")
+
+
 def _read_resume_dir(run_dir: str) -> RunConfig:
     from klrl.io.readers import RunDirError, read_run
 
@@ -166,14 +182,23 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     if mode == "report":
         return _report(ns.report, ns)
     base = None
+    members = axes = None
+    resume_sweep = mode == "resume" and _is_sweep_dir(ns.resume)
     if mode == "resume":
         if ns.config:
             fail("--config: cannot be combined with --resume (the run's config.json is the base)")
-        base = _read_resume_dir(ns.resume)
-    cfg = config_from_args(ns, base=base)
+        if resume_sweep:  # every member's config, with the overrides applied to each
+            saved = _read_sweep_dir(ns.resume)
+            members = [config_from_args(ns, base=m) for m in saved]
+            if ns.quiet:
+                members = [m.replace(train={"quiet": True}) for m in members]
+            axes = {}
+            base = members[0]
+        else:
+            base = _read_resume_dir(ns.resume)
+    cfg = config_from_args(ns, base=base) if not resume_sweep else base
     if ns.quiet:
         cfg = cfg.replace(train={"quiet": True})
-    members = axes = None
     if mode == "study":
         members = _study_members(cfg, bool(overrides_of(ns) or ns.config))
         axes = {"kl.beta": None, "ctrl.kind": None}
@@ -209,7 +234,8 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         _check_device_count(cfg)
     try:
         if members is not None:
-            return _run_sweep(members, axes, cfg, ns.sweep_devices)
+            resume = ns.resume if resume_sweep else None
+            return _run_sweep(members, axes, cfg, ns.sweep_devices, resume)
         return _run_one(cfg, ns.resume if mode == "resume" else None)
     except OSError as e:
         if e.errno in _USER_ERRNOS:
@@ -232,17 +258,27 @@ def _check_device_count(cfg: RunConfig) -> None:
         fail(str(e))
 
 
-def _run_sweep(members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int) -> int:
+def _run_sweep(
+    members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int, resume: str | None
+) -> int:
     import jax
 
     from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
+    from klrl.reliability import RunStopped
+    from klrl.report import maybe_write_report
     from klrl.sweep import summary_table, sweep
 
     try:
-        results = sweep(members, sweep_devices=sweep_devices)
+        results = sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
     except (ConfigError, CheckpointError, RunDirError) as e:  # CheckpointError: locked, disk full
         fail(str(e))
+    except RunStopped as e:
+        fail(str(e), 1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    stopped = results[0].info.get("stopped")
     if jax.process_index() == 0:
         from klrl.diagnosis import final_regime
 
@@ -251,8 +287,14 @@ def _run_sweep(members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, s
             print(f"member {i:02d}: diagnosis {final_regime(r.metrics, r.config.diag)}")
         if results[0].dir is not None:
             print(f"sweep directory: {results[0].dir.parent}")
-        print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x "
-              f"{cfg.train.iterations} iterations")  # fmt: skip
+        done = results[0].info["iteration"] - results[0].info["start_iteration"]
+        print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x {done} iterations")
+        if stopped:
+            root = results[0].dir.parent if results[0].dir is not None else None
+            print(f"stopped by {stopped} at iteration {results[0].info['iteration']} (checkpoint saved); "
+                  f"continue with: klrl resume {root}")  # fmt: skip
+    if stopped:
+        return 130 if stopped == "SIGINT" else 0
     return 0
 
 
@@ -264,7 +306,9 @@ def _run_one(cfg: RunConfig, resume: str | None) -> int:
     from klrl.reliability import RunStopped
 
     try:
-        result = klrl.run(cfg, resume=resume)
+        from klrl.report import maybe_write_report
+
+        result = klrl.run(cfg, resume=resume, report=maybe_write_report)
     except (ConfigError, CheckpointError, RunDirError) as e:
         fail(str(e))
     except RunStopped as e:

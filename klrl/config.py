@@ -19,13 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, TASKS  # names are checked against these
 from klrl.schema import ConfigError, UnknownFieldError, section, short, strict_init, unknown_field
 
-ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
 KL_UNITS = ("seq_sum", "token_mean")
 PLACEMENTS = ("reward", "sequence", "loss", "reward+loss")
-CONTROLLERS = ("fixed", "proportional", "band", "pi", "dual")
-ADVANTAGES = ("gae", "grpo", "rloo")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -258,7 +256,7 @@ class TaskConfig:
     gold_fluency_weight: float = _f(1.0, "testbed: gold penalty per nat/token below the fluency threshold")
 
     def __post_init__(self) -> None:
-        _choice(self.name, "task.name", ("testbed", "wordclass"))
+        _choice(self.name, "task.name", TASKS)
         _check(self.seed >= 0, "task.seed", "must be >= 0")
         _check(self.prompt_len >= 1, "task.prompt_len", "must be >= 1")
         _check(self.prompt_pool >= 1, "task.prompt_pool", "must be >= 1")

@@ -3,7 +3,7 @@
 A :class:`Controller` is a pair of pure functions ``init(beta0) -> state`` and
 ``update(state, observed_kl, n_sequences) -> state``. Every kind shares one
 state type, :class:`ControllerState`, whose :class:`ControllerParams` hold the
-kind as an int32 index into :data:`KINDS` and every knob as a scalar array;
+kind as an int32 index into :data:`KINDS` (the controller registry's names) and every knob as a scalar array;
 :func:`update` dispatches on that index with ``lax.switch``. So states of
 different kinds can be stacked (``jax.tree.map(jnp.stack, *states)``) and
 updated together under ``jax.vmap(update)``, and a sweep can ``vmap`` over
@@ -38,12 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from klrl.config import CONTROLLERS, ControllerConfig
+from klrl.config import ControllerConfig
+from klrl.registry import CONTROLLERS
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
-
-KINDS: tuple[str, ...] = CONTROLLERS  # ("fixed", "proportional", "band", "pi", "dual")
 
 _INT_FIELDS = ("kind", "warmup_iters")
 
@@ -144,29 +143,37 @@ def dual_step(beta: Array, kl: Array, p: ControllerParams) -> Array:
     return jnp.maximum(0.0, beta + p.lr * (kl - p.target))
 
 
-# lax.switch branches: (beta, integral, kl, n, params) -> (beta, integral), in KINDS order.
+# The registry of controllers: each kind is one ``lax.switch`` branch
+# ``(beta, integral, kl, n, params) -> (beta, integral)``, registered here with a ``label`` (the gains
+# plots and reports print); its index in :data:`KINDS` is its registration order. A new kind is one
+# more decorated function below (plus its test); its knobs are fields of ControllerConfig/Params.
+@CONTROLLERS.register("fixed")
 def _b_fixed(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return beta, integral
 
 
+@CONTROLLERS.register("proportional", label=lambda c: f"horizon={c.horizon:g}")
 def _b_prop(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return proportional_step(beta, kl, n, p), integral
 
 
+@CONTROLLERS.register("band", label=lambda c: f"band={c.band:g} x{c.factor:g}")
 def _b_band(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return band_step(beta, kl, p), integral
 
 
+@CONTROLLERS.register("pi", label=lambda c: f"kp={c.kp:g} ki={c.ki:g}")
 def _b_pi(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return pi_step(beta, integral, kl, p)
 
 
+@CONTROLLERS.register("dual", label=lambda c: f"lr={c.lr:g}")
 def _b_dual(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return dual_step(beta, kl, p), integral
 
 
-_BRANCHES = (_b_fixed, _b_prop, _b_band, _b_pi, _b_dual)
-assert len(_BRANCHES) == len(KINDS)
+KINDS: tuple[str, ...] = CONTROLLERS.names()  # ("fixed", "proportional", "band", "pi", "dual")
+_BRANCHES = tuple(CONTROLLERS.get(k) for k in KINDS)
 
 
 # ---- init / update (shared by every kind) -------------------------------------------------------

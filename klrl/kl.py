@@ -29,10 +29,12 @@ under ``jit``, ``vmap`` and ``shard_map``.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
-from klrl.config import ESTIMATORS, KL_UNITS
+from klrl.config import KL_UNITS
+from klrl.registry import ESTIMATORS
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -101,6 +103,7 @@ def log_ratio(logp: ArrayLike, ref_logp: ArrayLike, clamp: ArrayLike = 0.0) -> A
     return _clip(_f32(logp) - _f32(ref_logp), clamp)
 
 
+@ESTIMATORS.register("k1", inputs="logp")
 def k1(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """k1 = lr = log(pi / pi_ref).
 
@@ -114,6 +117,7 @@ def k1(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     return _finish(_masked_log_ratio(logp, ref_logp, mask, clamp), mask, clamp)
 
 
+@ESTIMATORS.register("k2", inputs="logp")
 def k2(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """k2 = 0.5 * lr^2.
 
@@ -127,6 +131,7 @@ def k2(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     return _finish(0.5 * jnp.square(lr), mask, clamp)
 
 
+@ESTIMATORS.register("k3", inputs="logp")
 def k3(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """k3 = (rho - 1) - log rho, rho = pi_ref / pi = exp(-lr).
 
@@ -148,6 +153,7 @@ def k3(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     return _finish(jnp.expm1(-lr) + lr, mask, clamp)
 
 
+@ESTIMATORS.register("abs", inputs="logp")
 def kl_abs(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """|lr| = |log(pi / pi_ref)|.
 
@@ -158,6 +164,7 @@ def kl_abs(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLi
     return _finish(jnp.abs(_masked_log_ratio(logp, ref_logp, mask, clamp)), mask, clamp)
 
 
+@ESTIMATORS.register("full", inputs="logits")
 def full_kl(logits: ArrayLike, ref_logits: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """Exact per-position KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)).
 
@@ -186,9 +193,6 @@ def full_kl(logits: ArrayLike, ref_logits: ArrayLike, mask: ArrayLike, clamp: Ar
     return _finish(jnp.sum(terms, axis=-1), mask, clamp)
 
 
-_PER_SAMPLE = {"k1": k1, "k2": k2, "k3": k3, "abs": kl_abs}
-
-
 def estimate(
     name: str,
     logp: ArrayLike,
@@ -200,17 +204,21 @@ def estimate(
 ) -> Array:
     """Per-token estimate ``[B, T]`` by the estimator ``name`` (static).
 
-    ``name`` is one of ``ESTIMATORS`` = k1, k2, k3, abs (from the sampled
-    tokens' log-probs) or full (exact, from ``logits`` and ``ref_logits``,
-    ``[B, T, V]``; ``logp`` and ``ref_logp`` are then unused).
+    ``name`` is a name of the :data:`ESTIMATORS` registry: k1, k2, k3, abs (``inputs="logp"``: from
+    the sampled tokens' log-probs ``[B, T]``) or full (``inputs="logits"``: exact, from ``logits``
+    and ``ref_logits`` ``[B, T, V]``; ``logp`` and ``ref_logp`` are then unused). A new estimator
+    is one function ``(a, ref_a, mask, clamp) -> [B, T]`` registered with its ``inputs``.
     """
-    if name == "full":
+    fn, meta = ESTIMATORS.entry(name)
+    if meta["inputs"] == "logits":
         if logits is None or ref_logits is None:
-            raise ValueError("estimator 'full' needs logits and ref_logits ([B, T, V])")
-        return full_kl(logits, ref_logits, mask, clamp)
-    if name not in _PER_SAMPLE:
-        raise ValueError(f"unknown KL estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
-    return _PER_SAMPLE[name](logp, ref_logp, mask, clamp)
+            raise ValueError(f"estimator {name!r} needs logits and ref_logits ([B, T, V])")
+        chex.assert_rank(logits, 3)
+        chex.assert_equal_shape([logits, ref_logits])
+        chex.assert_equal_shape([logits[..., 0], mask])
+        return fn(logits, ref_logits, mask, clamp)
+    chex.assert_equal_shape([logp, ref_logp, mask])
+    return fn(logp, ref_logp, mask, clamp)
 
 
 def seq_sum(x: ArrayLike, mask: ArrayLike) -> Array:

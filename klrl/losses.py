@@ -7,6 +7,7 @@ whether a mean is over this device's tokens or over the global minibatch.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +25,7 @@ def clipped_surrogate(logp: Array, old_logp: Array, adv: Array, clip: float) -> 
     Returns ``(loss_t, clipped_t)`` where ``clipped_t`` is 1 where the clipped
     branch is the active (larger) one, the usual clip-fraction indicator.
     """
+    chex.assert_equal_shape([logp, old_logp, adv])
     ratio = jnp.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
@@ -38,6 +40,7 @@ def clipped_value_loss(value: Array, old_value: Array, returns: Array, clip: flo
     (|v - old_v| > eps) and the clipped branch is the larger one. (Comparing the
     two branches alone would count float ties where v ~ old_v.)
     """
+    chex.assert_equal_shape([value, old_value, returns])
     v_clipped = old_value + jnp.clip(value - old_value, -clip, clip)
     a = jnp.square(value - returns)
     b = jnp.square(v_clipped - returns)

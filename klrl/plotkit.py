@@ -13,18 +13,11 @@ from matplotlib.lines import Line2D
 
 from klrl.aggregate import Group, first_logged, seed_groups, stack, t_interval, trailing_mean
 from klrl.config import RunConfig
-from klrl.runner import RunResult  # the one import of run code (klrl.results after issue 13)
+from klrl.registry import CONTROLLERS
+from klrl.results import RunResult
 
 ITERATIONS = "iteration (PPO iterations)"
 BAND_ALPHA = 0.2
-
-# per controller kind, the gains its label shows (issue 13 moves this to the controller registry)
-_GAINS = {
-    "proportional": lambda c: f"horizon={c.horizon:g}",
-    "band": lambda c: f"band={c.band:g} x{c.factor:g}",
-    "pi": lambda c: f"kp={c.kp:g} ki={c.ki:g}",
-    "dual": lambda c: f"lr={c.lr:g}",
-}
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -34,7 +27,7 @@ def label(r: RunResult | RunConfig) -> str:
     c, beta = cfg.ctrl, cfg.kl.beta
     if c.kind == "fixed":
         return f"fixed beta={beta:g}"
-    gains = _GAINS[c.kind](c) if c.kind in _GAINS else ""
+    gains = CONTROLLERS.meta(c.kind).get("label", lambda c: "")(c)  # the controller registry's label
     unit = "/tok" if c.unit == "token_mean" else ""
     warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
     return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}".replace("  ", " ")

@@ -1,5 +1,5 @@
 """Figures of a run or a beta study, for a paper: each function takes one
-:class:`~klrl.runner.RunResult` or a list of them and returns a :class:`matplotlib.figure.Figure`.
+:class:`~klrl.results.RunResult` or a list of them and returns a :class:`matplotlib.figure.Figure`.
 
 Runs that differ only in ``train.seed`` are one *setting* (:func:`klrl.aggregate.seed_groups`):
 one colour, the mean over seeds as a line and, with two or more seeds, its 95% Student-t interval
@@ -42,7 +42,7 @@ from klrl.plotkit import (
     series,
     xlabel,
 )
-from klrl.runner import RunResult  # the one import of run code (klrl.results after issue 13)
+from klrl.results import RunResult
 
 KL_SEQ = ("kl/exact_seq_sum", "kl/seq_sum")
 KL_TOKEN = ("kl/exact_token_mean", "kl/token_mean")

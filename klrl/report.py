@@ -1,6 +1,6 @@
 """``report.md`` for a run or a sweep: config, start/end summary, diagnosis timeline, PNG plots.
 
-``write_report(RUN_DIR)`` (or a :class:`~klrl.runner.RunResult`, or the list a sweep returns)
+``write_report(RUN_DIR)`` (or a :class:`~klrl.results.RunResult`, or the list a sweep returns)
 writes ``report.md`` and ``report-<plot>.png`` files beside it, in the run directory; for a sweep
 directory (``sweep.json``) one report covers all members: a row per setting (members equal up to
 ``train.seed``; final values as mean ± 95% t-interval over seeds) and a row per member. The command
@@ -14,24 +14,17 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from klrl.aggregate import seed_groups, t_interval, tail_mean, unit_of
 from klrl.diagnosis import final_regime, timeline
 from klrl.io.logging import read_jsonl
+from klrl.results import RunResult, load_run, load_sweep
 
-if TYPE_CHECKING:
-    from klrl.runner import RunResult
-
-
-def _runner() -> Any:
-    """The one import of run code (``RunResult``, ``load_run``, ``load_sweep``; klrl.results after
-    issue 13), at call time: klrl.runner and klrl.sweep import this module to write their reports."""
-    import klrl.runner
-
-    return klrl.runner
+# nothing in klrl imports this module but the command line and the user: the report is attached
+# to a finished run by its caller (``klrl.run``'s ``report`` argument, the ``klrl`` command)
 
 
 REPORT_NAME = "report.md"
@@ -78,7 +71,6 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
 
 # ---- loading -------------------------------------------------------------------------------------
 def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
-    load_run, load_sweep = _runner().load_run, _runner().load_sweep
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
     try:
@@ -94,7 +86,6 @@ def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
 def _resolve(
     source: str | Path | RunResult | Sequence[RunResult], out_dir: str | Path | None
 ) -> tuple[list[RunResult], Path, bool]:
-    RunResult = _runner().RunResult
     if isinstance(source, str | Path):
         results, root, is_sweep = _load_dir(Path(source))
         return results, Path(out_dir) if out_dir is not None else root, is_sweep
@@ -340,7 +331,7 @@ def maybe_write_report(
 ) -> Path | None:
     """:func:`write_report` for the end of a run: never raises (a failed report must not fail a
     finished run), does nothing for results kept in memory (``write=False``)."""
-    items = [source] if isinstance(source, _runner().RunResult) else source
+    items = [source] if isinstance(source, RunResult) else source
     if not isinstance(items, str | Path) and any(r.dir is None for r in items):
         return None
     try:

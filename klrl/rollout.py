@@ -6,8 +6,9 @@ token from ``softmax(logits / temperature)`` (optionally restricted to the top
 k), records its log-probability under the *full* tempered policy (the
 distribution PPO's ratio and the KL use; top-k only changes which token is
 drawn), and, for a value head on the trunk, the value V(s_t) of the state that
-produced it. An EOS ends a response: it is kept (mask 1) and every later
-position is PAD with mask 0. Randomness is per example: ``keys[b]`` and the step
+produced it. A stop token (any of the tokenizer's ``stop_ids``) ends a response: it is kept
+(mask 1) and every later position is PAD with mask 0. The model is any
+:class:`klrl.models.base.CausalLM`. Randomness is per example: ``keys[b]`` and the step
 index alone decide example b's draw, so results do not depend on how the batch
 is split over devices.
 """
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from klrl.config import SamplingConfig
-from klrl.model import GPT, causal_mask, init_cache, positions_from_mask
+from klrl.models.base import CausalLM, causal_mask, positions_from_mask
+from klrl.models.heads import ValueHead, detach
 
 Array = jax.Array
 
@@ -78,35 +80,65 @@ def _sample(logits: Array, keys: Array, temperature: float, top_k: int) -> tuple
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], scaled
 
 
+def stop_set(stop_ids: int | tuple[int, ...]) -> tuple[int, ...]:
+    """A stop id or a set of them, as a non-empty tuple of ints."""
+    ids = (stop_ids,) if isinstance(stop_ids, int) else tuple(int(i) for i in stop_ids)
+    if not ids:
+        raise ValueError("stop_ids: at least one stop token is needed")
+    return ids
+
+
+def is_stop(tok: Array, stop_ids: tuple[int, ...]) -> Array:
+    """``tok`` is one of ``stop_ids`` (elementwise bool)."""
+    hit = tok == stop_ids[0]
+    for i in stop_ids[1:]:
+        hit = hit | (tok == i)
+    return hit
+
+
 def generate(
-    model: GPT,
+    model: CausalLM,
     params: Any,
     prompt: Array,
     prompt_mask: Array,
     keys: Array,
     cfg: SamplingConfig,
-    eos_id: int,
+    stop_ids: int | tuple[int, ...],
     pad_id: int = 0,
     keep_logits: bool = False,
     unroll: int = 1,
+    *,
+    value_head: ValueHead | None = None,
 ) -> Rollout:
     """Sample ``cfg.response_len`` tokens for each prompt with a KV cache.
 
-    ``keys [B]`` are per-example PRNG keys; step t uses ``fold_in(keys[b], t)``. ``unroll`` is the
-    decode scan's unroll factor (1 measured fastest on CPU, ``benchmarks/NOTES.md``).
+    ``stop_ids``: one id or a tuple; any of them ends a response. ``value_head``: a head on the
+    policy trunk (``params`` then carries its parameters, :func:`klrl.models.heads.attach`), whose
+    values are recorded. ``keys [B]`` are per-example PRNG keys; step t uses
+    ``fold_in(keys[b], t)``. ``unroll`` is the decode scan's unroll factor (1 measured fastest on
+    CPU, ``benchmarks/NOTES.md``).
     """
+    stops = stop_set(stop_ids)
+    head_params = None
+    if value_head is not None:
+        params, head_params = detach(params)
+
+    def values(out):
+        return None if value_head is None else value_head.apply(head_params, out.hidden)
+
     b, p = prompt.shape
     r = cfg.response_len
     s = p + r
     key_mask = jnp.concatenate([prompt_mask, jnp.ones((b, r), prompt_mask.dtype)], axis=1)
     full_mask = causal_mask(key_mask)  # [B, S, S]
     positions = positions_from_mask(key_mask)  # [B, S]
-    cache = init_cache(model.cfg, b, s)
+    cache = model.init_cache(b, s)
 
-    out = model.apply({"params": params}, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
+    out = model.apply(params, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
     cache = out.cache
     logits = out.logits[:, -1]
-    value = out.value[:, -1] if out.value is not None else jnp.zeros((b,), jnp.float32)
+    v0 = values(out)
+    value = v0[:, -1] if v0 is not None else jnp.zeros((b,), jnp.float32)
     done = jnp.zeros((b,), bool)
 
     def sample_step(logits, value, done, t):
@@ -114,7 +146,7 @@ def generate(
         tok, logp, scaled = _sample(logits, step_keys, cfg.temperature, cfg.top_k)
         valid = ~done
         tok = jnp.where(valid, tok, pad_id)
-        new_done = done | (valid & (tok == eos_id)) if cfg.use_eos else done
+        new_done = done | (valid & is_stop(tok, stops)) if cfg.use_eos else done
         ys = (tok, valid.astype(jnp.float32), logp, value, scaled if keep_logits else None)
         return new_done, tok, ys
 
@@ -124,8 +156,9 @@ def generate(
         slot = p + t
         mask_t = jax.lax.dynamic_slice_in_dim(full_mask, slot, 1, axis=1)  # [B, 1, S]
         pos_t = jax.lax.dynamic_slice_in_dim(positions, slot, 1, axis=1)
-        o = model.apply({"params": params}, tok[:, None], pos_t, mask_t, cache, slot)
-        v = o.value[:, 0] if o.value is not None else value
+        o = model.apply(params, tok[:, None], pos_t, mask_t, cache, slot)
+        vo = values(o)
+        v = vo[:, 0] if vo is not None else value
         return (o.cache, o.logits[:, 0], v, done), ys
 
     (cache, logits, value, done), ys = jax.lax.scan(
@@ -142,6 +175,6 @@ def generate(
         response=tok,
         mask=valid,
         logp=logp * valid,
-        value=val * valid if out.value is not None else None,
+        value=val * valid if value_head is not None else None,
         logits=lg,
     )

@@ -14,6 +14,7 @@ Placements (``KLConfig.placement``):
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +38,8 @@ def shaped_rewards(task_reward: Array, kl_tok: Array, mask: Array, beta: Array, 
       beta: scalar coefficient (a traced array: no Python branching on it).
       placement: one of ``reward``, ``sequence``, ``loss``, ``reward+loss``.
     """
+    chex.assert_equal_shape([kl_tok, mask])
+    chex.assert_shape(task_reward, mask.shape[:1])
     last = last_token_onehot(mask)
     kl_tok = kl_tok * mask
     if placement in ("reward", "reward+loss"):

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from klrl import distributed, reliability
-from klrl.config import ConfigError, RunConfig, check_devices
-from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
+from klrl.config import ConfigError, RunConfig, check_devices, check_task
+from klrl.loop import Program, drive, prepare_sweep_resume
 from klrl.parallel import SWEEP, make_mesh, shard_step
-from klrl.runner import SUMMARY_KEYS, RunResult, build_task, columns
+from klrl.results import SUMMARY_KEYS, RunResult
+from klrl.runner import build_task
 from klrl.tasks.base import Task
 from klrl.train import make_train, set_learning_rate
 
@@ -153,96 +152,60 @@ def sweep(
     write: bool = True,
     sweep_devices: int = 1,
     log: Any = None,
-) -> list[RunResult]:
-    # issue-12b: the sweep directory's lock for the whole sweep, a full disk as one DiskFull line
-    # (no signal handlers: this loop does not poll them)
-    with reliability.RunGuard(log, signals=False) as guard:
-        return _sweep(members, task=task, out_dir=out_dir, write=write, sweep_devices=sweep_devices,
-                      log=log, guard=guard)  # fmt: skip
-
-
-def _sweep(
-    members: list[RunConfig],
-    *,
-    task: Task | None = None,
-    out_dir: str | Path | None = None,
-    write: bool = True,
-    sweep_devices: int = 1,
-    log: Any = None,
-    guard: reliability.RunGuard,
+    resume: str | Path | None = None,
+    report: Callable[[list[RunResult]], Any] | None = None,
 ) -> list[RunResult]:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
-    With ``write``, ``out_dir`` (default: a new run directory) gets ``member-XX/``
-    sub-directories, each with its own config, ``metrics.jsonl`` and event file,
-    and a ``sweep.json`` index. With several processes only process 0 writes.
+    The loop is a single run's (:mod:`klrl.loop`): with ``write``, ``out_dir`` (default: a new run
+    directory) gets ``member-XX/`` sub-directories, each with its own config, ``metrics.jsonl``
+    and event file, a ``sweep.json`` index, and ``checkpoints/`` of the stacked state every
+    ``train.checkpoint_every`` iterations. SIGTERM/SIGINT checkpoint and return (``info['stopped']``);
+    ``resume=SWEEP_DIR`` continues the sweep exactly (bit for bit against an uninterrupted one).
+    The non-finite guard and the quality rollback apply per member (a rollback restores the whole
+    sweep to a checkpoint good for the members that crossed; the others replay exactly).
+    ``report(results)`` is called at the end of a written sweep. With several processes only
+    process 0 writes.
     """
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     check_members(members)
+    # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
+    with reliability.RunGuard(log) as guard:
+        return _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard)
+
+
+def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard) -> list[RunResult]:
     base = members[0]
+    plan = None
+    if resume is not None:
+        if not write:
+            raise ConfigError("resume: a resumed sweep writes to its sweep directory (write=True)")
+        if distributed.is_main() and Path(resume).is_dir():
+            guard.hold(resume)  # before reading it: a second writer is refused, not interleaved
+        plan = prepare_sweep_resume(members, resume)
     task = task or build_task(base, None if base.train.quiet else log)
+    for m in members:
+        check_task(m, task)  # lengths, top_k and vocabulary against the task, before anything compiles
     init, step, mesh = make_sweep(members, task, sweep_devices)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
-    root: Path | None = None
-    writers: list[MetricsWriter] = []
-    dirs: list[Path | None] = [None] * len(members)
-    if write and distributed.is_main():
-        root = Path(out_dir) if out_dir is not None else new_run_dir(base)
-        root.mkdir(parents=True, exist_ok=True)
-        guard.hold(root)  # issue-12b
-        for i, m in enumerate(members):
-            d = root / f"member-{i:02d}"
-            d.mkdir(exist_ok=True)
-            (d / "config.json").write_text(json.dumps(m.to_dict(), indent=1))
-            writers.append(MetricsWriter(d, hparams=hparams_of(m)))
-            dirs[i] = d
-        (root / "sweep.json").write_text(json.dumps({"members": [str(d.name) for d in dirs]}, indent=1))
-        (root / "task.json").write_text(json.dumps(task.info, indent=1, default=str))
-    if write:
-        root = distributed.agree_path(root)
-        dirs = [root / f"member-{i:02d}" for i in range(len(members))]
-    state = init()
-    rows: list[list[dict[str, Any]]] = [[] for _ in members]
-    quiet = base.train.quiet or not distributed.is_main()
-    progress = Progress(base.train.iterations, base.train.log_every, quiet)
-    pending = None
-    t0 = time.time()
-
-    def flush(i, m):
-        m = distributed.to_host(m)
-        for j in range(len(members)):
-            mj = {k: float(v[j]) for k, v in m.items()}
-            rows[j].append({"iteration": i, **mj})
-            if writers:
-                writers[j].write(i, mj)
-        progress.update(
-            i, {k: float(np.mean(v)) for k, v in m.items()}, extra=f"({len(members)} members, mean)"
-        )
-
-    for i in range(base.train.iterations):
-        state, metrics = step(state, env)
-        if pending is not None:
-            flush(*pending)
-        pending = (i, metrics)
-    flush(*pending)
-    elapsed = time.time() - t0
-    results = []
-    for j, m in enumerate(members):
-        r = RunResult(
-            m, dirs[j], columns(rows[j]), unstack(state, j), {"train_s": elapsed, "task": task.info}
-        )
-        if writers:  # process 0 only
-            writers[j].close({k: rows[j][-1][k] for k in SUMMARY_KEYS if k in rows[j][-1]})
-            (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
-        results.append(r)
-    if writers:  # process 0 only: report.md with the table, diagnosis timelines and plots
-        from klrl.report import maybe_write_report
-
-        maybe_write_report(results, log)
+    split = NamedSharding(mesh, P(SWEEP))
+    one = jax.eval_shape(lambda: make_train(base, task, mesh).init(base.train.seed))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(members), *x.shape), x.dtype), one)
+    prog = Program(
+        configs=list(members),
+        stacked=True,
+        init=init,
+        step=step,
+        place=lambda s: distributed.put(jax.tree.map(np.asarray, s), split),
+        env=env,
+        task_info=task.info,
+        abstract=abstract,
+    )
+    results, stop_error = drive(prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard)
+    if results[0].dir is not None and distributed.is_main() and report is not None:
+        report(results)
+    if stop_error is not None:
+        raise reliability.RunStopped(f"stopped: {stop_error}", results)
     return results
-
-
-sweep.__doc__ = _sweep.__doc__  # issue-12b
 
 
 def summary_table(results: list[RunResult], axes: list[str] | None = None) -> str:

@@ -1,4 +1,4 @@
-"""``make_train(cfg, task)``: pure ``init`` and the one compiled PPO-KL iteration.
+"""``make_train(cfg, task, *, policy=..., ...)``: pure ``init`` and the one compiled PPO-KL iteration.
 
 One call of ``step(state, env) -> (state, metrics)`` does, inside one jitted
 ``shard_map`` over the ``'data'`` axis:
@@ -7,400 +7,362 @@ One call of ``step(state, env) -> (state, metrics)`` does, inside one jitted
   -> per-token KL shaping -> advantages -> PPO epochs x minibatches (nested
   ``lax.scan``) -> beta controller update -> reference refresh -> guard.
 
+Each stage is a module-level function of a frozen :class:`Context` (what ``make_train`` fixed:
+config, models, task, shapes, optimiser, controller); stages exchange NamedTuples
+(:class:`~klrl.rollout.Rollout`, :class:`Scores`, :class:`Batch`, :class:`Advantages`), and the
+metrics of an iteration are computed by :func:`iteration_metrics`. The models are any
+:class:`klrl.models.base.CausalLM` (train.py knows no family): the policy comes with the task or
+is passed in, the value trunk and heads are built by :func:`build_models`.
+
 beta lives in ``state.ctrl.beta`` (float32) and is only ever used as an array.
 
-Device invariance: every example's prompt and sampling key come from its
-*global* index, and minibatches are drawn from the *global* batch (the scored
-batch is all-gathered, each device takes its slice of every global minibatch),
-so a run on 1 or N devices does the same maths up to reduction order.
+Device invariance: every example's prompt and sampling key come from its *global* index, and
+minibatches are drawn from the *global* batch (the scored batch is all-gathered, each device takes
+its slice of every global minibatch), so a run on 1 or N devices does the same maths up to
+reduction order.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
-from klrl import advantages as adv_lib
 from klrl import kl as kl_lib
 from klrl import losses
-from klrl.config import RunConfig
+from klrl.advantages import ADVANTAGES, AdvantageInputs, whiten
+from klrl.config import ConfigError, RunConfig
 from klrl.control import ControllerState, from_config
-from klrl.model import GPT, entropy, forward, init_params, token_logprobs
+from klrl.models.base import CausalLM, forward
+from klrl.models.gpt import entropy, token_logprobs
+from klrl.models.heads import ValueHead, detach
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
-from klrl.rollout import Rollout, generate, response_slice, sequence
+from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.shaping import sequence_returns, shaped_rewards
-from klrl.tasks.base import Task
+from klrl.tasks.base import JaxReward, Task, check_task
+from klrl.train_parts import (
+    Advantages,
+    Batch,
+    Context,
+    Models,
+    Phases,
+    Scores,
+    Train,
+    TrainState,
+    all_finite,
+    build_models,
+    init_state,
+    iteration_metrics,
+    make_optimizer,
+    set_learning_rate,
+    where,
+)
 
 Array = jax.Array
 
-
-class TrainState(NamedTuple):
-    params: Any  # {'policy': ..., 'value': ... or None}: what the optimiser trains
-    ref_params: Any  # frozen reference policy (a copy of the initial policy)
-    opt_state: Any
-    ctrl: ControllerState  # beta and the controller's own state
-    other_coef: Array  # float32: the KL coefficient the controller does not drive
-    rng: Array  # base PRNG key of the run; iteration keys are fold_in(rng, iteration)
-    iteration: Array  # int32
-    skipped: Array  # int32: consecutive iterations skipped by the non-finite guard
+__all__ = [
+    "Advantages", "Batch", "Context", "Models", "Phases", "Scores", "Train", "TrainState",
+    "build_models", "make_optimizer", "make_train", "set_learning_rate",
+]  # fmt: skip
 
 
-class Phases(NamedTuple):
-    """The stages ``step`` is composed of, as per-shard functions (call them under ``shard_map``
-    over ``'data'``, as the step does; ``benchmarks/`` times each one compiled on its own)."""
-
-    rollout: Any  # (state, env) -> Rollout
-    score: Any  # (state, env, rollout) -> {tokens, key_mask, ref_logits, ref_logp, value, task_reward, evals}
-    advantages: Any  # (state, rollout, scores) -> {batch, rewards, kl_reward, kl_ctrl, k1, exact}
-    update: Any  # (state, batch) -> (params, opt_state, stats): PPO epochs x minibatches
-    control: Any  # (state, kl_ctrl, mask) -> (controller state, observed KL)
+# ---- small pieces -------------------------------------------------------------------------------------
 
 
-class Train(NamedTuple):
-    init: Any  # (seed | key, beta=None) -> TrainState
-    step: Any  # jitted (state, env) -> (state, metrics)
-    shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping
-    loss: Any  # (params, minibatch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss of the update
-    policy: GPT
-    value_model: GPT | None
-    mesh: Any
-    phases: Phases
+def iteration_keys(state: TrainState) -> tuple[Array, Array, Array]:
+    """(prompt, sampling, minibatch-permutation) keys of this iteration."""
+    k_prompt, k_sample, k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)
+    return k_prompt, k_sample, k_perm
 
 
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """Adam(W) with global-norm clipping and a schedule; the peak learning rate is an
-    injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr) so a
-    sweep can give each member its own."""
-    o = cfg.optim
-    total_steps = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.minibatches
-    decay = max(total_steps - o.warmup_steps, 1)
-    if o.schedule == "constant":
-        shape = optax.constant_schedule(1.0)
-    elif o.schedule == "linear":
-        shape = optax.linear_schedule(1.0, 0.0, decay)
+def coefs(ctx: Context, state: TrainState) -> tuple[Array, Array]:
+    """(reward-side beta, loss-side coefficient)."""
+    if ctx.drives_reward:
+        return state.ctrl.beta, state.other_coef
+    return state.other_coef, state.ctrl.beta
+
+
+def policy_out(ctx: Context, pol_params: Any, tokens: Array, key_mask: Array) -> tuple[Array, Array | None]:
+    """Tempered response logits ``[B, R, V]`` and (with a head on the trunk) values ``[B, R]``."""
+    trunk, head = detach(pol_params) if ctx.head else (pol_params, None)
+    out = forward(ctx.models.policy, trunk, tokens, key_mask)
+    logits = response_slice(out.logits, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
+    value = None
+    if ctx.head:
+        value = response_slice(ctx.models.value_head.apply(head, out.hidden), ctx.p_len, ctx.r_len)
+    return logits, value
+
+
+def value_out(ctx: Context, value_params: Any, tokens: Array, key_mask: Array) -> Array:
+    """Values ``[B, R]`` of the separate value model."""
+    trunk, head = detach(value_params)
+    hidden = forward(ctx.models.value, trunk, tokens, key_mask, logits=False).hidden
+    return response_slice(ctx.models.value_head.apply(head, hidden), ctx.p_len, ctx.r_len)
+
+
+# ---- the stages ------------------------------------------------------------------------------------
+
+
+def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
+    """Prompts and responses for this device's share of the global batch."""
+    k_prompt, k_sample, _ = iteration_keys(state)
+    b_loc, group = ctx.b_loc, ctx.cfg.ppo.group_size
+    g_idx = jax.lax.axis_index(DATA) * b_loc + jnp.arange(b_loc)
+    n_pool = env["prompts"].shape[0]
+    p_idx = jax.vmap(lambda g: jax.random.randint(jax.random.fold_in(k_prompt, g // group), (), 0, n_pool))(
+        g_idx
+    )
+    ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
+    head = ctx.models.value_head if ctx.head else None
+    return generate(
+        ctx.models.policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
+        ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
+    )  # fmt: skip
+
+
+def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:
+    """Reference log-probs (and logits), old values, task reward and evaluations."""
+    mask = ro.mask
+    tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
+    ref = forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits
+    ref_logits = response_slice(ref, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
+    if ctx.separate:
+        old_value = value_out(ctx, state.params["value"], tokens, key_mask) * mask
+    elif ctx.head:
+        old_value = ro.value
     else:
-        shape = optax.cosine_decay_schedule(1.0, decay)
-    if o.warmup_steps:
-        shape = optax.join_schedules(
-            [optax.linear_schedule(0.0, 1.0, o.warmup_steps), shape], [o.warmup_steps]
+        old_value = jnp.zeros_like(mask)
+    evaluate = ctx.task.eval_fn
+    return Scores(
+        tokens=tokens,
+        key_mask=key_mask,
+        ref_logits=ref_logits,
+        ref_logp=token_logprobs(ref_logits, ro.response) * mask,
+        value=old_value,
+        task_reward=ctx.task.reward_fn(env, ro),
+        evals=evaluate(env, ro) if evaluate is not None else {},
+    )
+
+
+def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) -> Advantages:
+    """KL estimates, shaped rewards, advantages and returns; ``batch`` is this device's share of
+    what the update reads."""
+    mask, kl_cfg = ro.mask, ctx.cfg.kl
+    beta_r, _ = coefs(ctx, state)
+
+    def estimate(name):
+        return kl_lib.estimate(name, ro.logp, sc.ref_logp, mask, ro.logits, sc.ref_logits, kl_cfg.clamp)
+
+    kl_reward = estimate(kl_cfg.estimator)
+    rewards = shaped_rewards(sc.task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+    seq_ret = sequence_returns(sc.task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+    inputs = AdvantageInputs(rewards, seq_ret, sc.value, mask)
+    advantages, returns = ADVANTAGES.get(ctx.cfg.ppo.advantage)(inputs, ctx.cfg.ppo)
+    if ctx.cfg.ppo.whiten:
+        advantages = whiten(advantages, mask, DATA)
+    full_in_loss = ctx.kl_in_loss and kl_lib.ESTIMATORS.meta(kl_cfg.loss_estimator)["inputs"] == "logits"
+    batch = Batch(
+        tokens=sc.tokens, key_mask=sc.key_mask, response=ro.response, mask=mask, logp=ro.logp,
+        ref_logp=sc.ref_logp, adv=advantages, ret=returns, value=sc.value,
+        ref_logits=sc.ref_logits if full_in_loss else None,
+    )  # fmt: skip
+    return Advantages(
+        batch=batch,
+        rewards=rewards,
+        kl_reward=kl_reward,
+        kl_ctrl=estimate(ctx.cfg.ctrl.estimator),
+        k1=estimate("k1"),
+        exact=kl_lib.full_kl(ro.logits, sc.ref_logits, mask),
+    )
+
+
+def ppo_loss(ctx: Context, params: Any, mb: Batch, n_tok: Array, n_seq: Array, beta_l: Array):
+    """PPO loss of one (per-device) minibatch ``mb``, normalised by ``n_tok`` tokens and ``n_seq``
+    sequences (this device's share of the global minibatch's), and its statistics.
+
+    ``loss = sum_t m_t (pg_t - ent_coef H_t) / n_tok + vf_coef sum_t m_t vl_t / n_tok
+    + beta_l * KL_term``, ``KL_term = sum_t m_t kl_t / n_tok`` (``token_mean``) or
+    ``sum_b token_mean_b(kl) / n_seq`` (``seq_mean``).
+    """
+    ppo, kl_cfg = ctx.cfg.ppo, ctx.cfg.kl
+    logits, value = policy_out(ctx, params["policy"], mb.tokens, mb.key_mask)
+    m = mb.mask
+    logp = token_logprobs(logits, mb.response)
+    pg, clipped = losses.clipped_surrogate(logp, mb.logp, mb.adv, ppo.clip)
+    ent = entropy(logits)
+    # normalise by the per-device share of the global minibatch so that pmean is the global mean
+    loss = losses.masked_sum(pg - ppo.ent_coef * ent, m) / n_tok
+    stats = {
+        "loss/policy": losses.masked_sum(pg, m) / n_tok,
+        "policy/clipfrac": losses.masked_sum(clipped, m) / n_tok,
+        "policy/approx_kl": losses.masked_sum(losses.approx_kl(logp, mb.logp), m) / n_tok,
+        "policy/entropy": losses.masked_sum(ent, m) / n_tok,
+    }
+    if ctx.critic:
+        if ctx.separate:
+            value = value_out(ctx, params["value"], mb.tokens, mb.key_mask)
+        vl, vclip = losses.clipped_value_loss(value, mb.value, mb.ret, ppo.vf_clip)
+        loss = loss + ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
+        stats["loss/value"] = losses.masked_sum(vl, m) / n_tok
+        stats["value/clipfrac"] = losses.masked_sum(vclip, m) / n_tok
+    if ctx.kl_in_loss:
+        kl_t = kl_lib.estimate(
+            kl_cfg.loss_estimator, logp, mb.ref_logp, m, logits, mb.ref_logits, kl_cfg.clamp
         )
-    parts = [optax.clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm > 0 else []
-    parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
-    if o.weight_decay > 0:
-        parts += [optax.add_decayed_weights(o.weight_decay)]
-    parts += [optax.scale_by_schedule(shape), optax.inject_hyperparams(optax.scale)(step_size=-o.lr)]
-    return optax.chain(*parts)
+        if kl_cfg.loss_agg == "token_mean":
+            kl_term = losses.masked_sum(kl_t, m) / n_tok
+        else:
+            kl_term = jnp.sum(kl_lib.token_mean(kl_t, m)) / n_seq
+        loss = loss + beta_l * kl_term
+        stats[f"kl/loss_{kl_cfg.loss_agg}"] = kl_term
+    stats["loss/total"] = loss
+    return loss, stats
 
 
-def set_learning_rate(opt_state: Any, lr: Array | float) -> Any:
-    """Return ``opt_state`` with the peak learning rate replaced (see :func:`make_optimizer`)."""
-    last = opt_state[-1]
-    hp = dict(last.hyperparams, step_size=-jnp.asarray(lr, jnp.float32))
-    return (*opt_state[:-1], last._replace(hyperparams=hp))
+def update_phase(ctx: Context, state: TrainState, batch: Batch) -> tuple[Any, Any, dict[str, Array]]:
+    """PPO epochs x minibatches (nested ``lax.scan``) over the global batch (``batch`` is this
+    device's share; it is all-gathered first). Returns (params, opt_state, mean stats)."""
+    n_dev, n_mb, mb_glob = ctx.n_dev, ctx.cfg.ppo.minibatches, ctx.mb_glob
+    k_perm = iteration_keys(state)[2]
+    _, beta_l = coefs(ctx, state)
+    dev = jax.lax.axis_index(DATA)
+    batch = gather(batch)  # every device sees the global batch
+    grad_fn = jax.grad(partial(ppo_loss, ctx), has_aux=True)
+
+    def minibatch_step(carry, idx):
+        params, opt_state = carry
+        mb = jax.tree.map(lambda x: x[idx], batch)
+        n_tok = total(jnp.sum(mb.mask)) / n_dev
+        grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev, beta_l)
+        grads, stats = average((grads, stats))
+        stats["grad/norm"] = optax.tree.norm(grads)
+        updates, opt_state = ctx.optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), stats
+
+    def epoch_step(carry, k):
+        perm = jax.random.permutation(k, ctx.b_glob).reshape(n_mb, n_dev, mb_glob // n_dev)[:, dev]
+        return jax.lax.scan(minibatch_step, carry, perm)
+
+    epoch_keys = jax.random.split(k_perm, ctx.cfg.ppo.epochs)
+    (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state), epoch_keys)
+    return params, opt_state, jax.tree.map(jnp.mean, stats)
 
 
-def _where(ok: Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+def control_phase(
+    ctx: Context, state: TrainState, kl_ctrl: Array, mask: Array
+) -> tuple[ControllerState, Array]:
+    """The controller's update from this iteration's KL (in ``ctrl.unit``, averaged over the
+    global batch). Returns (controller state, the KL it saw)."""
+    kl_seen = average(jnp.mean(kl_lib.reduce(kl_ctrl, mask, ctx.cfg.ctrl.unit)))
+    return ctx.controller.update(state.ctrl, kl_seen, jnp.float32(ctx.b_glob)), kl_seen
 
 
-def _all_finite(tree: Any) -> Array:
-    leaves = [
-        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+def refresh_reference(ctx: Context, state: TrainState, policy: Any) -> Any:
+    """Every ``kl.ref_update_every`` iterations, ``ref <- (1 - ref_mix) ref + ref_mix policy``."""
+    kl_cfg = ctx.cfg.kl
+    if kl_cfg.ref_update_every <= 0:
+        return state.ref_params
+    refresh = (state.iteration + 1) % kl_cfg.ref_update_every == 0
+    mix = jnp.where(refresh, kl_cfg.ref_mix, 0.0)
+    trunk = detach(policy)[0] if ctx.head else policy
+    return jax.tree.map(lambda r, p: (1 - mix) * r + mix * p, state.ref_params, trunk)
 
 
-def make_train(cfg: RunConfig, task: Task, mesh: Any = None) -> Train:
-    """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``."""
+def guard(ctx: Context, state: TrainState, new: TrainState, ok: Array) -> TrainState:
+    """The non-finite guard: ``new`` if ``ok``, else the old state with one more consecutive skip.
+    Once ``train.max_consecutive_skips`` skips are counted the step is a no-op, so the run loop
+    (which sees the metrics one step late) stops after exactly that many."""
+    kept = state._replace(iteration=state.iteration + 1, skipped=state.skipped + 1)
+    out = where(ok, new, kept)
+    limit = ctx.cfg.train.max_consecutive_skips
+    if limit > 0:
+        out = where(state.skipped >= limit, state, out)
+    return out
+
+
+def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
+    """One iteration on this device's shard (see the module docstring)."""
+    ro = rollout_phase(ctx, state, env)
+    sc = score_phase(ctx, state, env, ro)
+    ad = advantage_phase(ctx, state, ro, sc)
+    params, opt_state, stats = update_phase(ctx, state, ad.batch)
+    ctrl, kl_seen = control_phase(ctx, state, ad.kl_ctrl, ro.mask)
+    ref_params = refresh_reference(ctx, state, params["policy"])
+    ok = all_finite((params, sc.task_reward, ad.kl_reward, kl_seen, stats))
+    ok = jax.lax.pmin(ok.astype(jnp.int32), DATA) > 0
+    new = TrainState(params, ref_params, opt_state, ctrl, state.other_coef, state.rng,
+                     state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
+    out = guard(ctx, state, new, ok)
+    metrics = iteration_metrics(ctx, env, state, out, ok, ro, sc, ad, stats, kl_seen)
+    return out, metrics
+
+
+# ---- the entry point ------------------------------------------------------------------------------
+
+
+def make_train(
+    cfg: RunConfig,
+    task: Task,
+    mesh: Any = None,
+    *,
+    policy: CausalLM | None = None,
+    policy_params: Any = None,
+    value: CausalLM | None = None,
+    value_params: Any = None,
+    reward: JaxReward | None = None,
+    stop_ids: tuple[int, ...] | None = None,
+) -> Train:
+    """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
+
+    Any causal LM trains here, whatever its family: ``policy`` (default ``task.policy``) is a
+    :class:`klrl.models.base.CausalLM` and ``policy_params`` (default ``task.policy_params``) its
+    initial parameters, which are also the frozen KL reference. ``value`` (a trunk without LM head)
+    and ``value_params`` (its parameters with a :class:`~klrl.models.heads.ValueHead` attached) set
+    the separate value model of ``model.value_model=separate``; by default :func:`build_models`
+    builds a fresh klrl GPT of ``cfg.model``. ``reward`` replaces the task's reward (its parameters
+    then travel in ``train.context.task.env``, the env to step with). ``stop_ids`` (default: the
+    task's tokenizer's) is the set of tokens that end a response. The task's parts are checked
+    against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
+    :class:`ConfigError` naming the part.
+    """
     mesh = make_mesh(cfg.train.devices) if mesh is None else mesh
+    task = task if reward is None else dataclasses.replace(task, reward=reward)
+    policy = task.policy if policy is None else policy
+    models = build_models(cfg, policy)
+    if value is not None:
+        if not models.value:
+            raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
+        models = Models(policy, value, ValueHead(value.hidden_size))
     n_dev = mesh.shape[DATA]
-    b_glob = cfg.train.batch_size
-    b_loc = b_glob // n_dev
-    n_mb = cfg.ppo.minibatches
-    mb_glob = b_glob // n_mb
-    mb_loc = mb_glob // n_dev
-    group = cfg.ppo.group_size
-    p_len, r_len = task.prompt_len, cfg.sampling.response_len
-    temp = cfg.sampling.temperature
-    critic = cfg.ppo.advantage == "gae"
-    head = critic and cfg.model.value_model == "head"
-    separate = critic and cfg.model.value_model == "separate"
-    kl_cfg, c_cfg = cfg.kl, cfg.ctrl
-    keep_logits = True  # exact KL is a metric of every run; small vocabularies make it cheap
-    kl_in_loss = kl_cfg.placement in ("loss", "reward+loss")
-    drives_reward = c_cfg.drives == "reward"
-
-    max_len = p_len + r_len
-    policy = GPT(cfg.model, task.vocab_size, max(max_len, task.max_len), lm_head=True, scalar_head=head)
-    ref_model = policy.clone(scalar_head=False)
-    value_model = GPT(cfg.model, task.vocab_size, policy.max_len, lm_head=False, scalar_head=True)
-    controller = from_config(c_cfg)
-    optimizer = make_optimizer(cfg)
-
-    def init(seed: int | Array = 0, beta: float | Array | None = None) -> TrainState:
-        # raw uint32 keys: plain arrays that checkpoint, vmap and compare like any other leaf
-        key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
-        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
-        k_head, k_value, k_run = jax.random.split(key, 3)
-        pol = jax.tree.map(jnp.copy, task.ref_params)  # own buffers: the step donates the state
-        if head:  # graft a fresh scalar head onto the pretrained trunk
-            fresh = init_params(policy, k_head, max_len)
-            pol = dict(pol, v_head=fresh["v_head"])
-        params = {"policy": pol, "value": init_params(value_model, k_value, max_len) if separate else None}
-        b_r = kl_cfg.beta if beta is None else beta
-        driven, other = (b_r, kl_cfg.loss_coef) if drives_reward else (kl_cfg.loss_coef, b_r)
-        state = TrainState(
-            params=params,
-            ref_params=jax.tree.map(jnp.copy, task.ref_params),
-            opt_state=optimizer.init(params),
-            ctrl=jax.tree.map(jnp.copy, controller.init(jnp.asarray(driven, jnp.float32))),  # own buffers
-            other_coef=jnp.asarray(other, jnp.float32),
-            rng=k_run,
-            iteration=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
-        )
-        # replicated on the mesh, as ``step`` returns it: otherwise the second call recompiles
-        return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
-
-    def policy_out(pol_params, tokens, key_mask):
-        out = forward(policy, pol_params, tokens, key_mask)
-        logits = response_slice(out.logits, p_len, r_len) / temp
-        value = response_slice(out.value, p_len, r_len) if head else None
-        return logits, value
-
-    def loss_fn(params, mb, n_tok, n_seq, beta_l):
-        """PPO loss of one (per-device) minibatch ``mb``, normalised by ``n_tok`` tokens and
-        ``n_seq`` sequences (this device's share of the global minibatch's), and its statistics."""
-        logits, value = policy_out(params["policy"], mb["tokens"], mb["key_mask"])
-        m = mb["mask"]
-        logp = token_logprobs(logits, mb["response"])
-        pg, clipped = losses.clipped_surrogate(logp, mb["logp"], mb["adv"], cfg.ppo.clip)
-        ent = entropy(logits)
-        # normalise by the per-device share of the global minibatch so that pmean is the global mean
-        loss = losses.masked_sum(pg - cfg.ppo.ent_coef * ent, m) / n_tok
-        stats = {
-            "loss/policy": losses.masked_sum(pg, m) / n_tok,
-            "policy/clipfrac": losses.masked_sum(clipped, m) / n_tok,
-            "policy/approx_kl": losses.masked_sum(losses.approx_kl(logp, mb["logp"]), m) / n_tok,
-            "policy/entropy": losses.masked_sum(ent, m) / n_tok,
-        }
-        if critic:
-            if separate:
-                value = response_slice(
-                    forward(value_model, params["value"], mb["tokens"], mb["key_mask"]).value,
-                    p_len,
-                    r_len,
-                )
-            vl, vclip = losses.clipped_value_loss(value, mb["value"], mb["ret"], cfg.ppo.vf_clip)
-            loss = loss + cfg.ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
-            stats["loss/value"] = losses.masked_sum(vl, m) / n_tok
-            stats["value/clipfrac"] = losses.masked_sum(vclip, m) / n_tok
-        if kl_in_loss:
-            kl_t = kl_lib.estimate(
-                kl_cfg.loss_estimator, logp, mb["ref_logp"], m, logits, mb.get("ref_logits"), kl_cfg.clamp
-            )
-            if kl_cfg.loss_agg == "token_mean":
-                kl_term = losses.masked_sum(kl_t, m) / n_tok
-            else:
-                kl_term = jnp.sum(kl_lib.token_mean(kl_t, m)) / n_seq
-            loss = loss + beta_l * kl_term
-            stats[f"kl/loss_{kl_cfg.loss_agg}"] = kl_term
-        stats["loss/total"] = loss
-        return loss, stats
-
-    def iteration_keys(state: TrainState) -> tuple[Array, Array, Array]:
-        """(prompt, sampling, minibatch-permutation) keys of this iteration."""
-        k_prompt, k_sample, k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)
-        return k_prompt, k_sample, k_perm
-
-    def coefs(state: TrainState) -> tuple[Array, Array]:
-        """(reward-side beta, loss-side coefficient)."""
-        if drives_reward:
-            return state.ctrl.beta, state.other_coef
-        return state.other_coef, state.ctrl.beta
-
-    def rollout_phase(state: TrainState, env: Any) -> Rollout:
-        """Prompts and responses for this device's share of the global batch."""
-        k_prompt, k_sample, _ = iteration_keys(state)
-        g_idx = jax.lax.axis_index(DATA) * b_loc + jnp.arange(b_loc)
-        n_pool = env["prompts"].shape[0]
-        p_idx = jax.vmap(
-            lambda g: jax.random.randint(jax.random.fold_in(k_prompt, g // group), (), 0, n_pool)
-        )(g_idx)
-        ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
-        return generate(
-            policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
-            cfg.sampling, task.eos_id, task.pad_id, keep_logits,
-        )  # fmt: skip
-
-    def score_phase(state: TrainState, env: Any, ro: Rollout) -> dict[str, Any]:
-        """Reference log-probs (and logits), old values, task reward and evaluations."""
-        mask = ro.mask
-        tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
-        ref_logits = (
-            response_slice(forward(ref_model, state.ref_params, tokens, key_mask).logits, p_len, r_len) / temp
-        )
-        if separate:
-            old_value = response_slice(
-                forward(value_model, state.params["value"], tokens, key_mask).value, p_len, r_len
-            )
-            old_value = old_value * mask
-        elif head:
-            old_value = ro.value
-        else:
-            old_value = jnp.zeros_like(mask)
-        return {
-            "tokens": tokens,
-            "key_mask": key_mask,
-            "ref_logits": ref_logits,
-            "ref_logp": token_logprobs(ref_logits, ro.response) * mask,
-            "value": old_value,
-            "task_reward": task.reward_fn(env, ro),
-            "evals": task.eval_fn(env, ro) if task.eval_fn is not None else {},
-        }
-
-    def advantage_phase(state: TrainState, ro: Rollout, sc: dict[str, Any]) -> dict[str, Any]:
-        """KL estimates, shaped rewards, advantages and returns; ``batch`` is this device's
-        share of what the update reads."""
-        mask = ro.mask
-        beta_r, _ = coefs(state)
-
-        def estimate(name):
-            lg, ref_lg = ro.logits, sc["ref_logits"]
-            return kl_lib.estimate(name, ro.logp, sc["ref_logp"], mask, lg, ref_lg, kl_cfg.clamp)
-
-        kl_reward = estimate(kl_cfg.estimator)
-        rewards = shaped_rewards(sc["task_reward"], kl_reward, mask, beta_r, kl_cfg.placement)
-        if critic:
-            advantages, returns = adv_lib.gae(rewards, sc["value"], mask, cfg.ppo.gamma, cfg.ppo.lam)
-        else:
-            seq_ret = sequence_returns(sc["task_reward"], kl_reward, mask, beta_r, kl_cfg.placement)
-            fn = adv_lib.grpo if cfg.ppo.advantage == "grpo" else adv_lib.rloo
-            a = fn(seq_ret, group, cfg.ppo.group_std) if cfg.ppo.advantage == "grpo" else fn(seq_ret, group)
-            advantages = a[:, None] * mask
-            returns = jnp.zeros_like(mask)
-        if cfg.ppo.whiten:
-            advantages = adv_lib.whiten(advantages, mask, DATA)
-        batch = {
-            "tokens": sc["tokens"], "key_mask": sc["key_mask"], "response": ro.response, "mask": mask,
-            "logp": ro.logp, "ref_logp": sc["ref_logp"], "adv": advantages, "ret": returns,
-            "value": sc["value"],
-        }  # fmt: skip
-        if kl_in_loss and kl_cfg.loss_estimator == "full":
-            batch["ref_logits"] = sc["ref_logits"]
-        return {
-            "batch": batch,
-            "rewards": rewards,
-            "kl_reward": kl_reward,
-            "kl_ctrl": estimate(c_cfg.estimator),
-            "k1": estimate("k1"),
-            "exact": kl_lib.full_kl(ro.logits, sc["ref_logits"], mask),
-        }
-
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-
-    def update_phase(state: TrainState, batch: dict[str, Array]) -> tuple[Any, Any, dict[str, Array]]:
-        """PPO epochs x minibatches (nested ``lax.scan``) over the global batch (``batch`` is
-        this device's share; it is all-gathered first). Returns (params, opt_state, mean stats)."""
-        k_perm = iteration_keys(state)[2]
-        _, beta_l = coefs(state)
-        dev = jax.lax.axis_index(DATA)
-        batch = gather(batch)  # every device sees the global batch
-
-        def minibatch_step(carry, idx):
-            params, opt_state = carry
-            mb = jax.tree.map(lambda x: x[idx], batch)
-            n_tok = total(jnp.sum(mb["mask"])) / n_dev
-            grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev, beta_l)
-            grads, stats = average((grads, stats))
-            stats["grad/norm"] = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), stats
-
-        def epoch_step(carry, k):
-            perm = jax.random.permutation(k, b_glob).reshape(n_mb, n_dev, mb_loc)[:, dev]
-            return jax.lax.scan(minibatch_step, carry, perm)
-
-        epoch_keys = jax.random.split(k_perm, cfg.ppo.epochs)
-        (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state), epoch_keys)
-        return params, opt_state, jax.tree.map(jnp.mean, stats)
-
-    def control_phase(state: TrainState, kl_ctrl: Array, mask: Array) -> tuple[ControllerState, Array]:
-        """The controller's update from this iteration's KL (in ``ctrl.unit``, averaged over the
-        global batch). Returns (controller state, the KL it saw)."""
-        kl_seen = average(jnp.mean(kl_lib.reduce(kl_ctrl, mask, c_cfg.unit)))
-        return controller.update(state.ctrl, kl_seen, jnp.float32(b_glob)), kl_seen
-
-    def step_fn(state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
-        ro = rollout_phase(state, env)
-        mask = ro.mask
-        sc = score_phase(state, env, ro)
-        ad = advantage_phase(state, ro, sc)
-        params, opt_state, stats = update_phase(state, ad["batch"])
-        ctrl, kl_seen = control_phase(state, ad["kl_ctrl"], mask)
-        task_reward, evals, ref_logp = sc["task_reward"], sc["evals"], sc["ref_logp"]
-        kl_reward, rewards, k1, exact = ad["kl_reward"], ad["rewards"], ad["k1"], ad["exact"]
-        explained = (ad["batch"]["value"], ad["batch"]["ret"], mask)  # gathered for the metric
-
-        # ---- reference refresh ----
-        ref_params = state.ref_params
-        if kl_cfg.ref_update_every > 0:
-            refresh = (state.iteration + 1) % kl_cfg.ref_update_every == 0
-            mix = jnp.where(refresh, kl_cfg.ref_mix, 0.0)
-            ref_params = jax.tree.map(
-                lambda r, p: (1 - mix) * r + mix * p, state.ref_params, params["policy"]
-            )
-
-        # ---- metrics (global) ----
-        def seq_mean(x):
-            return average(jnp.mean(x))
-
-        length = jnp.sum(mask, axis=-1)
-        metrics = {
-            "reward/task": seq_mean(task_reward),
-            "reward/shaped_mean": seq_mean(jnp.sum(rewards, axis=-1)),
-            "kl/seq_sum": seq_mean(kl_lib.seq_sum(k1, mask)),
-            "kl/token_mean": seq_mean(kl_lib.token_mean(k1, mask)),
-            f"kl/reward_{kl_cfg.estimator}_seq_sum": seq_mean(kl_lib.seq_sum(kl_reward, mask)),
-            f"kl/reward_{kl_cfg.estimator}_token_mean": seq_mean(kl_lib.token_mean(kl_reward, mask)),
-            "kl/exact_seq_sum": seq_mean(kl_lib.seq_sum(exact, mask)),
-            "kl/exact_token_mean": seq_mean(kl_lib.token_mean(exact, mask)),
-            f"ctrl/kl_observed_{c_cfg.unit}": kl_seen,
-            "ctrl/beta": ctrl.beta if drives_reward else state.other_coef,
-            "ctrl/loss_coef": state.other_coef if drives_reward else ctrl.beta,
-            "ctrl/target": state.ctrl.params.target,
-            "response/length": seq_mean(length),
-            "response/eos_frac": seq_mean((length < r_len).astype(jnp.float32)),
-            "value/explained_variance": losses.explained_variance(*gather(explained))
-            if critic
-            else jnp.float32(0.0),
-            "eval/ref_ppl": jnp.exp(-total(jnp.sum(ref_logp)) / jnp.maximum(total(jnp.sum(mask)), 1.0)),
-            **{k: seq_mean(v) for k, v in evals.items() if not k.startswith("_")},
-            **stats,
-        }
-        if task.batch_eval_fn is not None:
-            tokens_only = ro._replace(
-                logits=None, value=None
-            )  # batch metrics read tokens, not [B, R, V] logits
-            metrics.update(task.batch_eval_fn(env, gather(tokens_only), gather(task_reward), gather(evals)))
-
-        # ---- non-finite guard: skip the whole update if anything is NaN/inf ----
-        ok = _all_finite((params, task_reward, kl_reward, kl_seen, stats))
-        ok = jax.lax.pmin(ok.astype(jnp.int32), DATA) > 0
-        new_state = TrainState(params, ref_params, opt_state, ctrl, state.other_coef, state.rng,
-                               state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
-        kept = state._replace(iteration=state.iteration + 1, skipped=state.skipped + 1)
-        state = _where(ok, new_state, kept)
-        metrics["guard/skipped"] = (~ok).astype(jnp.float32)
-        metrics["guard/consecutive_skips"] = state.skipped.astype(jnp.float32)
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return state, metrics
-
-    step = shard_step(step_fn, mesh)
-    phases = Phases(rollout_phase, score_phase, advantage_phase, update_phase, control_phase)
-    return Train(init, step, step_fn, loss_fn, policy, value_model if separate else None, mesh, phases)
+    check_task(task, policy, cfg.sampling.response_len, cfg.train.batch_size // n_dev)
+    ctx = Context(
+        cfg=cfg,
+        task=task,
+        models=models,
+        policy_params=task.policy_params if policy_params is None else policy_params,
+        value_params=value_params,
+        stop_ids=stop_set(task.stop_ids if stop_ids is None else stop_ids),
+        controller=from_config(cfg.ctrl),
+        optimizer=make_optimizer(cfg),
+        n_dev=n_dev,
+    )
+    one = partial(step_fn, ctx)
+    phases = Phases(
+        partial(rollout_phase, ctx), partial(score_phase, ctx), partial(advantage_phase, ctx),
+        partial(update_phase, ctx), partial(control_phase, ctx),
+    )  # fmt: skip
+    return Train(
+        init=partial(init_state, ctx, mesh),
+        step=shard_step(one, mesh),
+        shard_step=one,
+        loss=partial(ppo_loss, ctx),
+        policy=policy,
+        value_model=models.value,
+        mesh=mesh,
+        phases=phases,
+        context=ctx,
+    )

@@ -116,3 +116,46 @@ def test_rloo_hand_values() -> None:
     np.testing.assert_allclose(
         np.asarray(A.rloo(r, 3)), 1.5 * np.asarray(A.grpo(r, 3, use_std=False)), atol=1e-6
     )
+
+
+# ---- the registry: the worked example of docs/extending.md ----------------------------------------
+
+
+@pytest.fixture
+def reinforce():
+    """docs/extending.md's new advantage estimator, registered for one test and removed after it."""
+    from typing import Any
+
+    from klrl.advantages import ADVANTAGES, AdvantageInputs
+
+    @ADVANTAGES.register("reinforce", critic=False)
+    def reinforce_estimator(x: AdvantageInputs, cfg: Any):
+        """A_t = R (the sequence's shaped return) on every response token; no value targets."""
+        return x.seq_returns[:, None] * x.mask, jnp.zeros_like(x.mask)
+
+    yield reinforce_estimator
+    ADVANTAGES.remove("reinforce")
+
+
+def test_worked_example_reinforce(reinforce):
+    from test_tasks import _cfg, _task
+
+    from klrl.advantages import ADVANTAGES, AdvantageInputs, needs_critic
+    from klrl.config import ConfigError, PPOConfig
+    from klrl.train import build_models, make_train
+
+    mask = jnp.array([[1, 1, 0], [1, 1, 1]], jnp.float32)
+    x = AdvantageInputs(jnp.zeros((2, 3)), jnp.array([2.0, -1.0]), jnp.zeros((2, 3)), mask)
+    adv, ret = ADVANTAGES.get("reinforce")(x, PPOConfig(advantage="reinforce"))
+    np.testing.assert_array_equal(np.asarray(adv), [[2.0, 2.0, 0.0], [-1.0, -1.0, -1.0]])
+    np.testing.assert_array_equal(np.asarray(ret), np.zeros((2, 3)))
+    assert not needs_critic("reinforce")
+    cfg = _cfg().replace(ppo={"advantage": "reinforce", "whiten": False})  # the config accepts the new name
+    assert build_models(cfg, _task(cfg).policy).value_head is None  # no critic is built
+    task = _task(cfg)
+    train = make_train(cfg, task)
+    state, m = train.step(train.init(0), task.env)
+    assert np.isfinite(float(m["loss/total"])) and "loss/value" not in m
+    ADVANTAGES.remove("reinforce")
+    with pytest.raises(ConfigError, match="ppo.advantage: must be one of gae, grpo, rloo"):
+        PPOConfig(advantage="reinforce")

@@ -10,7 +10,7 @@ import pytest
 
 import klrl
 from klrl import aggregate as A
-from klrl.runner import RunResult
+from klrl.results import RunResult
 
 # two-sided 95% Student-t quantiles t_{0.975, df}, from a printed t-table
 T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 9: 2.2622}

@@ -62,11 +62,12 @@ def test_iteration_flops_formula():
         import common
     finally:
         sys.path.remove(str(BENCH))
-    from klrl.model import matmul_flops
-    from klrl.tasks.base import Task
+    from types import SimpleNamespace
+
+    from klrl.models.gpt import matmul_flops
 
     cfg = common.peer_config(d_model=64, prompt_len=8, response_len=16)
-    task = Task("peer", 256, 1, 0, 8, 24, {}, None, None)
+    task = SimpleNamespace(name="peer", vocab_size=256, prompt_len=8)  # what the count reads of a task
     f = common.iteration_flops(cfg, task)
     m, b = cfg.model, 64
     # hand count of one token's forward: L * (qkv + proj + mlp + attention) + LM head

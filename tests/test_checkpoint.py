@@ -205,7 +205,7 @@ BAD_RESUMES = {
     "changed_schedule": (None, ["--optim.schedule", "linear"], ["optim.schedule"]),
     "fewer_iterations": (None, ["--train.iterations", "1"], ["train.iterations"]),
     "missing_dir": ("missing", [], ["not a klrl run directory"]),
-    "no_checkpoints": ("no_checkpoints", [], ["checkpoint"]),
+    "no_checkpoints": ("no_checkpoints", [], ["no checkpoint directory"]),
     "only_partial_checkpoint": ("only_partial_checkpoint", [], ["no complete checkpoint"]),
     "corrupt_state": ("corrupt_state", [], ["unreadable"]),
     "corrupt_meta": ("corrupt_meta", [], ["unreadable"]),

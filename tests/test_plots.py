@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 import klrl
 from klrl import plots
-from klrl.runner import RunResult
+from klrl.results import RunResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("beta_kl", "frontier", "overoptimization", "perplexity_diversity", "controller_comparison")

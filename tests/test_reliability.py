@@ -257,28 +257,36 @@ def test_valid_small_configs_run_one_iteration(changes, tiny_task, cache_dir, ja
 # ---- the non-finite guard in the loop -----------------------------------------------------------
 
 
-def test_nan_rewards_skip_and_stop(tiny_task, cache_dir, jax_cache, tmp_path):
+@pytest.mark.parametrize("k", [1, 3])
+def test_nan_rewards_skip_and_stop(k, tiny_task, cache_dir, jax_cache, tmp_path):
     import klrl
     from klrl.io import checkpoint as ckpt
     from klrl.reliability import RunStopped
+    from klrl.tasks.base import JaxReward
     from klrl.train import make_train
 
     def nan_reward(env, ro):
         return jnp.full(ro.response.shape[:1], jnp.nan, jnp.float32)
 
-    task = dataclasses.replace(tiny_task, reward_fn=nan_reward)
-    cfg = base_config(cache_dir, iterations=20, max_consecutive_skips=3, checkpoint_every=0)
+    task = dataclasses.replace(tiny_task, reward=JaxReward(nan_reward, tiny_task.reward.params))
+    # an adaptive controller far from its target: each rejected update would have moved beta
+    cfg = base_config(cache_dir, iterations=20, max_consecutive_skips=k, checkpoint_every=0).replace(
+        ctrl={"kind": "proportional", "target": 1e-4, "horizon": 10.0}
+    )
     with pytest.raises(RunStopped) as e:
         klrl.run(cfg, task=task, run_dir=tmp_path / "r")
     msg = str(e.value)
-    # the loop sees iteration i's metrics while i + 1 already runs: it stops after K or K + 1 skips
+    # the loop sees iteration i's metrics while i + 1 already runs; the step after the K-th skip is a
+    # no-op, so the run stops after exactly K skips
     rows = [json.loads(x) for x in lines(tmp_path / "r" / "metrics.jsonl")]
     n = len(rows)
-    assert n in (3, 4)
+    assert n == k
     assert "\n" not in msg and f"{n} consecutive iterations skipped by the non-finite guard" in msg
     assert [r["guard/skipped"] for r in rows] == [1.0] * n
-    assert [r["guard/consecutive_skips"] for r in rows] == [float(k + 1) for k in range(n)]
+    assert [r["guard/consecutive_skips"] for r in rows] == [float(j + 1) for j in range(n)]
     assert rows[0]["reward/task"] == "nan"
+    # a skipped row logs the beta the state keeps, not the rejected update's
+    assert [r["ctrl/beta"] for r in rows] == [pytest.approx(cfg.kl.beta, rel=1e-7)] * n
     # the last good state is checkpointed: the parameters (and optimiser state) never moved
     mgr = ckpt.manager(tmp_path / "r", read_only=True)
     initial = make_train(cfg, task).init(cfg.train.seed)
@@ -286,6 +294,7 @@ def test_nan_rewards_skip_and_stop(tiny_task, cache_dir, jax_cache, tmp_path):
     mgr.close()
     assert meta["iteration"] == n and meta["metrics_lines"] == n
     assert int(state.iteration) == n and int(state.skipped) == n
+    assert float(state.ctrl.beta) == float(initial.ctrl.beta)
     moved = jax.tree.leaves((state.params, state.opt_state))
     for a, b in zip(moved, jax.tree.leaves((initial.params, initial.opt_state)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

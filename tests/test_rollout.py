@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from klrl.config import SamplingConfig
-from klrl.model import GPT, forward, init_params, token_logprobs
-from klrl.rollout import generate, response_slice, sequence
+from klrl.models.base import forward
+from klrl.models.gpt import token_logprobs
+from klrl.models.heads import ValueHead, attach, detach
+from klrl.rollout import generate, is_stop, response_slice, sequence
 
 N = 64  # examples per rollout
 R_LEN = 8
@@ -24,21 +26,29 @@ class Setup:
 
     def __init__(self, cfg, task) -> None:
         self.task = task
-        self.policy = GPT(cfg.model, task.vocab_size, task.max_len, lm_head=True, scalar_head=True)
-        fresh = jax.jit(lambda k: init_params(self.policy, k, task.max_len))(jax.random.PRNGKey(3))
-        self.params = dict(task.ref_params, v_head=fresh["v_head"])
+        self.policy = task.policy
+        self.head = ValueHead(self.policy.hidden_size)
+        self.params = attach(task.ref_params, self.head.init(jax.random.PRNGKey(3)))
         self.prompt = task.env["prompts"][:N]
         self.prompt_mask = task.env["prompt_mask"][:N]
         self.keys = jax.random.split(jax.random.PRNGKey(42), N)
         self._gen: dict[SamplingConfig, object] = {}
-        self.forward = jax.jit(lambda p, t, m: forward(self.policy, p, t, m))
+
+        def fwd(p, t, m):
+            trunk, head = detach(p)
+            out = forward(self.policy, trunk, t, m)
+            return out.logits, self.head.apply(head, out.hidden)
+
+        self.forward = jax.jit(fwd)
         self._rollouts: dict[SamplingConfig, object] = {}
 
     def generate(self, scfg: SamplingConfig, prompt=None, prompt_mask=None, keys=None):
         if scfg not in self._gen:
             t = self.task
             self._gen[scfg] = jax.jit(
-                lambda p, pr, pm, k: generate(self.policy, p, pr, pm, k, scfg, t.eos_id, t.pad_id, True)
+                lambda p, pr, pm, k: generate(
+                    self.policy, p, pr, pm, k, scfg, t.stop_ids, t.pad_id, True, value_head=self.head
+                )
             )
         if prompt is None:
             if scfg not in self._rollouts:
@@ -49,10 +59,10 @@ class Setup:
     def teacher_forced(self, ro, temperature: float):
         """Tempered logits, log-probs of the sampled tokens and values from one full forward."""
         tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
-        out = self.forward(self.params, tokens, key_mask)
+        out_logits, out_value = self.forward(self.params, tokens, key_mask)
         p = ro.prompt.shape[1]
-        logits = response_slice(out.logits, p, R_LEN) / temperature
-        return logits, token_logprobs(logits, ro.response), response_slice(out.value, p, R_LEN)
+        logits = response_slice(out_logits, p, R_LEN) / temperature
+        return logits, token_logprobs(logits, ro.response), response_slice(out_value, p, R_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +156,7 @@ def test_rollout_does_not_depend_on_batch_split(setup: Setup) -> None:
 
 def test_rollout_without_value_head(setup: Setup) -> None:
     """A policy without a trunk value head records no values (separate critic / critic-free)."""
-    plain = setup.policy.clone(scalar_head=False)
+    plain = setup.policy
     t = setup.task
     ro = jax.jit(
         lambda p: generate(plain, p, setup.prompt[:4], setup.prompt_mask[:4], setup.keys[:4], BASE, t.eos_id)
@@ -182,3 +192,29 @@ def test_gumbel_argmax_draws_what_jax_random_categorical_draws() -> None:
     drawn = _np(jax.jit(gumbel_argmax)(keys, nan_rows))
     assert np.all((drawn >= 0) & (drawn < v))
     np.testing.assert_array_equal(drawn[4:], _np(draws["plain"])[4:])
+
+
+def test_several_stop_ids_each_end_a_response(setup: Setup) -> None:
+    """With a set of stop ids, the first token of the set ends the response (kept, mask 1)."""
+    t = setup.task
+    base = setup.generate(BASE)
+    resp = _np(base.response)
+    first = int(resp[0, 0])  # a token the policy samples first for row 0: make it a stop token too
+    stops = (t.eos_id, first)
+    ro = jax.jit(
+        lambda p: generate(
+            setup.policy, p, setup.prompt, setup.prompt_mask, setup.keys, BASE, stops, t.pad_id
+        )
+    )(t.ref_params)
+    r, m = _np(ro.response), _np(ro.mask)
+    np.testing.assert_array_equal(r[:, 0], resp[:, 0])  # the same draws until a stop
+    for b in range(N):
+        hits = np.flatnonzero(np.isin(resp[b], stops) & (_np(base.mask)[b] > 0))
+        n = hits[0] + 1 if len(hits) else R_LEN
+        assert m[b].sum() == n and np.all(m[b, :n] == 1), b
+        np.testing.assert_array_equal(r[b, :n], resp[b, :n])
+        assert np.all(r[b, n:] == t.pad_id)
+    assert m[0].sum() == 1  # row 0 ends at once
+    import jax.numpy as jnp
+
+    np.testing.assert_array_equal(_np(is_stop(jnp.array([0, 1, 5, 7]), (1, 7))), [False, True, False, True])

@@ -1,16 +1,20 @@
-"""Model families behind one causal-LM interface (:mod:`klrl.models.base`).
+"""Model families behind one causal-LM interface (:mod:`klrl.models.base`), by name
+(:mod:`klrl.models.registry`); klrl's GPT is ``"gpt"``.
 
 Pretrained checkpoints: :func:`from_pretrained` (an HF directory or a GGUF file ->
 ``(model, params, tokenizer)``), :func:`save_pretrained` (an HF directory transformers loads),
 :func:`generate_text`; failures raise :class:`CheckpointFormatError` (one line).
 """
 
+from klrl.models import gpt  # noqa: F401  (registers "gpt")
 from klrl.models.base import CausalLM, LMOutput, causal_mask, forward, positions_from_mask, spec_for
 from klrl.models.generate import generate_text
 from klrl.models.gpt2 import GPT2, GPT2Config
+from klrl.models.heads import ScalarHead, ValueHead
 from klrl.models.hf import CheckpointFormatError, load_score_head
 from klrl.models.llama import Llama, LlamaConfig
 from klrl.models.pretrained import from_pretrained, save_pretrained
+from klrl.models.registry import family_names, get_family, register_family
 
 __all__ = [
     "GPT2",
@@ -20,12 +24,17 @@ __all__ = [
     "LMOutput",
     "Llama",
     "LlamaConfig",
+    "ScalarHead",
+    "ValueHead",
     "causal_mask",
+    "family_names",
     "forward",
     "from_pretrained",
     "generate_text",
+    "get_family",
     "load_score_head",
     "positions_from_mask",
+    "register_family",
     "save_pretrained",
     "spec_for",
 ]

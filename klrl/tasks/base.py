@@ -1,12 +1,40 @@
-"""What a task gives the trainer: a vocabulary, prompts, a reference policy, a reward."""
+"""A task in parts: a prompt source, a tokenizer, a reward, optional evaluators, a reference policy.
+
+* **Prompt source** (:class:`PromptSource`): what the rollout draws prompts from. Today a pool of
+  left-padded token rows (:class:`TokenPool`); a tokenised text dataset comes next, behind the
+  same protocol (its ``env()`` arrays are what the step reads).
+* **Tokenizer** (:class:`klrl.data.tokenizer.Tokenizer`): encode, decode, a pad id and a *set* of
+  stop ids (any of them ends a response).
+* **Reward**: :class:`JaxReward`, a traced function ``(env, rollout) -> [B] float32`` with its own
+  parameters (they travel in ``env``, so they are arguments of the step, not constants of the
+  program); or :class:`HostReward`, a function of decoded text run on the host (its interface is
+  here; the trainer runs it from a later issue on).
+* **Evaluators** (:class:`Evaluators`): per-example metrics ``(env, rollout) -> {name: [B]}`` and
+  batch metrics over the gathered batch; names starting with ``_`` are handed to the batch
+  evaluator and not logged.
+* **Reference policy**: any :class:`klrl.models.base.CausalLM` and its pretrained parameters, the
+  initial policy and the frozen KL reference.
+
+:func:`check_task` checks the parts against each other and against the policy at the boundary
+(``make_train`` calls it): a wrong shape, dtype or vocabulary is a :class:`ConfigError` naming the
+part, never a silently wrong run.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from klrl.config import ConfigError
+from klrl.data.tokenizer import Tokenizer
+from klrl.models.base import CausalLM
+from klrl.registry import TASKS
+from klrl.rollout import Rollout
 
 Array = jax.Array
 
@@ -18,21 +46,191 @@ EvalFn = Callable[[Any, Any], dict[str, Array]]
 BatchEvalFn = Callable[[Any, Any, Array, dict[str, Array]], dict[str, Array]]
 
 
+def register_task(name: str, **meta: Any) -> Callable:
+    """Decorator over a task builder ``(cfg: RunConfig, log=None) -> Task``."""
+    return TASKS.register(name, **meta)
+
+
+# ---- prompt sources ------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    width: int  # P: every prompt is left-padded to P tokens
+
+    def env(self) -> dict[str, Array]:
+        """The arrays the step samples prompts from: ``prompts [N, P]`` int32, ``prompt_mask [N, P]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenPool:
+    """A pool of pre-tokenised, left-padded prompts: ``prompts [N, P]`` int32, ``mask [N, P]``."""
+
+    prompts: Any
+    mask: Any
+
+    @property
+    def width(self) -> int:
+        return int(np.shape(self.prompts)[-1])
+
+    def env(self) -> dict[str, Array]:
+        return {"prompts": self.prompts, "prompt_mask": self.mask}
+
+
+# ---- rewards and evaluators -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JaxReward:
+    """``fn(env, rollout) -> [B]`` float32, traced into the step; ``params`` (e.g. a frozen reward
+    model's) are merged into ``env`` under their keys."""
+
+    fn: RewardFn
+    params: dict[str, Any] = field(default_factory=dict)
+    kind = "jax"
+
+
+@dataclass(frozen=True)
+class HostReward:
+    """``fn(prompts: list[str], responses: list[str]) -> [B]`` floats, on decoded text, on the host.
+
+    The interface of text rewards; the trainer runs them from a later issue on (``make_train``
+    refuses one for now, naming the part)."""
+
+    fn: Callable[[list[str], list[str]], Sequence[float]]
+    kind = "host"
+
+
+@dataclass(frozen=True)
+class Evaluators:
+    per_example: EvalFn | None = None
+    batch: BatchEvalFn | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # merged into ``env``
+
+
+# ---- the task -------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Task:
-    """A task. ``env`` is a pytree of arrays handed to every step (replicated on
-    every device); it must hold ``prompts [N, P]`` and ``prompt_mask [N, P]``."""
+    """A task made of parts; ``env`` (a pytree of arrays handed to every step, replicated) is the
+    prompt source's arrays plus the reward's and evaluators' parameters."""
 
     name: str
-    vocab_size: int
-    eos_id: int
-    pad_id: int
-    prompt_len: int
-    max_len: int  # position-embedding size of the reference policy
-    env: dict[str, Any]
-    ref_params: Any  # pretrained policy parameters: the initial policy and the reference
-    reward_fn: RewardFn
-    eval_fn: EvalFn | None = None
-    batch_eval_fn: BatchEvalFn | None = None
+    tokenizer: Tokenizer
+    prompts: PromptSource
+    prompt_len: int  # P the task declares; the prompt source must be exactly this wide
+    reward: JaxReward | HostReward
+    policy: CausalLM  # the reference policy's model (any family)
+    policy_params: Any  # its pretrained parameters: the initial policy and the KL reference
+    evaluators: Evaluators = field(default_factory=Evaluators)
     info: dict[str, Any] = field(default_factory=dict)  # e.g. pretraining loss, entropy rate
-    decode: Callable[..., str] | None = None
+
+    @property
+    def env(self) -> dict[str, Any]:
+        reward_params = self.reward.params if isinstance(self.reward, JaxReward) else {}
+        return {**self.prompts.env(), **reward_params, **self.evaluators.params}
+
+    # convenient views of the parts
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.stop_ids)
+
+    @property
+    def eos_id(self) -> int:
+        return self.stop_ids[0]
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    @property
+    def max_len(self) -> int:
+        return self.policy.max_len
+
+    @property
+    def ref_params(self) -> Any:
+        return self.policy_params
+
+    @property
+    def reward_fn(self) -> RewardFn:
+        return self.reward.fn
+
+    @property
+    def eval_fn(self) -> EvalFn | None:
+        return self.evaluators.per_example
+
+    @property
+    def batch_eval_fn(self) -> BatchEvalFn | None:
+        return self.evaluators.batch
+
+    def decode(self, tokens: Any, mask: Any = None) -> str:
+        """Text of unmasked tokens (one line per row for a 2-D input)."""
+        t = np.asarray(tokens)
+        m = np.ones(t.shape, bool) if mask is None else np.asarray(mask) > 0
+        if t.ndim == 2:
+            return "\n".join(self.decode(r, mr) for r, mr in zip(t, m, strict=True))
+        return self.tokenizer.decode(
+            [int(i) for i, k in zip(t, m, strict=True) if k], skip_special_tokens=False
+        )
+
+
+def check_task(task: Task, policy: CausalLM, response_len: int, batch: int) -> None:
+    """The boundary checks of a task against itself and the policy; :class:`ConfigError` naming the part."""
+    env = task.env
+    pr, pm = env.get("prompts"), env.get("prompt_mask")
+    if pr is None or pm is None:
+        raise ConfigError(f"task {task.name} prompts: the prompt source gives no prompts/prompt_mask arrays")
+    if np.ndim(pr) != 2 or np.shape(pm) != np.shape(pr):
+        raise ConfigError(
+            f"task {task.name} prompts: expected prompts [N, P] and prompt_mask of the same shape, "
+            f"got {np.shape(pr)} and {np.shape(pm)}"
+        )
+    if task.prompts.width != task.prompt_len or np.shape(pr)[1] != task.prompt_len:
+        raise ConfigError(
+            f"task {task.name} prompts: the prompt source is {np.shape(pr)[1]} tokens wide, the task's "
+            f"prompt_len is {task.prompt_len} (task.prompt_len); they must be equal"
+        )
+    if not jnp.issubdtype(jnp.asarray(pr).dtype, jnp.integer):
+        raise ConfigError(
+            f"task {task.name} prompts: token ids must be integers, got {jnp.asarray(pr).dtype}"
+        )
+    tok = task.tokenizer
+    if tok.vocab_size > policy.vocab_size:
+        raise ConfigError(
+            f"task {task.name} tokenizer: {tok.vocab_size} token ids, the policy's vocabulary has only "
+            f"{policy.vocab_size} (policy.vocab_size)"
+        )
+    ids = (tok.pad_id, *tok.stop_ids)
+    if not tok.stop_ids or any(not 0 <= int(i) < policy.vocab_size for i in ids):
+        raise ConfigError(
+            f"task {task.name} tokenizer: pad id {tok.pad_id} and stop ids {tuple(tok.stop_ids)} must be "
+            f"ids of the policy's vocabulary [0, {policy.vocab_size})"
+        )
+    if policy.max_len < task.prompt_len + response_len:
+        raise ConfigError(
+            f"policy: {policy.max_len} positions (max_len) < prompt_len {task.prompt_len} + "
+            f"sampling.response_len {response_len}"
+        )
+    if isinstance(task.reward, HostReward):
+        raise ConfigError(f"task {task.name} reward: host-side text rewards are not run by the trainer yet")
+    check_reward(task, batch, response_len)
+
+
+def check_reward(task: Task, batch: int, response_len: int) -> None:
+    """Trace the reward on an abstract rollout of ``batch`` rows: it must give ``[batch]`` float32."""
+    b, p, r = batch, task.prompt_len, response_len
+    i32 = jax.ShapeDtypeStruct((b, p), jnp.int32)
+    f32 = jax.ShapeDtypeStruct((b, p), jnp.float32)
+    rr = jax.ShapeDtypeStruct((b, r), jnp.float32)
+    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None)
+    env = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), task.env)
+    out = jax.eval_shape(task.reward.fn, env, ro)
+    if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:
+        got = f"{tuple(out.shape)} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(f"task {task.name} reward: must return [B] = ({b},) float32 per batch, got {got}")

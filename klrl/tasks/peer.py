@@ -22,9 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from klrl.config import RunConfig
-from klrl.model import GPT, forward, init_params
+from klrl.data.vocab import WordTokenizer
+from klrl.models.base import forward
+from klrl.models.gpt import GPT
+from klrl.models.heads import ValueHead, attach, detach
 from klrl.rollout import Rollout, sequence
-from klrl.tasks.base import Task
+from klrl.tasks.base import JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
 
@@ -49,32 +52,34 @@ def make_peer_task(cfg: RunConfig, *, prompt_len: int, vocab: int = 256, seed: i
     max_len = prompt_len + cfg.sampling.response_len
     k_ref, k_rm, k_prompts = jax.random.split(jax.random.key(seed), 3)
     ref_model = GPT(cfg.model, vocab, max_len)
-    reward_model = GPT(cfg.model, vocab, max_len, lm_head=False, scalar_head=True)
+    reward_trunk = GPT(cfg.model, vocab, max_len, lm_head=False)
+    head = ValueHead(reward_trunk.hidden_size)
     # one compiled program instead of hundreds of eagerly dispatched ops
     ref_params, reward_params = jax.jit(
-        lambda k1, k2: (init_params(ref_model, k1, max_len), init_params(reward_model, k2, max_len))
+        lambda k1, k2: (ref_model.init(k1), attach(reward_trunk.init(k2), head.init(k2)))
     )(k_ref, k_rm)
     prompts = jax.random.randint(k_prompts, (cfg.task.prompt_pool, prompt_len), 2, vocab, jnp.int32)
-    env = {
-        "prompts": prompts,
-        "prompt_mask": jnp.ones(prompts.shape, jnp.float32),
-        "reward_params": reward_params,
-    }
 
     def reward_fn(env, ro: Rollout) -> Array:
         tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
-        out = forward(reward_model, env["reward_params"], tokens, key_mask)
-        return last_response_value(out.value, ro.prompt.shape[1], ro.mask)
+        trunk, head_params = detach(env["reward_params"])
+        value = head.apply(head_params, forward(reward_trunk, trunk, tokens, key_mask, logits=False).hidden)
+        return last_response_value(value, ro.prompt.shape[1], ro.mask)
 
+    words = ("<pad>", "<eos>", *(f"t{i}" for i in range(2, vocab)))
     return Task(
         name="peer",
-        vocab_size=vocab,
-        eos_id=EOS,
-        pad_id=PAD,
+        tokenizer=WordTokenizer(words, pad_id=PAD, stop_ids=(EOS,)),
+        prompts=TokenPool(prompts, jnp.ones(prompts.shape, jnp.float32)),
         prompt_len=prompt_len,
-        max_len=max_len,
-        env=env,
-        ref_params=ref_params,
-        reward_fn=reward_fn,
+        reward=JaxReward(reward_fn, {"reward_params": reward_params}),
+        policy=ref_model,
+        policy_params=ref_params,
         info={"reference": "random init", "reward_model": "random init, frozen", "seed": seed},
     )
+
+
+@register_task("peer")
+def make_peer(cfg: RunConfig, log: object = None) -> Task:
+    """The peer task of ``cfg`` by name (``task.name=peer``): ``task.prompt_len``, 256 tokens, seed 0."""
+    return make_peer_task(cfg, prompt_len=cfg.task.prompt_len)

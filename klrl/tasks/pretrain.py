@@ -18,7 +18,8 @@ import optax
 import orbax.checkpoint as ocp
 
 from klrl.config import ModelConfig
-from klrl.model import GPT, forward, init_params, token_logprobs
+from klrl.models.base import CausalLM, forward
+from klrl.models.gpt import token_logprobs
 
 Array = jax.Array
 CACHE_VERSION = 1
@@ -28,7 +29,7 @@ def cache_root(cache_dir: str = "") -> Path:
     return Path(cache_dir or os.environ.get("KLRL_CACHE", "") or Path.home() / ".cache" / "klrl")
 
 
-def lm_loss(model: GPT, params: Any, tokens: Array, mask: Array) -> Array:
+def lm_loss(model: CausalLM, params: Any, tokens: Array, mask: Array) -> Array:
     """Mean next-token cross-entropy (nats/token) over positions 1.. whose target is real."""
     out = forward(model, params, tokens, mask)
     logp = token_logprobs(out.logits[:, :-1], tokens[:, 1:])
@@ -37,7 +38,7 @@ def lm_loss(model: GPT, params: Any, tokens: Array, mask: Array) -> Array:
 
 
 def pretrain(
-    model: GPT,
+    model: CausalLM,
     sample_fn: Callable[[Array, int], tuple[Array, Array]],
     *,
     key: Array,
@@ -54,7 +55,7 @@ def pretrain(
     Returns the parameters and ``{'loss': final train loss, 'eval_loss': held-out loss}``.
     """
     k_init, k_data, k_eval = jax.random.split(key, 3)
-    params = init_params(model, k_init, seq_len)
+    params = model.init(k_init)  # (``seq_len``: the length of the samples; parameters do not depend on it)
     opt = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.adamw(

@@ -27,27 +27,32 @@ import optax
 
 from klrl import metrics as M
 from klrl.config import RunConfig, SamplingConfig
-from klrl.model import GPT, forward, init_params, token_logprobs
+from klrl.models.base import CausalLM, forward
+from klrl.models.gpt import GPT, token_logprobs
+from klrl.models.heads import ScalarHead, attach, detach
 from klrl.rollout import generate, sequence
-from klrl.shaping import last_token_onehot
 from klrl.tasks import gold as G
 from klrl.tasks import language as L
-from klrl.tasks.base import Task
+from klrl.tasks.base import Evaluators, JaxReward, Task, TokenPool, register_task
 from klrl.tasks.pretrain import cached, fingerprint, model_payload, pretrain
-from klrl.tasks.wordclass import reference_policy
+from klrl.tasks.wordclass import reference_policy, tokenizer
 
 Array = jax.Array
 
 
-def rm_score(rm: GPT, params: Any, prompt: Array, prompt_mask: Array, response: Array, mask: Array) -> Array:
-    """``[B]``: the reward model's scalar at the last response token (sequence classification)."""
+def rm_score(
+    rm: CausalLM, params: Any, prompt: Array, prompt_mask: Array, response: Array, mask: Array
+) -> Array:
+    """``[B]``: the reward model's scalar at the last response token (sequence classification):
+    the trunk ``rm`` with a :class:`ScalarHead` (``params``: the trunk's with the head attached)."""
     tokens, key_mask = sequence(prompt, prompt_mask, response, mask)
-    value = forward(rm, params, tokens, key_mask).value[:, prompt.shape[1] :]
-    return jnp.sum(value * last_token_onehot(mask), axis=-1)
+    trunk, head = detach(params)
+    hidden = forward(rm, trunk, tokens, key_mask, logits=False).hidden
+    return ScalarHead(rm.hidden_size).score(head, hidden, mask)
 
 
 def lm_response_ll(
-    lm: GPT, params: Any, prompt: Array, prompt_mask: Array, response: Array, mask: Array
+    lm: CausalLM, params: Any, prompt: Array, prompt_mask: Array, response: Array, mask: Array
 ) -> Array:
     """``[B]``: sum over response tokens of log p_lm(y_t | x, y_<t) (temperature 1)."""
     tokens, key_mask = sequence(prompt, prompt_mask, response, mask)
@@ -83,12 +88,12 @@ def preference_data(cfg: RunConfig, lang, ref_model, ref_params, gold_params, n:
 def train_reward_model(cfg: RunConfig, lang, ref_model, ref_params, gold_params, log=None):
     """Bradley-Terry reward model on finite reference pairs; returns params and held-out accuracy."""
     t = cfg.task
-    rm = GPT(cfg.model, ref_model.vocab_size, ref_model.max_len, lm_head=False, scalar_head=True)
+    rm = GPT(cfg.model, ref_model.vocab_size, ref_model.max_len, lm_head=False)
     key = jax.random.key(t.seed + 4000)
     k_train, k_test, k_init, k_perm = jax.random.split(key, 4)
     train = preference_data(cfg, lang, ref_model, ref_params, gold_params, t.rm_pairs, k_train)
     test = preference_data(cfg, lang, ref_model, ref_params, gold_params, t.rm_heldout, k_test)
-    fresh = init_params(rm, k_init, ref_model.max_len)
+    fresh = attach(rm.init(k_init), ScalarHead(rm.hidden_size).init(k_init))
     params = {k: (ref_params[k] if k in ref_params else v) for k, v in fresh.items()}  # reference trunk
     opt = optax.adamw(t.rm_lr, weight_decay=0.01)
     opt_state = opt.init(params)
@@ -137,6 +142,7 @@ def train_reward_model(cfg: RunConfig, lang, ref_model, ref_params, gold_params,
     return params, info
 
 
+@register_task("testbed")
 def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     t = cfg.task
     lang = L.make_language(t.seed)
@@ -192,7 +198,7 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
         t.cache_dir,
         log,
     )
-    rm = GPT(cfg.model, lang.vocab_size, max_len, lm_head=False, scalar_head=True)
+    rm = GPT(cfg.model, lang.vocab_size, max_len, lm_head=False)
     prompts, pmask = L.prompts(lang, jax.random.key(t.seed + 2000), t.prompt_pool, t.prompt_len)
     info = {
         "reference_loss": ref_info.get("eval_loss"),
@@ -204,8 +210,6 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
     info["reference_gap"] = info["reference_loss"] - info["entropy_rate"]
     # the proxy is standardised on reference responses: mean 0, std task.rm_scale
     norm = jnp.array([rm_info["rm_ref_mean"], t.rm_scale / max(rm_info["rm_ref_std"], 1e-6)], jnp.float32)
-    env = {"prompts": prompts, "prompt_mask": pmask, "lang": lang, "gold": gold_params, "rm": rm_params,
-           "rm_norm": norm, "indep": ind_params}  # fmt: skip
 
     def reward_fn(env, ro):
         raw = rm_score(rm, env["rm"], ro.prompt, ro.prompt_mask, ro.response, ro.mask)
@@ -240,16 +244,14 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
 
     return Task(
         name="testbed",
-        vocab_size=lang.vocab_size,
-        eos_id=L.EOS,
-        pad_id=L.PAD,
+        tokenizer=tokenizer(lang),
+        prompts=TokenPool(prompts, pmask),
         prompt_len=t.prompt_len,
-        max_len=max_len,
-        env=env,
-        ref_params=ref_params,
-        reward_fn=reward_fn,
-        eval_fn=eval_fn,
-        batch_eval_fn=batch_eval_fn,
+        reward=JaxReward(reward_fn, {"rm": rm_params, "rm_norm": norm}),
+        policy=ref_model,
+        policy_params=ref_params,
+        evaluators=Evaluators(
+            eval_fn, batch_eval_fn, {"lang": lang, "gold": gold_params, "indep": ind_params}
+        ),
         info=info,
-        decode=lambda tokens, mask=None: L.decode(lang, tokens, mask),
     )

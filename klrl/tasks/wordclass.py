@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from klrl.config import RunConfig
-from klrl.model import GPT
+from klrl.data.vocab import WordTokenizer
+from klrl.models.gpt import GPT
 from klrl.tasks import language as L
-from klrl.tasks.base import Task
+from klrl.tasks.base import JaxReward, Task, TokenPool, register_task
 from klrl.tasks.pretrain import cached, fingerprint, model_payload, pretrain
 
 Array = jax.Array
@@ -62,6 +63,12 @@ def reference_policy(
     return cached("ref", payload, build, t.cache_dir, log)
 
 
+def tokenizer(lang: L.Language) -> WordTokenizer:
+    """The language's words as a tokenizer: PAD pads, EOS is the one stop id."""
+    return WordTokenizer(tuple(lang.words), pad_id=L.PAD, stop_ids=(L.EOS,))
+
+
+@register_task("wordclass")
 def make_task(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     t = cfg.task
     lang = L.make_language(t.seed)
@@ -69,21 +76,17 @@ def make_task(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     params, info = reference_policy(cfg, lang, max_len, log)
     prompts, pmask = L.prompts(lang, jax.random.key(t.seed + 2000), t.prompt_pool, t.prompt_len)
     info = dict(info, entropy_rate=L.entropy_rate(lang, jax.random.key(t.seed + 3000), 2048, 128))
-    env = {"prompts": prompts, "prompt_mask": pmask, "is_positive": lang.is_positive}
 
     def reward_fn(env, ro):
         return positive_fraction(env["is_positive"], ro.response, ro.mask)
 
     return Task(
         name="wordclass",
-        vocab_size=lang.vocab_size,
-        eos_id=L.EOS,
-        pad_id=L.PAD,
+        tokenizer=tokenizer(lang),
+        prompts=TokenPool(prompts, pmask),
         prompt_len=t.prompt_len,
-        max_len=max_len,
-        env=env,
-        ref_params=params,
-        reward_fn=reward_fn,
+        reward=JaxReward(reward_fn, {"is_positive": lang.is_positive}),
+        policy=GPT(cfg.model, lang.vocab_size, max_len),
+        policy_params=params,
         info=info,
-        decode=lambda tokens, mask=None: L.decode(lang, tokens, mask),
     )

@@ -1,39 +1,34 @@
-"""A GPT-2-style decoder in flax: full teacher-forced forward and KV-cache decoding.
+"""klrl's own GPT-2-style decoder (flax), as a :class:`klrl.models.base.CausalLM` (family ``"gpt"``).
 
-Learned positions, pre-LayerNorm blocks, GELU MLP, optional tied embeddings,
-optional scalar head. The same module serves as policy (LM head, optionally a
-value head on the trunk), as a separate value model and as a reward model
-(scalar head only).
+Learned positions, pre-LayerNorm blocks, GELU MLP, optional tied embeddings. The flax module
+:class:`GPTModule` is the trunk plus (optionally) the LM head; :class:`GPT` wraps it in the
+causal-LM protocol (plain parameter dicts, ``apply(params, tokens, positions, mask, cache,
+index) -> LMOutput``). Value and reward heads are separate modules (:mod:`klrl.models.heads`).
 
-Shapes: tokens ``[B, T]``; ``positions [B, T]`` (left padding shifts them);
-``key_mask [B, S]`` marks which cache slots hold real tokens. The KV cache is an
-explicit pytree, one ``(k, v)`` pair of ``[B, H, S, Dh]`` arrays per layer, threaded
-by the caller, so decoding is a plain ``lax.scan``. Keys and values are kept in the
-layout the attention matmuls read (heads before slots) and each layer's pair is its own
-leaf, so a decode step writes one slot in place instead of copying or transposing the
-whole cache (``benchmarks/NOTES.md``).
+The KV cache is an explicit pytree, one ``(k, v)`` pair of ``[B, H, S, Dh]`` arrays per layer,
+threaded by the caller, so decoding is a plain ``lax.scan``. Keys and values are kept in the
+layout the attention matmuls read (heads before slots) and each layer's pair is its own leaf, so a
+decode step writes one slot in place instead of copying or transposing the whole cache
+(``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from klrl.config import ModelConfig
+from klrl.models.base import LMOutput, PartitionRules, causal_mask, positions_from_mask
+from klrl.models.registry import register_family
 
 Array = jax.Array
 NEG_INF = -1e9
 Cache = tuple[tuple[Array, Array], ...]  # per layer (k, v), each [B, H, S, Dh]
-
-
-class ModelOutput(NamedTuple):
-    logits: Array | None  # [B, T, V] float32, None without an LM head
-    hidden: Array  # [B, T, D] final (post-LayerNorm) hidden states
-    value: Array | None  # [B, T] float32 scalar head, None without one
-    cache: Cache | None
 
 
 class Block(nn.Module):
@@ -70,14 +65,14 @@ class Block(nn.Module):
         return x + y, new_cache
 
 
-class GPT(nn.Module):
-    """Decoder-only transformer. ``lm_head`` and ``scalar_head`` select the heads."""
+class GPTModule(nn.Module):
+    """Decoder-only transformer: ``(tokens, positions, mask, cache, index) -> (logits | None,
+    hidden, cache)``; ``lm_head=False`` leaves out the output projection (a value or reward trunk)."""
 
     cfg: ModelConfig
     vocab_size: int
     max_len: int
     lm_head: bool = True
-    scalar_head: bool = False
 
     @nn.compact
     def __call__(
@@ -87,7 +82,8 @@ class GPT(nn.Module):
         mask: Array,
         cache: Cache | None = None,
         index: Array | int | None = None,
-    ) -> ModelOutput:
+        logits: bool = True,
+    ) -> LMOutput:
         """``mask [B, T, S]``: query t may attend key s (causality and padding folded in).
 
         Without a cache S = T. With a cache the T new tokens are written at slot ``index``.
@@ -105,48 +101,77 @@ class GPT(nn.Module):
             )
             new_cache.append(nc)
         x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
-        logits = None
-        if self.lm_head:
+        out = None
+        if self.lm_head and (logits or self.is_initializing()):
             if cfg.tie_embeddings:
-                logits = wte.attend(x)
+                out = wte.attend(x)
             else:
-                logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, name="lm")(x)
-            logits = logits.astype(jnp.float32)
-        value = None
-        if self.scalar_head:
-            value = nn.Dense(1, dtype=jnp.float32, name="v_head")(x.astype(jnp.float32))[..., 0]
-        return ModelOutput(logits, x, value, None if cache is None else tuple(new_cache))
+                out = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype, name="lm")(x)
+            out = out.astype(jnp.float32)
+        return LMOutput(out, x, None if cache is None else tuple(new_cache))
+
+
+@dataclass(frozen=True)
+class GPT:
+    """klrl's GPT as a :class:`~klrl.models.base.CausalLM`. ``lm_head=False``: a trunk for a value
+    or reward head (``apply`` then returns ``logits=None``)."""
+
+    cfg: ModelConfig
+    vocab_size: int
+    max_len: int
+    lm_head: bool = True
+    module: GPTModule = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "module", GPTModule(self.cfg, self.vocab_size, self.max_len, self.lm_head))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.d_model
+
+    def init(self, key: Array) -> Any:
+        tokens = jnp.zeros((1, self.max_len), jnp.int32)
+        mask = jnp.ones((1, self.max_len), jnp.float32)
+        return self.module.init(key, tokens, positions_from_mask(mask), causal_mask(mask))["params"]
+
+    def apply(
+        self,
+        params: Any,
+        tokens: Array,
+        positions: Array,
+        mask: Array,
+        cache: Cache | None = None,
+        index: Array | int | None = None,
+        *,
+        logits: bool = True,
+    ) -> LMOutput:
+        return self.module.apply({"params": params}, tokens, positions, mask, cache, index, logits)
+
+    def init_cache(self, batch: int, length: int) -> Cache:
+        """An empty cache of ``length`` slots: per layer ``(k, v)``, each ``[B, H, S, Dh]``."""
+        cfg = self.cfg
+        dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+        shape = (batch, cfg.n_heads, length, cfg.d_model // cfg.n_heads)
+        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers))
+
+    def partition_rules(self) -> PartitionRules:
+        """Megatron-style: qkv and fc split by output columns, proj and out by input rows, the
+        embedding by vocabulary rows; every kernel's other axis over ``fsdp``."""
+        return (
+            (r"h\d+/(qkv|fc)/kernel", PartitionSpec("fsdp", "tensor")),
+            (r"h\d+/(proj|out)/kernel", PartitionSpec("tensor", "fsdp")),
+            (r"wte/embedding", PartitionSpec("tensor", "fsdp")),
+            (r"lm/kernel", PartitionSpec("fsdp", "tensor")),
+        )
+
+
+@register_family("gpt")
+def build_gpt(cfg: ModelConfig, vocab_size: int, max_len: int, *, lm_head: bool = True) -> GPT:
+    """klrl's GPT of ``cfg`` (``model.*``) over ``vocab_size`` tokens and ``max_len`` positions."""
+    return GPT(cfg, vocab_size, max_len, lm_head)
 
 
 # ---- helpers shared by rollout, scoring and the update ----------------------
-
-
-def positions_from_mask(mask: Array) -> Array:
-    """Position ids for left-padded rows: the first real token gets 0."""
-    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def causal_mask(key_mask: Array) -> Array:
-    """``[B, S] -> [B, S, S]``: causal attention restricted to real keys.
-
-    A padded query attends to itself so its softmax stays defined.
-    """
-    s = key_mask.shape[-1]
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    m = causal[None] & key_mask.astype(bool)[:, None, :]
-    return m | jnp.eye(s, dtype=bool)[None]
-
-
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> Cache:
-    """An empty cache of ``length`` slots: per layer ``(k, v)``, each ``[B, H, S, Dh]``."""
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-    shape = (batch, cfg.n_heads, length, cfg.d_model // cfg.n_heads)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers))
-
-
-def forward(model: GPT, params: Any, tokens: Array, key_mask: Array) -> ModelOutput:
-    """Teacher-forced forward of whole left-padded sequences ``[B, S]``."""
-    return model.apply({"params": params}, tokens, positions_from_mask(key_mask), causal_mask(key_mask))
 
 
 def token_logprobs(logits: Array, tokens: Array) -> Array:
@@ -159,12 +184,6 @@ def entropy(logits: Array) -> Array:
     """Entropy of the softmax over the last axis, in nats."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-
-
-def init_params(model: GPT, key: Array, seq_len: int) -> Any:
-    tokens = jnp.zeros((1, seq_len), jnp.int32)
-    mask = jnp.ones((1, seq_len), jnp.float32)
-    return model.init(key, tokens, positions_from_mask(mask), causal_mask(mask))["params"]
 
 
 def matmul_flops(cfg: ModelConfig, vocab: int, tokens: int, context: int, lm_head: bool = True) -> int:

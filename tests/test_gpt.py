@@ -1,4 +1,5 @@
-"""Tests of klrl.model: KV-cache decoding vs a teacher-forced forward, heads, FLOP count."""
+"""Tests of klrl.models.gpt (klrl's GPT as a CausalLM) and klrl.models.heads: KV-cache decoding vs a
+teacher-forced forward, heads on a trunk, the family registry, FLOP count."""
 
 from __future__ import annotations
 
@@ -9,15 +10,10 @@ import numpy as np
 import pytest
 
 from klrl.config import ModelConfig
-from klrl.model import (
-    GPT,
-    causal_mask,
-    forward,
-    init_cache,
-    init_params,
-    matmul_flops,
-    positions_from_mask,
-)
+from klrl.models.base import CausalLM, causal_mask, forward, positions_from_mask, spec_for
+from klrl.models.gpt import GPT, matmul_flops
+from klrl.models.heads import ScalarHead, ValueHead, attach, detach
+from klrl.models.registry import family_names, get_family
 
 VOCAB = 23
 P_LEN, R_LEN = 5, 4
@@ -34,11 +30,13 @@ def _batch():
 
 
 def _init(model: GPT, seed: int, seq_len: int):
-    return jax.jit(lambda k: init_params(model, k, seq_len))(jax.random.PRNGKey(seed))
+    """The trunk's parameters with a value head attached (one dict, as the train state keeps them)."""
+    head = ValueHead(model.hidden_size)
+    return jax.jit(lambda k: attach(model.init(k), head.init(k)))(jax.random.PRNGKey(seed))
 
 
 def _forward(model: GPT, params, tokens, key_mask):
-    return jax.jit(lambda p, t, m: forward(model, p, t, m))(params, tokens, key_mask)
+    return jax.jit(lambda p, t, m: forward(model, detach(p)[0], t, m))(params, tokens, key_mask)
 
 
 def _incremental(model: GPT, params, tokens, prompt_mask):
@@ -46,10 +44,8 @@ def _incremental(model: GPT, params, tokens, prompt_mask):
     b = tokens.shape[0]
     key_mask = jnp.concatenate([prompt_mask, jnp.ones((b, R_LEN), jnp.float32)], axis=1)
     mask, pos = causal_mask(key_mask), positions_from_mask(key_mask)
-    apply = jax.jit(lambda p, t, ps, m, c, i: model.apply({"params": p}, t, ps, m, c, i))
-    out = apply(
-        params, tokens[:, :P_LEN], pos[:, :P_LEN], mask[:, :P_LEN], init_cache(model.cfg, b, S_LEN), 0
-    )
+    apply = jax.jit(lambda p, t, ps, m, c, i: model.apply(detach(p)[0], t, ps, m, c, i))
+    out = apply(params, tokens[:, :P_LEN], pos[:, :P_LEN], mask[:, :P_LEN], model.init_cache(b, S_LEN), 0)
     logits, cache = [out.logits], out.cache
     for slot in range(P_LEN, S_LEN):  # one compiled single-token step; the slot is a traced index
         sl = slice(slot, slot + 1)
@@ -63,10 +59,11 @@ _MODELS: dict[bool, tuple[GPT, dict]] = {}
 
 
 def _model(tie: bool) -> tuple[GPT, dict]:
-    """A policy with both heads (tied or untied output projection), built once per module."""
+    """A policy (tied or untied output projection) and its parameters with a value head attached,
+    built once per module."""
     if tie not in _MODELS:
         cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, tie_embeddings=tie)
-        model = GPT(cfg, VOCAB, S_LEN, lm_head=True, scalar_head=True)
+        model = GPT(cfg, VOCAB, S_LEN)
         _MODELS[tie] = (model, _init(model, int(tie), S_LEN))
     return _MODELS[tie]
 
@@ -99,24 +96,51 @@ def test_tied_and_untied_heads(tie: bool) -> None:
     assert w.shape == (16, VOCAB)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(out.hidden @ w), atol=1e-5, rtol=1e-5)
     # value head: [B, T] float32, a linear function of the final hidden state
-    assert out.value.shape == (3, S_LEN) and out.value.dtype == jnp.float32
+    value = ValueHead(16).apply(params["v_head"], out.hidden)
+    assert value.shape == (3, S_LEN) and value.dtype == jnp.float32
     assert out.hidden.shape == (3, S_LEN, 16)
-    ref = out.hidden @ params["v_head"]["kernel"][:, 0] + params["v_head"]["bias"][0]
-    np.testing.assert_allclose(np.asarray(out.value), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    ref = np.asarray(out.hidden) @ np.asarray(params["v_head"]["kernel"][:, 0]) + float(
+        params["v_head"]["bias"][0]
+    )
+    np.testing.assert_allclose(np.asarray(value), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_scalar_only_model() -> None:
-    """A critic / reward model: no LM head, a value per position, same trunk as the policy."""
+    """A critic / reward trunk: no LM head, the policy's hidden states; a scalar head reads the last
+    real response token."""
     policy, params = _model(True)
-    critic = policy.clone(lm_head=False)
+    critic = GPT(policy.cfg, VOCAB, S_LEN, lm_head=False)
     tokens, prompt_mask = _batch()
     key_mask = jnp.concatenate([prompt_mask, jnp.ones((3, R_LEN))], axis=1)
     out = _forward(critic, params, tokens, key_mask)
-    assert out.logits is None and out.value.shape == (3, S_LEN)
+    assert out.logits is None
     both = _forward(policy, params, tokens, key_mask)
-    np.testing.assert_allclose(np.asarray(out.value), np.asarray(both.value), atol=1e-6)
-    no_head = policy.clone(scalar_head=False)
-    assert jax.eval_shape(lambda p: forward(no_head, p, tokens, key_mask), params).value is None
+    np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(both.hidden), atol=1e-6)
+    assert set(critic.init(jax.random.PRNGKey(0))) == set(detach(params)[0])  # tied: no 'lm' either way
+    mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], jnp.float32)
+    score = ScalarHead(16).score(params["v_head"], out.hidden, mask)
+    value = np.asarray(ValueHead(16).apply(params["v_head"], out.hidden))
+    np.testing.assert_allclose(np.asarray(score), [value[0, P_LEN + 1], value[1, S_LEN - 1], 0.0], atol=1e-6)
+
+
+def test_gpt_is_a_causal_lm_family() -> None:
+    model = get_family("gpt")(ModelConfig(n_layers=1, d_model=8, n_heads=2), VOCAB, S_LEN)
+    assert isinstance(model, GPT) and isinstance(model, CausalLM)
+    assert (model.vocab_size, model.hidden_size, model.max_len) == (VOCAB, 8, S_LEN)
+    assert "gpt" in family_names()
+    with pytest.raises(ValueError, match="unknown model family 'nope'"):
+        get_family("nope")
+    params = model.init(jax.random.PRNGKey(0))
+    specs = spec_for(model.partition_rules(), params)
+    flat = {
+        "/".join(str(getattr(k, "key", k)) for k in path): s
+        for path, s in jax.tree_util.tree_leaves_with_path(
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )
+    }
+    assert flat["h0/qkv/kernel"] == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert flat["h0/proj/kernel"] == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert flat["ln_f/scale"] == jax.sharding.PartitionSpec()
 
 
 def test_matmul_flops_hand_count() -> None:
@@ -147,7 +171,7 @@ def test_matmul_flops_matches_traced_forward(tie: bool) -> None:
     cfg = ModelConfig(n_layers=2, d_model=8, n_heads=2, mlp_ratio=3, tie_embeddings=tie)
     b, t = 2, 6
     model = GPT(cfg, VOCAB, t)
-    params = jax.eval_shape(lambda k: init_params(model, k, t), jax.random.PRNGKey(0))
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     tokens, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
     jaxpr = jax.make_jaxpr(lambda p: forward(model, p, tokens, mask).logits)(params).jaxpr
     assert _dot_flops(jaxpr) == matmul_flops(cfg, VOCAB, tokens=b * t, context=t)

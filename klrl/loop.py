@@ -1,0 +1,372 @@
+"""The one training loop, for a single run and for a sweep (members stacked in one state).
+
+:func:`drive` steps a :class:`Program` to ``train.iterations``: metrics rows (one
+``metrics.jsonl`` and event file per member), checkpoints of the whole (stacked) state every
+``train.checkpoint_every`` iterations, SIGTERM/SIGINT (finish the iteration, checkpoint, return),
+the non-finite stop (after exactly ``train.max_consecutive_skips`` skips), the quality rollback
+and resume: the same code for both, so a sweep resumes exactly like a run, bit for bit.
+
+Layout: a single run keeps everything in its run directory; a sweep keeps ``sweep.json``,
+``task.json`` and ``checkpoints/`` in the sweep directory and one ``member-XX/`` directory
+(config, metrics, events, summary) per member. Metrics are fetched one step late (the host
+writes iteration ``i`` while the device runs ``i + 1``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from klrl import distributed, reliability
+from klrl.config import ConfigError, RunConfig
+from klrl.io import checkpoint as ckpt
+from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
+from klrl.io.resume import Resume, check_resumable, complete_lines, replace_file
+from klrl.io.resume import restore as restore_resume
+from klrl.results import SUMMARY_KEYS, RunResult, columns
+
+ROLLED_BACK = "metrics.rolled_back.jsonl"
+
+
+@dataclass
+class Program:
+    """What the loop drives: ``step(state, env) -> (state, metrics)`` over ``len(configs)`` members
+    (``stacked``: the state and metrics have a leading member axis)."""
+
+    configs: list[RunConfig]
+    stacked: bool
+    init: Callable[[], Any]  # the initial state, placed as ``step`` returns it
+    step: Callable[[Any, Any], tuple[Any, Any]]
+    place: Callable[[Any], Any]  # a host state (restored checkpoint) -> placed like ``init``'s
+    env: Any
+    task_info: dict[str, Any] = field(default_factory=dict)
+    abstract: Any = None  # shapes and dtypes of the state (default: ``jax.eval_shape(init)``)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _member_dirs(root: Path, n: int, stacked: bool) -> list[Path]:
+    return [root / f"member-{j:02d}" for j in range(n)] if stacked else [root]
+
+
+def prepare_sweep_resume(members: list[RunConfig], sweep_dir: str | Path) -> Resume:
+    """Every check of a sweep resume that needs no compiled code; nothing on disk is changed."""
+    d = Path(sweep_dir)
+    if not (d / "sweep.json").is_file():
+        raise ckpt.CheckpointError(f"{d}: not a klrl sweep directory (no sweep.json)")
+    mgr = ckpt.manager(d, read_only=True)
+    try:
+        step = ckpt.latest_step(mgr)
+        if step is None:
+            raise ckpt.CheckpointError(f"{d}: no complete checkpoint to resume from")
+        meta = ckpt.read_meta(mgr, step)
+    finally:
+        mgr.close()
+    if meta["version"] != ckpt.version():
+        raise ckpt.CheckpointError(
+            f"{d} was written by klrl {meta['version']}; this is klrl {ckpt.version()}"
+        )
+    saved = meta.get("members") or []
+    if len(saved) != len(members):
+        raise ConfigError(f"sweep: {len(members)} members given, the sweep in {d} has {len(saved)}")
+    for s, m in zip(saved, members, strict=True):
+        check_resumable(s, m)
+    if members[0].train.iterations < step:
+        raise ConfigError(f"train.iterations: {members[0].train.iterations} is below the checkpoint's {step}")
+    for p in _member_dirs(d, len(members), True):
+        n = len(complete_lines(p / "metrics.jsonl"))
+        if n < int(meta["metrics_lines"]):
+            raise ckpt.CheckpointError(
+                f"{p}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
+            )
+    return Resume(d, step, meta)
+
+
+def drive(
+    prog: Program,
+    *,
+    write: bool = True,
+    out_dir: str | Path | None = None,
+    resume: Resume | None = None,
+    log: Callable[[str], None] | None = None,
+    guard: reliability.RunGuard | None = None,
+) -> tuple[list[RunResult], str | None]:
+    """Run ``prog`` to the end (or a stop); returns one :class:`RunResult` per member and the
+    reason of a guard/rollback stop (None otherwise). See the module docstring.
+
+    ``guard`` (:class:`klrl.reliability.RunGuard`, entered by the caller before anything was built)
+    holds the signal handlers installed since then and takes the run directory's lock here, before
+    anything is written into a new directory."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    cfgs, n_m, stacked = prog.configs, len(prog.configs), prog.stacked
+    tc = cfgs[0].train
+    metric = tc.rollback_metric
+    if metric and not write:
+        raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
+    main = distributed.is_main()  # several processes (klrl.distributed): only process 0 writes
+    abstract = prog.abstract if prog.abstract is not None else jax.eval_shape(prog.init)
+    if metric:
+        names = jax.eval_shape(prog.step, abstract, prog.env)[1]
+        if metric not in names:
+            raise ConfigError(
+                f"train.rollback_metric: {metric!r} is not a metric of this run "
+                f"(e.g. {', '.join(sorted(n for n in names if n.startswith(('eval/', 'reward/'))))})"
+            )
+    root: Path | None = None
+    writers: list[MetricsWriter] = []
+    rows: list[list[dict[str, Any]]] = [[] for _ in cfgs]
+    rollbacks = 0
+    if resume is not None:
+        root = resume.dir
+        dirs = _member_dirs(root, n_m, stacked)
+        # a checkpoint, or the initial state for a directory with nothing done yet (killed before
+        # its first checkpoint); checksums verified (klrl.io.checkpoint)
+        state, meta = restore_resume(resume, abstract, prog.init)
+        state = prog.place(state)  # every process restored the same host values
+        rollbacks = int(meta.get("rollbacks", 0))
+        # past this point the resume is valid: cut metrics back to the checkpoint (atomically); every
+        # process reads the same first lines (a replacement is a rename), only process 0 writes
+        n_lines = int(meta["metrics_lines"])
+        for j, d in enumerate(dirs):
+            lines = complete_lines(d / "metrics.jsonl")
+            rows[j] = [json.loads(line) for line in lines[:n_lines]]
+            if main:
+                if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
+                    replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
+                replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
+                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j])))
+                dropped = len(lines) - n_lines
+                msg = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
+                writers[-1].event(resume.step, "resume", msg)
+                if not tc.quiet and j == 0:
+                    log(f"{root}: {msg}")
+    else:
+        if write and main:
+            root = Path(out_dir) if out_dir is not None else new_run_dir(cfgs[0])
+            root.mkdir(parents=True, exist_ok=True)
+            if guard is not None:
+                guard.hold(root)  # one writer per run directory, before anything is written into it
+            dirs = _member_dirs(root, n_m, stacked)
+            for j, d in enumerate(dirs):
+                d.mkdir(exist_ok=True)
+                (d / "config.json").write_text(json.dumps(cfgs[j].to_dict(), indent=1))
+                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j])))
+            if stacked:
+                (root / "sweep.json").write_text(json.dumps({"members": [d.name for d in dirs]}, indent=1))
+            (root / "task.json").write_text(json.dumps(prog.task_info, indent=1, default=str))
+        if write:  # every process saves checkpoints (orbax coordinates them) into process 0's directory
+            root = distributed.agree_path(root)
+        state = prog.init()
+    dirs = _member_dirs(root, n_m, stacked) if root is not None else [None] * n_m
+    # the state a rollback to step 0 restores (a host copy: ``init`` cannot be re-run once ``step``
+    # has donated the controller's parameter arrays)
+    initial = ckpt.host_copy(state if resume is None else prog.init()) if metric else None
+    mgr = ckpt.manager(root, keep=tc.keep_checkpoints, async_save=True) if root is not None else None
+    traces = [[float(r.get(metric, math.nan)) for r in rows[j]] for j in range(n_m)] if metric else []
+    bases: list[float | None] = [None] * n_m  # the rollback metric at iteration 0 (the threshold's reference)
+    if metric and resume is not None:
+        saved = resume.meta.get("rollback_base") or {}
+        values = saved.get("values", [saved.get("value")])
+        for j in range(n_m):
+            ok = saved.get("metric") == metric and j < len(values)
+            bases[j] = values[j] if ok else (traces[j][0] if traces[j] else None)
+
+    quiet = tc.quiet or not main
+    progress = Progress(tc.iterations, tc.log_every, quiet)
+    t0 = time.time()
+    i = len(rows[0])
+    start = i
+    last_saved = i if resume is not None else -1
+    stopped: str | None = None
+    stop_error: str | None = None
+
+    def flush(it: int, m: Any) -> None:
+        m = distributed.to_host(m)
+        for j in range(n_m):
+            mj = {k: float(v[j] if stacked else v) for k, v in m.items()}
+            rows[j].append({"iteration": it, **mj})
+            if metric:
+                traces[j].append(mj.get(metric, math.nan))
+                if bases[j] is None:
+                    bases[j] = traces[j][0]
+                    if not (math.isfinite(bases[j]) and bases[j] > 0):
+                        msg = f"quality rollback off: {metric} = {bases[j]} at iteration 0 is not a positive"
+                        msg += " number"
+                        msg = msg if not stacked else f"member {j:02d}: {msg}"
+                        log(msg)
+                        if writers:
+                            writers[j].event(it, "rollback_off", msg)
+            if writers:
+                writers[j].write(it, mj)
+        if stacked:
+            means = {k: float(np.mean(v)) for k, v in m.items()}
+            progress.update(it, means, extra=f"({n_m} members, mean)")
+        else:
+            progress.update(it, {k: float(v) for k, v in m.items()})
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        if mgr is None or step == last_saved:
+            return
+        b = [x if x is not None and math.isfinite(x) else None for x in bases]
+        base_meta = None
+        if metric:
+            base_meta = {"metric": metric, "values": b} if stacked else {"metric": metric, "value": b[0]}
+        meta = {"config": cfgs[0].to_dict(), "version": ckpt.version(), "iteration": step,
+                "metrics_lines": len(rows[0]), "rollbacks": rollbacks,
+                "rollback_base": base_meta}  # fmt: skip
+        if stacked:
+            meta["members"] = [c.to_dict() for c in cfgs]
+        ckpt.save(mgr, step, state, meta)
+        last_saved = step
+
+    def check() -> str | None:
+        """What the newest metrics rows ask for: None, 'skips' or 'rollback'."""
+        skips = max(r[-1].get("guard/consecutive_skips", 0.0) for r in rows)
+        if reliability.skip_stop(skips, tc.max_consecutive_skips):
+            return "skips"
+        if metric and any(
+            reliability.is_bad(traces[j][-1], bases[j], tc.rollback_threshold) for j in range(n_m)
+        ):
+            return "rollback"
+        return None
+
+    def roll_back() -> int:
+        """Restore the newest checkpoint good for every member whose metric crossed, with those
+        members' beta x factor (the other members replay exactly); returns its step."""
+        nonlocal state, rollbacks, last_saved
+        mgr.wait_until_finished()
+        steps = ckpt.steps(mgr)
+        decs = {}
+        for j in range(n_m):
+            d = reliability.decide_rollback(traces[j], steps, tc.rollback_threshold, bases[j])
+            if d is not None:
+                decs[j] = d
+        who = (lambda j: f"member {j:02d}: ") if stacked else (lambda j: "")
+        j0, d0 = next(iter(decs.items()))
+        if rollbacks >= tc.max_rollbacks:
+            raise _Stop(
+                f"{who(j0)}{metric} = {d0.value:.4g} at iteration {d0.crossing} is {d0.ratio:.3f}x its "
+                f"start, past train.rollback_threshold {tc.rollback_threshold}, after {rollbacks} rollbacks "
+                f"(train.max_rollbacks); newest good checkpoint: {d0.step}"
+            )
+        target = min(d.step for d in decs.values())
+        failed = np.asarray(distributed.to_host(state.ctrl.beta), np.float32)  # beta when the metric crossed
+        new = initial if target == 0 else ckpt.restore(mgr, abstract, target)[0]
+        old = np.asarray(new.ctrl.beta, np.float32)
+        beta = old.copy().reshape(-1)
+        for j in decs:
+            beta[j] = reliability.rollback_beta(float(old.reshape(-1)[j]), float(failed.reshape(-1)[j]),
+                                                tc.rollback_factor)  # fmt: skip
+        new = new._replace(ctrl=new.ctrl._replace(beta=beta.reshape(old.shape).astype(np.float32)))
+        state = prog.place(new)
+        for s in ckpt.steps(mgr):
+            if s > target:
+                mgr.delete(s)
+        last_saved = target if target > 0 else -1
+        # metrics after the restored state move to metrics.rolled_back.jsonl (appended, never lost)
+        for j, d in enumerate(dirs):
+            path = d / "metrics.jsonl"
+            lines = complete_lines(path)
+            if main:
+                with open(d / ROLLED_BACK, "ab") as f:
+                    f.write(b"".join(lines[target:]))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.truncate(path, sum(map(len, lines[:target])))  # the writer appends (O_APPEND) from here
+            del rows[j][target:], traces[j][target:]
+        rollbacks += 1
+        for j, d in decs.items():
+            msg = (
+                f"rollback {rollbacks}/{tc.max_rollbacks}: {who(j)}{metric} = {d.value:.4g} at iteration "
+                f"{d.crossing} is {d.ratio:.3f}x its start (threshold {tc.rollback_threshold}); restored "
+                f"{'the initial state' if target == 0 else f'checkpoint {target}'}, "
+                f"beta {float(old.reshape(-1)[j]):.4g} -> {float(beta[j]):.4g}"
+            )
+            if writers:
+                writers[j].event(d.crossing, "rollback", msg)
+            log(msg)
+        return target
+
+    pending = None  # (iteration, metrics) of the newest step, fetched while the next one runs
+    try:
+        with guard.signals if guard is not None else reliability.StopSignals(log) as signals:
+            while True:
+                stopping = signals.received is not None  # no new step: sync, checkpoint, return
+                fetch = [pending] if pending is not None else []
+                pending = None
+                sync = True
+                if not stopping and i < tc.iterations:
+                    state, metrics = prog.step(state, prog.env)
+                    i += 1
+                    every = tc.checkpoint_every
+                    sync = i == tc.iterations or (every > 0 and i % every == 0)
+                    if sync:
+                        fetch.append((i - 1, metrics))
+                    else:
+                        pending = (i - 1, metrics)
+                action = None
+                for it, m in fetch:
+                    if action is None:  # rows end where the stop was decided
+                        flush(it, m)
+                        action = check()
+                if action == "rollback":
+                    pending = None
+                    try:
+                        i = roll_back()
+                    except _Stop as e:
+                        stop_error = str(e)
+                        break
+                    continue
+                if action == "skips":
+                    # the step after the K-th skip was a no-op (klrl.train.guard): its row is dropped and,
+                    # for a single run, the state is the one after exactly K skips
+                    pending = None
+                    if not stacked:
+                        save(len(rows[0]))
+                    where = f"checkpoint {last_saved} in {mgr.directory}" if mgr and last_saved >= 0 else (
+                        "not saved (write=False)" if mgr is None else "none yet")  # fmt: skip
+                    n_skips = int(max(r[-1]["guard/consecutive_skips"] for r in rows))
+                    stop_error = (
+                        f"{n_skips} consecutive iterations skipped by the non-finite guard (NaN/inf in loss, "
+                        f"gradients, reward or KL; train.max_consecutive_skips={tc.max_consecutive_skips}); "
+                        f"last good state: {where}"
+                    )
+                    i = len(rows[0])
+                    break
+                if sync:
+                    save(i)
+                if stopping:
+                    stopped = signals.name
+                    break
+                if i >= tc.iterations and pending is None:
+                    break
+    finally:
+        if mgr is not None:
+            ckpt.finish(mgr)  # wait + close; a second error on the way out is dropped
+    elapsed = time.time() - t0
+    results = []
+    for j, c in enumerate(cfgs):
+        info = {"train_s": elapsed, "task": prog.task_info, "start_iteration": start, "iteration": i,
+                "stopped": stopped, "rollbacks": rollbacks,
+                "checkpoint": last_saved if last_saved >= 0 else None}  # fmt: skip
+        member_state = jax.tree.map(lambda x, j=j: x[j], state) if stacked else state
+        r = RunResult(c, dirs[j], columns(rows[j]), member_state, info)
+        if writers:  # process 0 only
+            final = rows[j][-1] if rows[j] else {}
+            writers[j].close({k: final[k] for k in SUMMARY_KEYS if k in final})
+            (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
+        results.append(r)
+    return results, stop_error

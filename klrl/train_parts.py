@@ -1,0 +1,321 @@
+"""The types the stages of :mod:`klrl.train` exchange, the models and the frozen context they read,
+the initial state, the optimiser, and the iteration's metrics.
+
+Stages pass NamedTuples, not string-keyed dicts: :class:`~klrl.rollout.Rollout` (rollout) ->
+:class:`Scores` (scoring) -> :class:`Advantages` with its :class:`Batch` (what the update reads)
+-> the update's statistics. :func:`iteration_metrics` turns one iteration into the flat metrics
+dict (slash names, KL unit in the name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from klrl import kl as kl_lib
+from klrl import losses
+from klrl.advantages import needs_critic
+from klrl.config import RunConfig
+from klrl.control import Controller, ControllerState
+from klrl.models.base import CausalLM
+from klrl.models.heads import ValueHead, attach
+from klrl.models.registry import get_family
+from klrl.parallel import average, gather, total
+from klrl.tasks.base import Task
+
+Array = jax.Array
+
+
+class TrainState(NamedTuple):
+    params: Any  # {'policy': ..., 'value': ... or None}: what the optimiser trains
+    ref_params: Any  # frozen reference policy (a copy of the initial policy)
+    opt_state: Any
+    ctrl: ControllerState  # beta and the controller's own state
+    other_coef: Array  # float32: the KL coefficient the controller does not drive
+    rng: Array  # base PRNG key of the run; iteration keys are fold_in(rng, iteration)
+    iteration: Array  # int32
+    skipped: Array  # int32: consecutive iterations skipped by the non-finite guard
+
+
+class Scores(NamedTuple):
+    """The scoring stage: reference and old values over the sampled sequences, task reward, evals."""
+
+    tokens: Array  # [B, P + R] prompt + response
+    key_mask: Array  # [B, P + R]
+    ref_logits: Array  # [B, R, V] tempered reference logits
+    ref_logp: Array  # [B, R] reference log-probs of the sampled tokens (0 where masked)
+    value: Array  # [B, R] old values (zeros without a critic)
+    task_reward: Array  # [B] float32
+    evals: dict[str, Array]  # per-example evaluations {name: [B]}
+
+
+class Batch(NamedTuple):
+    """What the PPO update reads, per sequence (minibatches are row slices of it)."""
+
+    tokens: Array
+    key_mask: Array
+    response: Array  # [B, R]
+    mask: Array  # [B, R]
+    logp: Array  # [B, R] behaviour log-probs
+    ref_logp: Array  # [B, R]
+    adv: Array  # [B, R]
+    ret: Array  # [B, R] value targets
+    value: Array  # [B, R] old values
+    ref_logits: Array | None  # [B, R, V] only for a logits-based KL estimator in the loss
+
+
+class Advantages(NamedTuple):
+    """The advantage stage: the update's batch and the KL terms the metrics and controller read."""
+
+    batch: Batch
+    rewards: Array  # [B, R] shaped rewards
+    kl_reward: Array  # [B, R] per-token KL of kl.estimator
+    kl_ctrl: Array  # [B, R] per-token KL of ctrl.estimator (what the controller sees)
+    k1: Array  # [B, R]
+    exact: Array  # [B, R] exact per-position KL from the full logits
+
+
+class Phases(NamedTuple):
+    """The stages ``step`` is composed of, as per-shard functions (call them under ``shard_map``
+    over ``'data'``, as the step does; ``benchmarks/`` times each one compiled on its own)."""
+
+    rollout: Any  # (state, env) -> Rollout
+    score: Any  # (state, env, rollout) -> Scores
+    advantages: Any  # (state, rollout, scores) -> Advantages
+    update: Any  # (state, batch) -> (params, opt_state, stats): PPO epochs x minibatches
+    control: Any  # (state, kl_ctrl, mask) -> (controller state, observed KL)
+
+
+class Train(NamedTuple):
+    init: Any  # (seed | key, beta=None) -> TrainState
+    step: Any  # jitted (state, env) -> (state, metrics)
+    shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping
+    loss: Any  # (params, minibatch: Batch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss
+    policy: Any  # the policy's CausalLM
+    value_model: Any  # the separate value trunk, or None
+    mesh: Any
+    phases: Phases
+    context: Any = None  # the frozen klrl.train.Context every stage reads
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """Adam(W) with global-norm clipping and a schedule; the peak learning rate is an
+    injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr) so a
+    sweep can give each member its own."""
+    o = cfg.optim
+    total_steps = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.minibatches
+    decay = max(total_steps - o.warmup_steps, 1)
+    if o.schedule == "constant":
+        shape = optax.constant_schedule(1.0)
+    elif o.schedule == "linear":
+        shape = optax.linear_schedule(1.0, 0.0, decay)
+    else:
+        shape = optax.cosine_decay_schedule(1.0, decay)
+    if o.warmup_steps:
+        shape = optax.join_schedules(
+            [optax.linear_schedule(0.0, 1.0, o.warmup_steps), shape], [o.warmup_steps]
+        )
+    parts = [optax.clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm > 0 else []
+    parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
+    if o.weight_decay > 0:
+        parts += [optax.add_decayed_weights(o.weight_decay)]
+    parts += [optax.scale_by_schedule(shape), optax.inject_hyperparams(optax.scale)(step_size=-o.lr)]
+    return optax.chain(*parts)
+
+
+def set_learning_rate(opt_state: Any, lr: Array | float) -> Any:
+    """Return ``opt_state`` with the peak learning rate replaced (see :func:`make_optimizer`)."""
+    last = opt_state[-1]
+    hp = dict(last.hyperparams, step_size=-jnp.asarray(lr, jnp.float32))
+    return (*opt_state[:-1], last._replace(hyperparams=hp))
+
+
+def where(ok: Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def all_finite(tree: Any) -> Array:
+    leaves = [
+        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+class Models(NamedTuple):
+    """The networks of a run. ``value_head`` sits on the policy trunk (``model.value_model=head``)
+    or on ``value`` (``separate``); both are None without a critic."""
+
+    policy: CausalLM
+    value: CausalLM | None
+    value_head: ValueHead | None
+
+
+def build_models(cfg: RunConfig, policy: CausalLM, family: str = "gpt") -> Models:
+    """The one factory: the value trunk (a ``family`` model of ``cfg.model`` without LM head, as
+    long as the policy) and the value head, as ``cfg.ppo.advantage`` and ``cfg.model.value_model`` ask."""
+    if not needs_critic(cfg.ppo.advantage):
+        return Models(policy, None, None)
+    if cfg.model.value_model == "head":
+        return Models(policy, None, ValueHead(policy.hidden_size))
+    value = get_family(family)(cfg.model, policy.vocab_size, policy.max_len, lm_head=False)
+    return Models(policy, value, ValueHead(value.hidden_size))
+
+
+@dataclass(frozen=True)
+class Context:
+    """What ``make_train`` fixed; every stage is a function of it."""
+
+    cfg: RunConfig
+    task: Task
+    models: Models
+    policy_params: Any  # the initial policy = the reference
+    value_params: Any  # initial separate value model (trunk + head), or None: a fresh one
+    stop_ids: tuple[int, ...]
+    controller: Controller
+    optimizer: optax.GradientTransformation
+    n_dev: int
+    keep_logits: bool = True  # exact KL is a metric of every run; small vocabularies make it cheap
+
+    # shapes and modes, all static
+    @property
+    def b_glob(self) -> int:
+        return self.cfg.train.batch_size
+
+    @property
+    def b_loc(self) -> int:
+        return self.b_glob // self.n_dev
+
+    @property
+    def mb_glob(self) -> int:
+        return self.b_glob // self.cfg.ppo.minibatches
+
+    @property
+    def p_len(self) -> int:
+        return self.task.prompt_len
+
+    @property
+    def r_len(self) -> int:
+        return self.cfg.sampling.response_len
+
+    @property
+    def critic(self) -> bool:
+        return self.models.value_head is not None
+
+    @property
+    def head(self) -> bool:
+        return self.critic and self.models.value is None
+
+    @property
+    def separate(self) -> bool:
+        return self.models.value is not None
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.cfg.kl.placement in ("loss", "reward+loss")
+
+    @property
+    def drives_reward(self) -> bool:
+        return self.cfg.ctrl.drives == "reward"
+
+
+# ---- init -------------------------------------------------------------------------------------------
+
+
+def init_state(
+    ctx: Context, mesh: Any, seed: int | Array = 0, beta: float | Array | None = None
+) -> TrainState:
+    """The train state of ``seed``: policy = a copy of the reference (plus a fresh value head),
+    a fresh separate value model, the optimiser and the controller at ``beta`` (default ``kl.beta``)."""
+    # raw uint32 keys: plain arrays that checkpoint, vmap and compare like any other leaf
+    key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    k_head, k_value, k_run = jax.random.split(key, 3)
+    m, kl_cfg = ctx.models, ctx.cfg.kl
+    pol = jax.tree.map(jnp.copy, ctx.policy_params)  # own buffers: the step donates the state
+    if ctx.head:  # graft a fresh value head onto the pretrained trunk
+        pol = attach(pol, m.value_head.init(k_head))
+    value = None
+    if ctx.separate:
+        value = ctx.value_params
+        if value is None:
+            value = attach(m.value.init(k_value), m.value_head.init(k_value))
+        value = jax.tree.map(jnp.copy, value)
+    params = {"policy": pol, "value": value}
+    b_r = kl_cfg.beta if beta is None else beta
+    driven, other = (b_r, kl_cfg.loss_coef) if ctx.drives_reward else (kl_cfg.loss_coef, b_r)
+    state = TrainState(
+        params=params,
+        ref_params=jax.tree.map(jnp.copy, ctx.policy_params),
+        opt_state=ctx.optimizer.init(params),
+        ctrl=jax.tree.map(jnp.copy, ctx.controller.init(jnp.asarray(driven, jnp.float32))),  # own buffers
+        other_coef=jnp.asarray(other, jnp.float32),
+        rng=k_run,
+        iteration=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+    )
+    # replicated on the mesh, as ``step`` returns it: otherwise the second call recompiles
+    return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+
+
+def iteration_metrics(
+    ctx: Any,
+    env: Any,
+    state: TrainState,
+    out: TrainState,
+    ok: Array,
+    ro: Any,
+    sc: Scores,
+    ad: Advantages,
+    stats: dict[str, Array],
+    kl_seen: Array,
+) -> dict[str, Array]:
+    """The flat metrics of one iteration (global means over the batch). ``state`` is the state the
+    iteration started from, ``out`` the one it leaves after the guard (the coefficients logged are
+    those ``out`` holds: a skipped iteration logs the beta kept, not the one rejected)."""
+    cfg = ctx.cfg
+    kl_cfg, c_cfg = cfg.kl, cfg.ctrl
+    mask = ro.mask
+
+    def seq_mean(x):
+        return average(jnp.mean(x))
+
+    length = jnp.sum(mask, axis=-1)
+    k1, kl_reward, exact = ad.k1, ad.kl_reward, ad.exact
+    driven, other = out.ctrl.beta, out.other_coef
+    explained = (ad.batch.value, ad.batch.ret, mask)  # gathered for the metric
+    est = kl_cfg.estimator
+    metrics = {
+        "reward/task": seq_mean(sc.task_reward),
+        "reward/shaped_mean": seq_mean(jnp.sum(ad.rewards, axis=-1)),
+        "kl/seq_sum": seq_mean(kl_lib.seq_sum(k1, mask)),
+        "kl/token_mean": seq_mean(kl_lib.token_mean(k1, mask)),
+        f"kl/reward_{est}_seq_sum": seq_mean(kl_lib.seq_sum(kl_reward, mask)),
+        f"kl/reward_{est}_token_mean": seq_mean(kl_lib.token_mean(kl_reward, mask)),
+        "kl/exact_seq_sum": seq_mean(kl_lib.seq_sum(exact, mask)),
+        "kl/exact_token_mean": seq_mean(kl_lib.token_mean(exact, mask)),
+        f"ctrl/kl_observed_{c_cfg.unit}": kl_seen,
+        "ctrl/beta": driven if ctx.drives_reward else other,
+        "ctrl/loss_coef": other if ctx.drives_reward else driven,
+        "ctrl/target": state.ctrl.params.target,
+        "response/length": seq_mean(length),
+        "response/eos_frac": seq_mean((length < ctx.r_len).astype(jnp.float32)),
+        "value/explained_variance": losses.explained_variance(*gather(explained))
+        if ctx.critic
+        else jnp.float32(0.0),
+        "eval/ref_ppl": jnp.exp(-total(jnp.sum(sc.ref_logp)) / jnp.maximum(total(jnp.sum(mask)), 1.0)),
+        **{k: seq_mean(v) for k, v in sc.evals.items() if not k.startswith("_")},
+        **stats,
+    }
+    batch_eval = ctx.task.batch_eval_fn
+    if batch_eval is not None:
+        tokens_only = ro._replace(logits=None, value=None)  # batch metrics read tokens, not [B, R, V] logits
+        metrics.update(batch_eval(env, gather(tokens_only), gather(sc.task_reward), gather(sc.evals)))
+    metrics["guard/skipped"] = (~ok).astype(jnp.float32)
+    metrics["guard/consecutive_skips"] = out.skipped.astype(jnp.float32)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}

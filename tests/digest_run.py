@@ -1,0 +1,74 @@
+"""Digests of the testbed's metrics after 5 iterations (single runs and a sweep of 4).
+
+``python tests/digest_run.py CACHE_DIR`` prints one JSON object ``{case: sha256}``; the digest is
+the sha256 of every metric's name and float32 value, iteration by iteration, names sorted. Run it
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` for the 4-device cases.
+``tests/test_digest.py`` compares it with ``tests/data/digest.json``, recorded on the code before
+the refactor of issue 13.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def config(cache_dir: str):
+    from conftest import tiny_config
+
+    return tiny_config(cache_dir).replace(
+        task={"name": "testbed", "rm_pairs": 128, "rm_heldout": 32, "rm_epochs": 1, "prompt_len": 6,
+              "pretrain_steps": 50, "indep_d_model": 16},
+        train={"iterations": 5},
+    )  # fmt: skip
+
+
+def digest(metrics: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    names = sorted(metrics)
+    n = len(metrics[names[0]])
+    for i in range(n):
+        for k in names:
+            h.update(k.encode())
+            h.update(np.float32(metrics[k][i]).tobytes())
+    return h.hexdigest()
+
+
+def main(cache_dir: str) -> dict[str, str]:
+    import jax
+
+    from klrl.runner import run
+    from klrl.sweep import grid, sweep
+
+    n = jax.device_count()
+    base = config(cache_dir)
+    out = {}
+    variants = {
+        "gae_head": {},
+        "grpo_kl_loss": {"ppo": {"advantage": "grpo", "group_size": 4},
+                         "kl": {"placement": "reward+loss", "loss_estimator": "full", "loss_coef": 0.1}},
+        "gae_separate_seqkl": {"model": {"value_model": "separate"},
+                               "kl": {"placement": "loss", "loss_agg": "seq_mean", "loss_coef": 0.1},
+                               "ctrl": {"kind": "proportional", "target": 1.0}},
+    }  # fmt: skip
+    for name, upd in variants.items():
+        if n > 1 and name != "gae_head":
+            continue
+        cfg = base.replace(train={"devices": n}, **upd)
+        out[f"single_{name}_{n}dev"] = digest(run(cfg, write=False).metrics)
+    members = grid(base.replace(train={"devices": n}), {"kl.beta": [0.01, 0.03, 0.1, 0.3]})
+    out[f"sweep4_{n}dev"] = [digest(r.metrics) for r in sweep(members, write=False)]
+    if n == 4:
+        members = grid(base.replace(train={"devices": 2}), {"kl.beta": [0.01, 0.03, 0.1, 0.3]})
+        out["sweep4_2x2dev"] = [digest(r.metrics) for r in sweep(members, write=False, sweep_devices=2)]
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))
