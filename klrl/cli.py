@@ -257,10 +257,3 @@ def check_coordinator(address: str | None) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         fail(f"--coordinator: expected HOST:PORT with a port in 1..65535, got {short(address)}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``klrl`` / ``python -m klrl``: see :mod:`klrl.commands`."""
-    from klrl.commands import main as commands_main
-
-    return commands_main(argv)

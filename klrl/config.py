@@ -438,9 +438,11 @@ class RunConfig:
 
 strict_init(RunConfig, "", "config section")
 
+# the section classes (the default factories are the classes: nothing is instantiated at import,
+# when the registries that validate names may not be filled yet)
 SECTIONS: dict[str, type] = {
-    f.name: type(f.default_factory())
-    for f in dataclasses.fields(RunConfig)  # type: ignore[misc]
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(RunConfig)
 }
 
 

@@ -31,11 +31,15 @@ def _config_fields() -> set[str]:
     }
 
 
+# the modules of the compiled step that name its metrics
+TRAIN_SOURCES = [ROOT / "klrl" / "train.py", ROOT / "klrl" / "train_parts.py"]
+
+
 def _source_metric_names() -> tuple[set[str], list[re.Pattern]]:
-    """String constants shaped like metric names in train.py and the tasks (the literal names), and
-    the f-string templates of train.py as regexes (``kl/reward_{est}_seq_sum``)."""
+    """String constants shaped like metric names in the step's modules and the tasks (the literal names), and
+    the f-string templates of the step's modules as regexes (``kl/reward_{est}_seq_sum``)."""
     literals, templates = set(), []
-    for path in [ROOT / "klrl" / "train.py", *sorted((ROOT / "klrl" / "tasks").glob("*.py"))]:
+    for path in [*TRAIN_SOURCES, *sorted((ROOT / "klrl" / "tasks").glob("*.py"))]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -87,11 +91,11 @@ def test_klrl_metrics_are_what_the_source_writes():
     assert "kl/seq_sum" in literals and templates  # the source scan found something
     for m in aliases.KLRL_METRICS:
         assert m in literals or any(t.fullmatch(m) for t in templates), m
-    # and the other way: every literal metric of the metrics dict in train.py is listed
-    train = ast.parse((ROOT / "klrl" / "train.py").read_text())
+    # and the other way: every literal metric of the metrics dicts of the step is listed
     in_dicts = {
         k.value
-        for node in ast.walk(train)
+        for path in TRAIN_SOURCES
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Dict)
         for k in node.keys
         if isinstance(k, ast.Constant) and isinstance(k.value, str) and "/" in k.value
