@@ -80,6 +80,7 @@ def main() -> None:
         return finish(*a, **k)
 
     runner.build_task, train_mod.make_train, ckpt.save, ckpt.finish = build_task_, make_train_, save_, finish_
+    runner.make_train = make_train_  # (runner imports it by name)
     io_logging.MetricsWriter.write, io_logging.MetricsWriter.__init__ = write_, init_
     sys.argv = [str(ROOT / "experiments" / "run.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
