@@ -310,8 +310,8 @@ def _run_sweep(
 
 def _run_one(cfg: RunConfig, resume: str | None) -> int:
     import klrl
-    from klrl.distributed import is_main
     from klrl.data.prompts import PromptDataError
+    from klrl.distributed import is_main
     from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
     from klrl.models.hf import CheckpointFormatError

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from klrl.config import FORMATS, TRUNCATE, ConfigError, DataConfig
+from klrl.config import ConfigError, DataConfig
 from klrl.data.tokenizer import Tokenizer
 
 
