@@ -276,12 +276,20 @@ def _run_sweep(
     from klrl.models.hf import CheckpointFormatError
     from klrl.reliability import RunStopped
     from klrl.report import maybe_write_report
+    from klrl.rewards import RewardLoadError
     from klrl.sweep import summary_table, sweep
 
     try:
         results = sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
     # CheckpointError: locked, disk full
-    except (ConfigError, CheckpointError, RunDirError, CheckpointFormatError, PromptDataError) as e:
+    except (
+        ConfigError,
+        CheckpointError,
+        RunDirError,
+        CheckpointFormatError,
+        PromptDataError,
+        RewardLoadError,
+    ) as e:
         fail(str(e))
     except RunStopped as e:
         fail(str(e), 1)
@@ -316,12 +324,20 @@ def _run_one(cfg: RunConfig, resume: str | None) -> int:
     from klrl.io.readers import RunDirError
     from klrl.models.hf import CheckpointFormatError
     from klrl.reliability import RunStopped
+    from klrl.rewards import RewardLoadError
 
     try:
         from klrl.report import maybe_write_report
 
         result = klrl.run(cfg, resume=resume, report=maybe_write_report)
-    except (ConfigError, CheckpointError, RunDirError, CheckpointFormatError, PromptDataError) as e:
+    except (
+        ConfigError,
+        CheckpointError,
+        RunDirError,
+        CheckpointFormatError,
+        PromptDataError,
+        RewardLoadError,
+    ) as e:
         fail(str(e))
     except RunStopped as e:
         fail(str(e), 1)

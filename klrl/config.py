@@ -370,6 +370,17 @@ class DiagnosisConfig:
         _check(self.persist >= 1, "diag.persist", "must be >= 1")
 
 
+@section("reward")
+class RewardConfig:
+    """Task text: host-side text rewards instead of the reward model (klrl.rewards)."""
+
+    fn: str = _f(
+        "", "comma-separated text rewards: built-in names (positivity, length_target, arithmetic), "
+        "module:function or file.py:function ('' = the reward model of model.reward_path)",
+    )  # fmt: skip
+    weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
+
+
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text", "disk")
 TRUNCATE = ("left", "error")
 
@@ -427,6 +438,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     diag: DiagnosisConfig = field(default_factory=DiagnosisConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -98,3 +98,32 @@ def test_tiny_pretrained_end_to_end_saves_trained_policy(tmp_path):
     )
     assert moved > 0  # the saved policy is the trained one, not the initial one
     assert tuple(tok.stop_ids) == (254, 252)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_host_reward_sees_each_rows_prompt(tmp_path):
+    """reward.fn: the host function gets the prompt of each row (found in the pool) and the response text."""
+    from klrl.data.prompts import load_prompts
+    from klrl.tasks.text import make_text_task
+
+    f = tmp_path / "rew.py"
+    f.write_text(
+        "def fn(prompts, completions):\n"
+        "    return [len(p) + 1000 * len(c) for p, c in zip(prompts, completions)]\n"
+    )
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF)}, "task": {"name": "text"}, "data": {"prompt_len": 48, "limit": 6},
+         "reward": {"fn": f"{f}:fn", "weights": "2"}}
+    )  # fmt: skip
+    task = make_text_task(cfg)
+    tok = task.tokenizer
+    pool = load_prompts(cfg.data, tok).train
+    rows = np.array([3, 0, 5])
+    env = task.env
+    response = np.array([tok.encode("hi")[:2] + [0, 0]] * 3, np.int32)
+    mask = np.array([[1, 1, 0, 0]] * 3, np.float32)
+    ro = Rollout(env["prompts"][rows], env["prompt_mask"][rows], response, mask, None, None, None)
+    got = np.asarray(jax.jit(task.reward.fn)(env, ro))
+    text = tok.decode([int(t) for t in response[0, :2]], skip_special_tokens=True)
+    want = [2.0 * (len(pool.prompts[i]) + 1000 * len(text)) for i in rows]
+    np.testing.assert_allclose(got, want)

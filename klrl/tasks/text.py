@@ -12,6 +12,8 @@
   head, ``r = score . h_last``, as transformers reads it at the last non-pad token), or a causal LM
   (its trunk with a fresh scalar head); ``model.reward_path=''`` takes the policy's trunk with a
   fresh scalar head.
+* **Host text rewards** (``reward.fn``, ``reward.weights``): instead of a reward model, text
+  rewards on the decoded responses (:func:`host_text_reward`).
 * **Value model** (:func:`value_models`): ``model.value_model=head`` is a head on the policy
   trunk (:func:`klrl.train.build_models`); ``separate`` is a trunk read from ``model.value_path``
   (default ``model.path``) with a fresh value head.
@@ -102,6 +104,26 @@ def model_reward(model: Any, params: Any) -> JaxReward:
     return JaxReward(reward_fn, {"reward_params": params})
 
 
+def host_text_reward(cfg: RunConfig, tok: Any, prompts: TokenPool, texts: list, columns: dict) -> JaxReward:
+    """``reward.fn`` (:func:`klrl.rewards.make_host_reward`) as a traced reward: each row's prompt index
+    is recovered by matching its tokens and mask against the pool (the first match; identical rows
+    have identical text), then the host functions score the decoded responses. A failing function
+    scores NaN, so the non-finite guard skips the iteration (its message is in the reward's registry)."""
+    from klrl.rewards import make_host_reward, parse_specs
+
+    specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
+    host = make_host_reward(specs, weights, tok, texts, columns)
+
+    def reward_fn(env: Any, ro: Rollout) -> Array:
+        same = jnp.all(ro.prompt[:, None, :] == env["prompts"][None], axis=-1)
+        same &= jnp.all(ro.prompt_mask[:, None, :] == env["prompt_mask"][None], axis=-1)
+        idx = jnp.argmax(same, axis=-1).astype(jnp.int32)
+        scores, error = host(idx, ro.response, ro.mask)
+        return jnp.where(error == 0, scores, jnp.nan).astype(jnp.float32)
+
+    return JaxReward(reward_fn)
+
+
 def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
     """``make_train``'s ``value=`` and ``value_params=`` for ``model.value_model=separate`` on a
     pretrained model: the trunk of ``model.value_path`` (default: the policy's) with a fresh value
@@ -129,17 +151,24 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         splits = load_prompts(cfg.data, tok)
         prompts = TokenPool(jnp.asarray(splits.train.tokens), jnp.asarray(splits.train.mask, jnp.float32))
         info["prompts"] = splits.train.source
-    rm, rm_params = reward_model(cfg, policy, params, seed=cfg.train.seed + 2)
-    info["reward_model"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
+        texts, columns = splits.train.prompts, splits.train.columns
+    else:
+        texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
+    if cfg.reward.fn:
+        reward = host_text_reward(cfg, tok, prompts, texts, columns)
+        info["reward"] = cfg.reward.fn
+    else:
+        reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
+        info["reward"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
     if log is not None:
         log(f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
-            f"reward {info['reward_model']}")  # fmt: skip
+            f"reward {info['reward']}")  # fmt: skip
     return Task(
         name="text",
         tokenizer=tok,
         prompts=prompts,
         prompt_len=prompts.width,
-        reward=model_reward(rm, rm_params),
+        reward=reward,
         policy=policy,
         policy_params=params,
         info=info,
