@@ -86,7 +86,7 @@ def reward_model(cfg: RunConfig, policy: Any = None, policy_params: Any = None, 
     if path:
         model, params, _ = _load(path, dtype)
     else:
-        model, params = policy, jax.tree.map(jnp.copy, policy_params)
+        model, params = policy, policy_params  # shared buffers: the env is never donated
     head = ScalarHead(model.hidden_size).init(jax.random.key(seed))
     return model, attach(params, head)
 
@@ -133,7 +133,7 @@ def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
     if cfg.model.value_path and cfg.model.value_path != cfg.model.path:
         model, params, _ = _load(cfg.model.value_path, compute_dtype(cfg))
     else:
-        model, params = task.policy, jax.tree.map(jnp.copy, task.policy_params)
+        model, params = task.policy, task.policy_params  # init_state copies it into the state
     head = ValueHead(model.hidden_size).init(jax.random.key(cfg.train.seed + 1))
     return {"value": model, "value_params": attach(params, head)}
 
