@@ -127,3 +127,27 @@ def test_host_reward_sees_each_rows_prompt(tmp_path):
     text = tok.decode([int(t) for t in response[0, :2]], skip_special_tokens=True)
     want = [2.0 * (len(pool.prompts[i]) + 1000 * len(text)) for i in rows]
     np.testing.assert_allclose(got, want)
+
+
+def test_bad_reward_fn_is_one_line(capsys, tmp_path):
+    line = _error(capsys, ["--task.name", "text", "--model.path", str(GGUF), "--reward.fn", "nonesuch_reward",
+                           "--data.prompt_len", "16", "--train.out_dir", str(tmp_path)])  # fmt: skip
+    assert "nonesuch_reward" in line
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_separate_value_model_is_the_pretrained_trunk_with_a_fresh_head():
+    from klrl.models.heads import HEAD_KEY
+    from klrl.tasks.text import make_text_task, value_models
+
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF), "value_model": "separate"}, "task": {"name": "text"},
+         "data": {"prompt_len": 16, "limit": 4}}
+    )  # fmt: skip
+    task = make_text_task(cfg)
+    got = value_models(cfg, task)
+    trunk, head = detach(got["value_params"])
+    for a, b in zip(jax.tree.leaves(trunk), jax.tree.leaves(task.policy_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert head["kernel"].shape == (task.policy.hidden_size, 1) and HEAD_KEY not in trunk
+    assert value_models(cfg.replace(model={"value_model": "head"}), task) == {}
