@@ -316,6 +316,7 @@ def measure(
             break
     it_s = statistics.median(times)
 
+    rss_iterations = peak_rss_mb()  # the training loop's own peak (the phase timing adds non-donated copies)
     log(f"[{name}] timing the phases")
     phases, phases_first = time_phases(train, state, env, n=max(min(len(times), 10), 2))
 
@@ -346,6 +347,7 @@ def measure(
         "prompt_len": p,
         "response_len": r,
         "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb_before_phases": rss_iterations,
         "flops_per_iteration": flops["total"],
         "flops_by_part": {k: v for k, v in flops.items() if k != "total"},
         "phase_flops_per_s": {
