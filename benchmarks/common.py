@@ -290,6 +290,7 @@ def measure(
     step = lowered.compile()
     t2 = time.perf_counter()
     lower_s, compile_s = t1 - t0, t2 - t0
+    log(f"[{name}] compiled in {compile_s:.1f} s (lowering {lower_s:.1f} s)")
 
     t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(step(state, env))
@@ -309,6 +310,9 @@ def measure(
         state, metrics = jax.block_until_ready(step(state, env))
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+        log(
+            f"[{name}] iteration {i}: {times[-1]:.2f} s, cpu {cpu_times[-1]:.2f} s, rss {peak_rss_mb():.0f}MB"
+        )
         lengths.append(float(metrics["response/length"]))
         skipped += float(metrics["guard/skipped"])
         if time_budget_s is not None and i >= 2 and time.perf_counter() - start > time_budget_s:
