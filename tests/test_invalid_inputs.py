@@ -35,7 +35,19 @@ FIELDS = [(s, f) for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
 FLOATS = [f"{s}.{f.name}" for s, f in FIELDS if type(f.default) is float]
 INTS = [f"{s}.{f.name}" for s, f in FIELDS if type(f.default) is int]
 BOOLS = [f"{s}.{f.name}" for s, f in FIELDS if type(f.default) is bool]
-FREE_STRINGS = {"task.cache_dir", "train.out_dir", "train.name", "train.rollback_metric"}
+FREE_STRINGS = {
+    "task.cache_dir",
+    "train.out_dir",
+    "train.name",
+    "train.rollback_metric",
+    "model.path",
+    "model.value_path",
+    "model.reward_path",
+    "data.path",
+    "data.field",
+    "data.split",
+    "data.eval_path",
+}
 CHOICES = [
     f"{s}.{f.name}" for s, f in FIELDS if type(f.default) is str and f"{s}.{f.name}" not in FREE_STRINGS
 ]

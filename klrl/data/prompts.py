@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from klrl.config import ConfigError, _check, _choice, _f
+from klrl.config import ConfigError, DataConfig
 from klrl.data.tokenizer import Tokenizer
 
 
@@ -50,8 +50,6 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' / '.join(x.strip() for x in str(e).splitlines() if x.strip())}"
 
 
-FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text", "disk")
-TRUNCATE = ("left", "error")
 FILES = Path(__file__).resolve().parent / "files"
 _SUFFIX = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -62,45 +60,6 @@ class PromptDataError(ValueError):
 
 class PromptTruncationWarning(UserWarning):
     """Some prompts were longer than the prompt budget and lost their first tokens."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Where prompts come from and how they become a token pool (moves into ``klrl.config``)."""
-
-    path: str = _f(
-        "klrl:instructions",
-        "prompt file (.jsonl/.json/.csv/.parquet/.txt), a saved "
-        "datasets directory, or klrl:<name> for a shipped file",
-    )
-    format: str = _f("auto", "file format: auto (from the suffix), jsonl, json, csv, parquet, text, disk")
-    field: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
-    split: str = _f("train", "split to read from a saved datasets.DatasetDict")
-    chat_template: bool = _f(True, "render prompts with the tokenizer's chat template")
-    prompt_len: int = _f(64, "prompt budget P in tokens (left padding)")
-    truncate: str = _f("left", "a prompt longer than P: 'left' (keep its last P tokens) or 'error'")
-    eval_path: str = _f("", "separate file of evaluation prompts (same format rules)")
-    eval_fraction: float = _f(0.0, "fraction of the prompts held out for evaluation (if no eval_path)")
-    seed: int = _f(0, "seed of the held-out split")
-    limit: int = _f(0, "use the first `limit` prompts of the file (0: all)")
-
-    def __post_init__(self) -> None:
-        _check(bool(self.path), "data.path", "must name a prompt file")
-        _choice(self.format, "data.format", FORMATS)
-        _check(bool(self.field), "data.field", "must name a column")
-        _check(self.prompt_len >= 1, "data.prompt_len", f"must be >= 1 (got {self.prompt_len})")
-        _choice(self.truncate, "data.truncate", TRUNCATE)
-        _check(
-            0.0 <= self.eval_fraction < 1.0,
-            "data.eval_fraction",
-            f"must be in [0, 1) (got {self.eval_fraction})",
-        )
-        _check(
-            not (self.eval_path and self.eval_fraction > 0),
-            "data.eval_fraction",
-            "must be 0 when data.eval_path is given",
-        )
-        _check(self.limit >= 0, "data.limit", f"must be >= 0 (got {self.limit})")
 
 
 @dataclass(frozen=True)

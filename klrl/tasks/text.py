@@ -1,0 +1,189 @@
+"""``task.name=text``: RLHF on a pretrained causal LM (``model.path``: an HF directory or a ``.gguf``).
+
+* **Policy and reference**: :func:`klrl.models.from_pretrained` of ``model.path`` (compute dtype
+  ``model.dtype``, float32 parameters).
+* **Tokenizer**: the checkpoint's (``tokenizer.json`` or the GGUF's); its stop ids (several for
+  SmolLM2) end a response.
+* **Prompts**: :func:`klrl.data.prompts.load_prompts` of the ``data`` section (default the shipped
+  ``klrl:instructions``), left-padded to ``data.prompt_len``.
+* **Reward**: a frozen reward model read at the last real response token (a
+  :class:`~klrl.tasks.base.JaxReward`; its parameters travel in ``env['reward_params']``):
+  ``model.reward_path`` an HF ``*ForSequenceClassification`` directory (its bias-free ``score``
+  head, ``r = score . h_last``, as transformers reads it at the last non-pad token), or a causal LM
+  (its trunk with a fresh scalar head); ``model.reward_path=''`` takes the policy's trunk with a
+  fresh scalar head.
+* **Host text rewards** (``reward.fn``, ``reward.weights``): instead of a reward model, text
+  rewards on the decoded responses (:func:`host_text_reward`).
+* **Value model** (:func:`value_models`): ``model.value_model=head`` is a head on the policy
+  trunk (:func:`klrl.train.build_models`); ``separate`` is a trunk read from ``model.value_path``
+  (default ``model.path``) with a fresh value head.
+
+Every bad file is a :class:`klrl.models.hf.CheckpointFormatError` (one line), raised before
+anything compiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from klrl.config import ConfigError, RunConfig
+from klrl.models.base import forward
+from klrl.models.heads import ScalarHead, ValueHead, attach, detach
+from klrl.models.hf import CheckpointFormatError, load_hf, read_config
+from klrl.rollout import Rollout, sequence
+from klrl.tasks.base import JaxReward, Task, TokenPool, register_task
+
+Array = jax.Array
+
+
+def compute_dtype(cfg: RunConfig) -> Any:
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def check_model_paths(cfg: RunConfig) -> None:
+    """Every checkpoint path the config names must exist (:class:`ConfigError` naming the field)."""
+    m = cfg.model
+    for name in ("path", "value_path", "reward_path"):
+        p = getattr(m, name)
+        if p and not Path(p).exists():
+            raise ConfigError(f"model.{name}: {p}: no such file or directory")
+    if cfg.task.name == "text" and not m.path:
+        raise ConfigError("model.path: task.name=text needs a pretrained model (an HF directory or a .gguf)")
+
+
+def is_sequence_classifier(path: str | Path) -> bool:
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    archs = read_config(p).get("architectures") or []
+    return any(str(a).endswith("ForSequenceClassification") for a in archs)
+
+
+def _load(path: str, dtype: Any, tokenizer: bool = False):
+    from klrl.models.pretrained import from_pretrained
+
+    return from_pretrained(path, dtype=dtype, tokenizer=tokenizer)
+
+
+def reward_model(cfg: RunConfig, policy: Any = None, policy_params: Any = None, seed: int = 0):
+    """``(trunk, trunk+head params)`` of the frozen reward model ``cfg.model.reward_path`` (see the
+    module docstring); a fresh head is drawn from ``seed``."""
+    path, dtype = cfg.model.reward_path, compute_dtype(cfg)
+    if path and is_sequence_classifier(path):
+        model, params, score = load_hf(path, dtype=dtype, score=True, put=jnp.asarray)
+        score = np.asarray(score, np.float32)
+        if score.shape[0] != 1:
+            raise CheckpointFormatError(
+                f"{path}: a reward model has one label (num_labels=1), this score head has {score.shape[0]}"
+            )
+        head = {"kernel": jnp.asarray(score.T), "bias": jnp.zeros((1,), jnp.float32)}
+        return model, attach(params, head)
+    if path:
+        model, params, _ = _load(path, dtype)
+    else:
+        model, params = policy, policy_params  # shared buffers: the env is never donated
+    head = ScalarHead(model.hidden_size).init(jax.random.key(seed))
+    return model, attach(params, head)
+
+
+def model_reward(model: Any, params: Any) -> JaxReward:
+    """A :class:`JaxReward`: the scalar head at the last real response token of prompt + response."""
+    head = ScalarHead(model.hidden_size)
+
+    def reward_fn(env: Any, ro: Rollout) -> Array:
+        tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
+        trunk, head_params = detach(env["reward_params"])
+        hidden = forward(model, trunk, tokens, key_mask, logits=False).hidden
+        return head.score(head_params, hidden, ro.mask)
+
+    return JaxReward(reward_fn, {"reward_params": params})
+
+
+def host_text_reward(cfg: RunConfig, tok: Any, prompts: TokenPool, texts: list, columns: dict) -> JaxReward:
+    """``reward.fn`` (:func:`klrl.rewards.make_host_reward`) as a traced reward: each row's prompt index
+    is recovered by matching its tokens and mask against the pool (the first match; identical rows
+    have identical text), then the host functions score the decoded responses. A failing function
+    scores NaN, so the non-finite guard skips the iteration (its message is in the reward's registry)."""
+    from klrl.rewards import make_host_reward, parse_specs
+
+    specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
+    host = make_host_reward(specs, weights, tok, texts, columns)
+
+    def reward_fn(env: Any, ro: Rollout) -> Array:
+        same = jnp.all(ro.prompt[:, None, :] == env["prompts"][None], axis=-1)
+        same &= jnp.all(ro.prompt_mask[:, None, :] == env["prompt_mask"][None], axis=-1)
+        idx = jnp.argmax(same, axis=-1).astype(jnp.int32)
+        scores, error = host(idx, ro.response, ro.mask)
+        return jnp.where(error == 0, scores, jnp.nan).astype(jnp.float32)
+
+    return JaxReward(reward_fn)
+
+
+def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
+    """``make_train``'s ``value=`` and ``value_params=`` for ``model.value_model=separate`` on a
+    pretrained model: the trunk of ``model.value_path`` (default: the policy's) with a fresh value
+    head (drawn from ``train.seed``); ``{}`` otherwise."""
+    if not cfg.model.path or cfg.model.value_model != "separate":
+        return {}
+    if cfg.model.value_path and cfg.model.value_path != cfg.model.path:
+        model, params, _ = _load(cfg.model.value_path, compute_dtype(cfg))
+    else:
+        model, params = task.policy, task.policy_params  # init_state copies it into the state
+    head = ValueHead(model.hidden_size).init(jax.random.key(cfg.train.seed + 1))
+    return {"value": model, "value_params": attach(params, head)}
+
+
+def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None = None) -> Task:
+    """The text task of ``cfg`` (module docstring); ``prompts`` replaces the ``data`` section's pool."""
+    from klrl.data.prompts import load_prompts
+
+    check_model_paths(cfg)
+    policy, params, tok = _load(cfg.model.path, compute_dtype(cfg), tokenizer=True)
+    if tok is None:
+        raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
+    info: dict[str, Any] = {"model_path": str(cfg.model.path)}
+    if prompts is None:
+        splits = load_prompts(cfg.data, tok)
+        prompts = TokenPool(jnp.asarray(splits.train.tokens), jnp.asarray(splits.train.mask, jnp.float32))
+        info["prompts"] = splits.train.source
+        texts, columns = splits.train.prompts, splits.train.columns
+    else:
+        texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
+    if cfg.reward.fn:
+        reward = host_text_reward(cfg, tok, prompts, texts, columns)
+        info["reward"] = cfg.reward.fn
+    else:
+        reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
+        info["reward"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
+    if log is not None:
+        log(f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
+            f"reward {info['reward']}")  # fmt: skip
+    return Task(
+        name="text",
+        tokenizer=tok,
+        prompts=prompts,
+        prompt_len=prompts.width,
+        reward=reward,
+        policy=policy,
+        policy_params=params,
+        info=info,
+    )
+
+
+@register_task("text")
+def make_text(cfg: RunConfig, log: Any = None) -> Task:
+    """``task.name=text``: the pretrained ``model.path`` on the ``data`` section's prompts."""
+    return make_text_task(cfg, log)
+
+
+def save_policy(task: Task, state: Any, out_dir: str | Path) -> Path:
+    """The final policy (value head dropped) as an HF directory (:func:`klrl.models.save_pretrained`)."""
+    from klrl.models.pretrained import save_pretrained
+
+    trunk = detach(jax.device_get(state.params["policy"]))[0]
+    return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)

@@ -1,0 +1,153 @@
+"""task text: a pretrained model through ``--model.path``, its reward model, bad input as one line, and
+the final policy written with ``save_pretrained`` (reloaded, it holds the trained parameters)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from klrl.commands import legacy_main
+from klrl.config import DataConfig, ModelConfig, RunConfig
+from klrl.models.heads import detach
+from klrl.rollout import Rollout
+from klrl.tasks.text import model_reward, reward_model
+
+DATA = Path(__file__).parent / "data"
+GGUF = DATA / "tiny_gguf" / "tiny.gguf"
+
+
+def _error(capsys, argv) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        legacy_main(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_missing_model_path_is_one_line(capsys, tmp_path):
+    line = _error(capsys, ["--task.name", "text", "--model.path", str(tmp_path / "nope"),
+                           "--train.out_dir", str(tmp_path / "runs")])  # fmt: skip
+    assert line.startswith("error: model.path:") and "nope" in line
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_text_task_without_model_path_is_one_line(capsys, tmp_path):
+    line = _error(capsys, ["--task.name", "text", "--train.out_dir", str(tmp_path)])
+    assert line.startswith("error: model.path:")
+
+
+def test_bad_model_dir_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "model"
+    shutil.copytree(DATA / "tiny_llama", bad)
+    (bad / "config.json").write_text(json.dumps({"model_type": "nonesuch"}))
+    line = _error(capsys, ["--task.name", "text", "--model.path", str(bad), "--train.out_dir", str(tmp_path)])
+    assert "config.json" in line and "nonesuch" in line
+
+
+def test_reward_model_reads_score_head_like_transformers():
+    """The JaxReward of a ForSequenceClassification directory gives transformers' scores (golden)."""
+    cfg = RunConfig(model=ModelConfig(reward_path=str(DATA / "tiny_llama_cls")))
+    model, params = reward_model(cfg)
+    g = np.load(DATA / "tiny_llama_cls" / "golden.npz")
+    tokens, mask = g["tokens"].astype(np.int32), g["mask"].astype(np.float32)
+    p = 6
+    assert mask[:, p:].min() == 1  # left padding only: the response part is all real tokens
+    ro = Rollout(tokens[:, :p], mask[:, :p], tokens[:, p:], mask[:, p:], None, None, None)
+    r = model_reward(model, params)
+    got = jax.jit(r.fn)(r.params, ro)
+    np.testing.assert_allclose(np.asarray(got), g["scores"][:, 0], atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_tiny_pretrained_end_to_end_saves_trained_policy(tmp_path):
+    import klrl
+    from klrl.models import from_pretrained
+
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"path": str(GGUF)},
+            "task": {"name": "text"},
+            "data": {"prompt_len": 16, "limit": 8},
+            "sampling": {"response_len": 4},
+            "ppo": {"epochs": 1, "minibatches": 2},
+            "optim": {"lr": 1e-3},
+            "train": {"iterations": 2, "batch_size": 4, "out_dir": str(tmp_path), "name": "r", "quiet": True},
+        }
+    )
+    assert isinstance(cfg.data, DataConfig)
+    result = klrl.run(cfg)
+    out = result.dir / "policy"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    _, start, _ = from_pretrained(GGUF)
+    _, saved, tok = from_pretrained(out)
+    trained = detach(jax.device_get(result.state.params["policy"]))[0]
+    assert jax.tree.structure(saved) == jax.tree.structure(trained)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(start), strict=True)
+    )
+    assert moved > 0  # the saved policy is the trained one, not the initial one
+    assert tuple(tok.stop_ids) == (254, 252)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_host_reward_sees_each_rows_prompt(tmp_path):
+    """reward.fn: the host function gets the prompt of each row (found in the pool) and the response text."""
+    from klrl.data.prompts import load_prompts
+    from klrl.tasks.text import make_text_task
+
+    f = tmp_path / "rew.py"
+    f.write_text(
+        "def fn(prompts, completions):\n"
+        "    return [len(p) + 1000 * len(c) for p, c in zip(prompts, completions)]\n"
+    )
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF)}, "task": {"name": "text"}, "data": {"prompt_len": 48, "limit": 6},
+         "reward": {"fn": f"{f}:fn", "weights": "2"}}
+    )  # fmt: skip
+    task = make_text_task(cfg)
+    tok = task.tokenizer
+    pool = load_prompts(cfg.data, tok).train
+    rows = np.array([3, 0, 5])
+    env = task.env
+    response = np.array([tok.encode("hi")[:2] + [0, 0]] * 3, np.int32)
+    mask = np.array([[1, 1, 0, 0]] * 3, np.float32)
+    ro = Rollout(env["prompts"][rows], env["prompt_mask"][rows], response, mask, None, None, None)
+    got = np.asarray(jax.jit(task.reward.fn)(env, ro))
+    text = tok.decode([int(t) for t in response[0, :2]], skip_special_tokens=True)
+    want = [2.0 * (len(pool.prompts[i]) + 1000 * len(text)) for i in rows]
+    np.testing.assert_allclose(got, want)
+
+
+def test_bad_reward_fn_is_one_line(capsys, tmp_path):
+    line = _error(capsys, ["--task.name", "text", "--model.path", str(GGUF), "--reward.fn", "nonesuch_reward",
+                           "--data.prompt_len", "16", "--train.out_dir", str(tmp_path)])  # fmt: skip
+    assert "nonesuch_reward" in line
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_separate_value_model_is_the_pretrained_trunk_with_a_fresh_head():
+    from klrl.models.heads import HEAD_KEY
+    from klrl.tasks.text import make_text_task, value_models
+
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF), "value_model": "separate"}, "task": {"name": "text"},
+         "data": {"prompt_len": 16, "limit": 4}}
+    )  # fmt: skip
+    task = make_text_task(cfg)
+    got = value_models(cfg, task)
+    trunk, head = detach(got["value_params"])
+    for a, b in zip(jax.tree.leaves(trunk), jax.tree.leaves(task.policy_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert head["kernel"].shape == (task.policy.hidden_size, 1) and HEAD_KEY not in trunk
+    assert value_models(cfg.replace(model={"value_model": "head"}), task) == {}
