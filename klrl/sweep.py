@@ -30,7 +30,7 @@ from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
 from klrl.loop import Program, drive, prepare_sweep_resume
 from klrl.parallel import SWEEP, make_mesh, shard_step
-from klrl.results import SUMMARY_KEYS, RunResult
+from klrl.results import SUMMARY_KEYS, RunResult, Sweep
 from klrl.runner import build_task
 from klrl.tasks.base import Task
 from klrl.train import make_train, set_learning_rate
@@ -154,7 +154,8 @@ def sweep(
     log: Any = None,
     resume: str | Path | None = None,
     report: Callable[[list[RunResult]], Any] | None = None,
-) -> list[RunResult]:
+    on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
     The loop is a single run's (:mod:`klrl.loop`): with ``write``, ``out_dir`` (default: a new run
@@ -165,15 +166,17 @@ def sweep(
     The non-finite guard and the quality rollback apply per member (a rollback restores the whole
     sweep to a checkpoint good for the members that crossed; the others replay exactly).
     ``report(results)`` is called at the end of a written sweep. With several processes only
-    process 0 writes.
+    process 0 writes. ``on_step(iteration, metrics)`` gets each iteration's ``{name: array over
+    members}`` as it is recorded (e.g. for a live plot). The result is a list with
+    ``.to_frame()`` (:func:`klrl.results.to_frame`).
     """
     check_members(members)
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
-        return _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard)
+        return _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard, on_step)
 
 
-def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard) -> list[RunResult]:
+def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard, on_step=None) -> Sweep:
     base = members[0]
     plan = None
     if resume is not None:
@@ -200,7 +203,10 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         task_info=task.info,
         abstract=abstract,
     )
-    results, stop_error = drive(prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard)
+    results, stop_error = drive(
+        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step
+    )
+    results = Sweep(results)
     if results[0].dir is not None and distributed.is_main() and report is not None:
         report(results)
     if stop_error is not None:
