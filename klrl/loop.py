@@ -28,14 +28,14 @@ import jax
 import numpy as np
 
 from klrl import distributed, reliability
-from klrl.aggregate import tail_mean
 from klrl.config import ConfigError, RunConfig
+from klrl.host_metrics import alias_map, final_metrics, learning_rates, tokens_per_s, with_aliases
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sweep_progress
 from klrl.io.resume import Resume, check_resumable, complete_lines, replace_file
 from klrl.io.resume import restore as restore_resume
-from klrl.results import SUMMARY_KEYS, RunResult, columns, member_names, sweep_axes, varying_fields
+from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 
@@ -53,38 +53,6 @@ class Program:
     env: Any
     task_info: dict[str, Any] = field(default_factory=dict)
     abstract: Any = None  # shapes and dtypes of the state (default: ``jax.eval_shape(init)``)
-
-
-FINAL_KEYS = (*SUMMARY_KEYS, "reward/gold", "eval/ref_ppl", "eval/oracle_ppl", "eval/independent_ppl")
-
-
-def final_metrics(metrics: dict[str, np.ndarray], window: int) -> dict[str, float]:
-    """The final value of each logged :data:`FINAL_KEYS` metric: the mean of its finite values over
-    the last ``window`` iterations (:func:`klrl.aggregate.tail_mean`); non-finite ones left out."""
-    out = {}
-    for k in FINAL_KEYS:
-        if k in metrics and len(metrics[k]):
-            v = tail_mean(metrics[k], window)
-            if math.isfinite(v):
-                out[k] = v
-    return out
-
-
-def learning_rates(state: Any, n: int) -> np.ndarray | None:
-    """The peak learning rate of each of ``n`` members, read on the host from the optimizer state's
-    injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr, see
-    :func:`klrl.train_parts.make_optimizer`); None for a state without one."""
-    try:
-        step_size = state.opt_state[-1].hyperparams["step_size"]
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return None
-    return np.broadcast_to(-np.asarray(distributed.to_host(step_size), np.float64).reshape(-1), (n,))
-
-
-def tokens_per_s(response_length: float, batch_size: int, seconds: float) -> float:
-    """Response tokens generated per second: ``response/length`` (mean tokens per sequence) x
-    ``train.batch_size`` sequences over the iteration's wall time."""
-    return response_length * batch_size / seconds
 
 
 class _Stop(Exception):
@@ -176,6 +144,8 @@ def drive(
     rows: list[list[dict[str, Any]]] = [[] for _ in cfgs]
     rollbacks = 0
     swept = varying_fields(cfgs) if stacked else []
+    aliases = alias_map(tc.metric_aliases)
+    alias_names = set(aliases.values())
     if resume is not None:
         root = resume.dir
         dirs = _member_dirs(root, cfgs, stacked, existing=True)
@@ -190,6 +160,7 @@ def drive(
         for j, d in enumerate(dirs):
             lines = complete_lines(d / "metrics.jsonl")
             rows[j] = [json.loads(line) for line in lines[:n_lines]]
+            rows[j] = [{k: v for k, v in r.items() if k not in alias_names} for r in rows[j]]
             if main:
                 if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
                     replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
@@ -279,8 +250,8 @@ def drive(
                         log(msg)
                         if writers:
                             writers[j].event(it, "rollback_off", msg)
-            if writers:
-                writers[j].write(it, mj)
+            if writers:  # the aliases only in metrics.jsonl and the event file, not in the rows
+                writers[j].write(it, with_aliases(mj, aliases) if aliases else mj)
         if on_step is not None and main:
             if stacked:
                 on_step(

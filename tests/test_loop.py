@@ -260,3 +260,32 @@ def test_on_step_gets_each_recorded_row(cache_dir, tmp_path):
     drive(prog, write=False, on_step=lambda i, m: one.append((i, m)))
     assert [(i, m["reward/task"]) for i, m in one] == [(0, 0.0), (1, 0.5), (2, 1.0), (3, 1.5)]
     assert isinstance(one[0][1]["reward/task"], float)
+
+
+def test_metric_aliases_in_metrics_jsonl_and_tensorboard_only(cache_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from klrl.config import ConfigError
+
+    base = base_config(cache_dir, iterations=3, checkpoint_every=0, metric_aliases="verl")
+    members = [base.replace(kl={"beta": 0.1}), base.replace(kl={"beta": 1.0})]
+    results, _ = _fake_sweep(members, out_dir=tmp_path / "s")
+    for m, r in zip(members, results, strict=True):
+        rows = [json.loads(x) for x in (r.dir / "metrics.jsonl").read_text().splitlines()]
+        # verl's names (klrl/aliases.py): ctrl/beta -> actor/reward_kl_penalty_coeff, response/length ->
+        # response_length/mean
+        assert [row["actor/reward_kl_penalty_coeff"] for row in rows] == pytest.approx([m.kl.beta] * 3)
+        assert [row["response_length/mean"] for row in rows] == [4.0] * 3
+        assert "actor/reward_kl_penalty_coeff" not in r.metrics  # the rows in memory keep klrl's names
+        ea = EventAccumulator(str(r.dir / "tb"))
+        ea.Reload()
+        assert "actor/reward_kl_penalty_coeff" in ea.Tags()["scalars"]
+    from klrl.host_metrics import alias_map, with_aliases
+
+    # TRL's PPOTrainer names: kl/seq_sum -> objective/kl; a name already a klrl metric is not overwritten
+    got = with_aliases(
+        {"kl/seq_sum": 2.0, "policy/entropy_avg": 7.0, "policy/entropy": 1.0}, alias_map("trl")
+    )
+    assert got == {"kl/seq_sum": 2.0, "objective/kl": 2.0, "policy/entropy": 1.0, "policy/entropy_avg": 7.0}
+    with pytest.raises(ConfigError, match="train.metric_aliases"):
+        base.replace(train={"metric_aliases": "openrlhf"})
