@@ -7,9 +7,9 @@ the non-finite stop (after exactly ``train.max_consecutive_skips`` skips), the q
 and resume: the same code for both, so a sweep resumes exactly like a run, bit for bit.
 
 Layout: a single run keeps everything in its run directory; a sweep keeps ``sweep.json``,
-``task.json`` and ``checkpoints/`` in the sweep directory and one ``member-XX/`` directory
-(config, metrics, events, summary) per member. Metrics are fetched one step late (the host
-writes iteration ``i`` while the device runs ``i + 1``).
+``task.json`` and ``checkpoints/`` in the sweep directory and one directory (config, metrics,
+events, summary) per member, named after its swept values (``member-XX`` in older sweeps).
+Metrics are fetched one step late (the host writes iteration ``i`` while the device runs ``i + 1``).
 """
 
 from __future__ import annotations

@@ -159,8 +159,10 @@ def sweep(
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
     The loop is a single run's (:mod:`klrl.loop`): with ``write``, ``out_dir`` (default: a new run
-    directory) gets ``member-XX/`` sub-directories, each with its own config, ``metrics.jsonl``
-    and event file, a ``sweep.json`` index, and ``checkpoints/`` of the stacked state every
+    directory) gets one sub-directory per member, named after its swept values
+    (:func:`klrl.results.member_names`: ``kl.beta=0.1,train.seed=1``, else ``member-XX``), each with
+    its own config, ``metrics.jsonl`` and event file (with an HParams session), a ``sweep.json`` index
+    (``members`` and ``axes``), and ``checkpoints/`` of the stacked state every
     ``train.checkpoint_every`` iterations. SIGTERM/SIGINT checkpoint and return (``info['stopped']``);
     ``resume=SWEEP_DIR`` continues the sweep exactly (bit for bit against an uninterrupted one).
     The non-finite guard and the quality rollback apply per member (a rollback restores the whole
