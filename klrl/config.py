@@ -319,9 +319,13 @@ class TrainConfig:
     )
     rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
     max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
+    metric_aliases: str = _f(
+        "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
+    )
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, "train.iterations", "must be >= 1")
+        _choice(self.metric_aliases, "train.metric_aliases", ("", "trl", "verl"))
         _check(self.seed >= 0, "train.seed", "must be >= 0")
         _check(self.out_dir != "", "train.out_dir", "must not be empty")
         bad_name = "/" in self.name or "\\" in self.name or self.name in (".", "..")

@@ -7,9 +7,9 @@ the non-finite stop (after exactly ``train.max_consecutive_skips`` skips), the q
 and resume: the same code for both, so a sweep resumes exactly like a run, bit for bit.
 
 Layout: a single run keeps everything in its run directory; a sweep keeps ``sweep.json``,
-``task.json`` and ``checkpoints/`` in the sweep directory and one ``member-XX/`` directory
-(config, metrics, events, summary) per member. Metrics are fetched one step late (the host
-writes iteration ``i`` while the device runs ``i + 1``).
+``task.json`` and ``checkpoints/`` in the sweep directory and one directory (config, metrics,
+events, summary) per member, named after its swept values (``member-XX`` in older sweeps).
+Metrics are fetched one step late (the host writes iteration ``i`` while the device runs ``i + 1``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ import numpy as np
 
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig
+from klrl.host_metrics import alias_map, final_metrics, learning_rates, tokens_per_s, with_aliases
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir
+from klrl.io import readers
+from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sweep_progress
 from klrl.io.resume import Resume, check_resumable, complete_lines, replace_file
 from klrl.io.resume import restore as restore_resume
-from klrl.results import SUMMARY_KEYS, RunResult, columns
+from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 
@@ -57,8 +59,16 @@ class _Stop(Exception):
     pass
 
 
-def _member_dirs(root: Path, n: int, stacked: bool) -> list[Path]:
-    return [root / f"member-{j:02d}" for j in range(n)] if stacked else [root]
+def _member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: bool = False) -> list[Path]:
+    """A run's directory, or a sweep's member directories: after the swept values
+    (:func:`klrl.results.member_names`) for a new sweep, those ``sweep.json`` lists for an
+    ``existing`` one (older sweeps: ``member-XX``)."""
+    if not stacked:
+        return [root]
+    names = readers.read_sweep_members(root) if existing else member_names(cfgs)
+    if len(names) != len(cfgs):
+        raise ckpt.CheckpointError(f"{root}/sweep.json lists {len(names)} members, the sweep has {len(cfgs)}")
+    return [root / n for n in names]
 
 
 def prepare_sweep_resume(members: list[RunConfig], sweep_dir: str | Path) -> Resume:
@@ -85,7 +95,7 @@ def prepare_sweep_resume(members: list[RunConfig], sweep_dir: str | Path) -> Res
         check_resumable(s, m)
     if members[0].train.iterations < step:
         raise ConfigError(f"train.iterations: {members[0].train.iterations} is below the checkpoint's {step}")
-    for p in _member_dirs(d, len(members), True):
+    for p in _member_dirs(d, members, True, existing=True):
         n = len(complete_lines(p / "metrics.jsonl"))
         if n < int(meta["metrics_lines"]):
             raise ckpt.CheckpointError(
@@ -102,13 +112,18 @@ def drive(
     resume: Resume | None = None,
     log: Callable[[str], None] | None = None,
     guard: reliability.RunGuard | None = None,
+    on_step: Callable[[int, dict[str, Any]], Any] | None = None,
 ) -> tuple[list[RunResult], str | None]:
     """Run ``prog`` to the end (or a stop); returns one :class:`RunResult` per member and the
     reason of a guard/rollback stop (None otherwise). See the module docstring.
 
     ``guard`` (:class:`klrl.reliability.RunGuard`, entered by the caller before anything was built)
     holds the signal handlers installed since then and takes the run directory's lock here, before
-    anything is written into a new directory."""
+    anything is written into a new directory.
+
+    ``on_step(iteration, metrics)`` (e.g. a live plot in a notebook) is called on the host after each
+    row is recorded (one step late, as rows are), with the run's metrics (``{name: float}``) or, for
+    a sweep, ``{name: array over members}``; on process 0 only."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     cfgs, n_m, stacked = prog.configs, len(prog.configs), prog.stacked
     tc = cfgs[0].train
@@ -128,9 +143,12 @@ def drive(
     writers: list[MetricsWriter] = []
     rows: list[list[dict[str, Any]]] = [[] for _ in cfgs]
     rollbacks = 0
+    swept = varying_fields(cfgs) if stacked else []
+    aliases = alias_map(tc.metric_aliases)
+    alias_names = set(aliases.values())
     if resume is not None:
         root = resume.dir
-        dirs = _member_dirs(root, n_m, stacked)
+        dirs = _member_dirs(root, cfgs, stacked, existing=True)
         # a checkpoint, or the initial state for a directory with nothing done yet (killed before
         # its first checkpoint); checksums verified (klrl.io.checkpoint)
         state, meta = restore_resume(resume, abstract, prog.init)
@@ -142,11 +160,12 @@ def drive(
         for j, d in enumerate(dirs):
             lines = complete_lines(d / "metrics.jsonl")
             rows[j] = [json.loads(line) for line in lines[:n_lines]]
+            rows[j] = [{k: v for k, v in r.items() if k not in alias_names} for r in rows[j]]
             if main:
                 if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
                     replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
                 replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
-                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j])))
+                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
                 dropped = len(lines) - n_lines
                 msg = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
                 writers[-1].event(resume.step, "resume", msg)
@@ -158,18 +177,22 @@ def drive(
             root.mkdir(parents=True, exist_ok=True)
             if guard is not None:
                 guard.hold(root)  # one writer per run directory, before anything is written into it
-            dirs = _member_dirs(root, n_m, stacked)
+            dirs = _member_dirs(root, cfgs, stacked)
             for j, d in enumerate(dirs):
                 d.mkdir(exist_ok=True)
                 (d / "config.json").write_text(json.dumps(cfgs[j].to_dict(), indent=1))
-                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j])))
+                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
             if stacked:
-                (root / "sweep.json").write_text(json.dumps({"members": [d.name for d in dirs]}, indent=1))
+                index = {"members": [d.name for d in dirs], "axes": sweep_axes(cfgs)}
+                (root / "sweep.json").write_text(json.dumps(index, indent=1, default=str))
             (root / "task.json").write_text(json.dumps(prog.task_info, indent=1, default=str))
         if write:  # every process saves checkpoints (orbax coordinates them) into process 0's directory
             root = distributed.agree_path(root)
         state = prog.init()
-    dirs = _member_dirs(root, n_m, stacked) if root is not None else [None] * n_m
+    if root is not None:
+        dirs = _member_dirs(root, cfgs, stacked, existing=stacked and resume is not None)
+    else:
+        dirs = [None] * n_m
     # the state a rollback to step 0 restores (a host copy: ``init`` cannot be re-run once ``step``
     # has donated the controller's parameter arrays)
     initial = ckpt.host_copy(state if resume is None else prog.init()) if metric else None
@@ -184,19 +207,38 @@ def drive(
             bases[j] = values[j] if ok else (traces[j][0] if traces[j] else None)
 
     quiet = tc.quiet or not main
-    progress = Progress(tc.iterations, tc.log_every, quiet)
     t0 = time.time()
     i = len(rows[0])
     start = i
+    progress = Progress(tc.iterations, tc.log_every, quiet, start=start)
     last_saved = i if resume is not None else -1
     stopped: str | None = None
     stop_error: str | None = None
 
+    lrs = learning_rates(state, n_m)  # (read before the first step donates the state)
+    clock = {"last": None}  # when the previous row was flushed (None: none yet in this process)
+
     def flush(it: int, m: Any) -> None:
         m = distributed.to_host(m)
+        now = time.time()
+        # wall time per iteration: between two rows (one step late, so in steady state the step's time);
+        # the first row of this process holds the compile and is not timed
+        dt = None if clock["last"] is None else now - clock["last"]
+        clock["last"] = now
         for j in range(n_m):
             mj = {k: float(v[j] if stacked else v) for k, v in m.items()}
+            # host-side metrics (the compiled step is unchanged): deterministic ones in the rows
+            mj["train/samples"] = float((it + 1) * cfgs[j].train.batch_size)
+            if lrs is not None:
+                mj["optim/lr"] = float(lrs[j])
             rows[j].append({"iteration": it, **mj})
+            if writers and dt is not None and dt > 0:
+                timing = {"train/iteration_s": dt}
+                if "response/length" in mj:
+                    timing["perf/tokens_per_s"] = tokens_per_s(
+                        mj["response/length"], cfgs[j].train.batch_size, dt
+                    )
+                writers[j].write_timing(it, timing)
             if metric:
                 traces[j].append(mj.get(metric, math.nan))
                 if bases[j] is None:
@@ -208,11 +250,23 @@ def drive(
                         log(msg)
                         if writers:
                             writers[j].event(it, "rollback_off", msg)
-            if writers:
-                writers[j].write(it, mj)
+            if writers:  # the aliases only in metrics.jsonl and the event file, not in the rows
+                writers[j].write(it, with_aliases(mj, aliases) if aliases else mj)
+        if on_step is not None and main:
+            if stacked:
+                on_step(
+                    it,
+                    {
+                        k: np.array([r[-1].get(k, np.nan) for r in rows])
+                        for k in rows[0][-1]
+                        if k != "iteration"
+                    },
+                )
+            else:
+                on_step(it, {k: v for k, v in rows[0][-1].items() if k != "iteration"})
         if stacked:
-            means = {k: float(np.mean(v)) for k, v in m.items()}
-            progress.update(it, means, extra=f"({n_m} members, mean)")
+            means, text = sweep_progress(m)
+            progress.update(it, means, extra=text)
         else:
             progress.update(it, {k: float(v) for k, v in m.items()})
 
@@ -246,7 +300,7 @@ def drive(
     def roll_back() -> int:
         """Restore the newest checkpoint good for every member whose metric crossed, with those
         members' beta x factor (the other members replay exactly); returns its step."""
-        nonlocal state, rollbacks, last_saved
+        nonlocal state, rollbacks, last_saved, lrs
         mgr.wait_until_finished()
         steps = ckpt.steps(mgr)
         decs = {}
@@ -272,6 +326,8 @@ def drive(
                                                 tc.rollback_factor)  # fmt: skip
         new = new._replace(ctrl=new.ctrl._replace(beta=beta.reshape(old.shape).astype(np.float32)))
         state = prog.place(new)
+        lrs = learning_rates(new, n_m)
+        clock["last"] = None  # the next row follows a restore: not timed
         for s in ckpt.steps(mgr):
             if s > target:
                 mgr.delete(s)
@@ -354,6 +410,7 @@ def drive(
                 if i >= tc.iterations and pending is None:
                     break
     finally:
+        progress.close()
         if mgr is not None:
             ckpt.finish(mgr)  # wait + close; a second error on the way out is dropped
     elapsed = time.time() - t0
@@ -365,8 +422,7 @@ def drive(
         member_state = jax.tree.map(lambda x, j=j: x[j], state) if stacked else state
         r = RunResult(c, dirs[j], columns(rows[j]), member_state, info)
         if writers:  # process 0 only
-            final = rows[j][-1] if rows[j] else {}
-            writers[j].close({k: final[k] for k in SUMMARY_KEYS if k in final})
+            writers[j].close(final_metrics(r.metrics, cfgs[j].diag.window), step=max(i - 1, 0))
             (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
         results.append(r)
     return results, stop_error

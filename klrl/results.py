@@ -6,6 +6,7 @@ sweep, the plots and the report all read results without importing each other.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ class RunResult:
     state: Any = None
     info: dict[str, Any] = field(default_factory=dict)
 
+    def to_frame(self, metrics: list[str] | None = None) -> Any:
+        """See :func:`to_frame`."""
+        return to_frame(self, metrics)
+
     def summary(self) -> dict[str, dict[str, float]]:
         out = {}
         for k in SUMMARY_KEYS:
@@ -61,10 +66,100 @@ def load_run(run_dir: str | Path) -> RunResult:
     return RunResult(cfg, d, columns(rows))
 
 
-def load_sweep(sweep_dir: str | Path) -> list[RunResult]:
+class Sweep(list):
+    """The results of a sweep (a ``list`` of :class:`RunResult`), with :meth:`to_frame`."""
+
+    def to_frame(self, metrics: list[str] | None = None) -> Any:
+        """See :func:`to_frame`."""
+        return to_frame(self, metrics)
+
+
+def to_frame(results: RunResult | list[RunResult], metrics: list[str] | None = None) -> Any:
+    """A long pandas DataFrame of runs: one row per (member, iteration, metric) with columns
+    ``member`` (the member's directory name, else ``member-XX``), ``iteration``, ``metric``,
+    ``value``, and one column per config field that differs between the runs (``kl.beta``, ...).
+    ``metrics`` keeps only those names. Needs pandas (an optional dependency)."""
+    try:
+        import pandas as pd
+    except ImportError as e:  # pragma: no cover - pandas is installed in the test environment
+        raise ImportError("klrl.results.to_frame needs pandas: pip install pandas") from e
+    runs = [results] if isinstance(results, RunResult) else list(results)
+    vary = [a for a in varying_fields([r.config for r in runs]) if a != "train.name"]
+    parts = []
+    for j, r in enumerate(runs):
+        member = r.dir.name if r.dir is not None else f"member-{j:02d}"
+        for k, v in r.metrics.items():
+            if metrics is not None and k not in metrics:
+                continue
+            v = np.asarray(v, float)
+            cols = {"member": member, "iteration": np.arange(len(v)), "metric": k, "value": v}
+            cols.update({a: [_get(r.config, a)] * len(v) for a in vary})
+            parts.append(pd.DataFrame(cols))
+    if not parts:
+        return pd.DataFrame(columns=["member", "iteration", "metric", "value", *vary])
+    return pd.concat(parts, ignore_index=True)
+
+
+def load_sweep(sweep_dir: str | Path) -> Sweep:
     """Read a sweep from disk: one :class:`RunResult` per member (config and metrics; no state).
 
-    Members are those ``sweep.json`` lists, else the ``member-XX/`` sub-directories in order.
+    Members are those ``sweep.json`` lists, else the ``member-XX/`` sub-directories in order;
+    ``load_sweep(d).to_frame()`` is the long DataFrame of :func:`to_frame`.
     """
     d = Path(sweep_dir)
-    return [load_run(d / n) for n in readers.read_sweep_members(d)]
+    return Sweep(load_run(d / n) for n in readers.read_sweep_members(d))
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    section, name = dotted.split(".", 1)
+    return getattr(getattr(cfg, section), name)
+
+
+def varying_fields(configs: list[RunConfig]) -> list[str]:
+    """The ``section.field`` names whose values differ between ``configs``, sorted."""
+    dicts = [c.to_dict() for c in configs]
+    if not dicts:
+        return []
+    first = dicts[0]
+    return sorted(
+        f"{s}.{k}"
+        for s, fields in first.items()
+        for k, v in fields.items()
+        if any(d[s][k] != v for d in dicts[1:])
+    )
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+MAX_NAME = 120
+
+
+def _value_text(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def member_names(configs: list[RunConfig]) -> list[str]:
+    """A sweep's member directory names after the swept values, ``kl.beta=0.1,train.seed=1``
+    (fields in sorted order, ``train.name`` left out; characters other than ``A-Za-z0-9._=,+-``
+    become ``_``); ``member-XX`` when no field differs, when two names would be equal or when one
+    would be longer than ``MAX_NAME`` characters."""
+    axes = [a for a in varying_fields(configs) if a != "train.name"]
+    fallback = [f"member-{j:02d}" for j in range(len(configs))]
+    if not axes:
+        return fallback
+    names = [_UNSAFE.sub("_", ",".join(f"{a}={_value_text(_get(c, a))}" for a in axes)) for c in configs]
+    if len(set(names)) < len(names) or any(len(n) > MAX_NAME for n in names):
+        return fallback
+    return names
+
+
+def sweep_axes(configs: list[RunConfig]) -> dict[str, list[Any]]:
+    """``{'section.field': [distinct values, in member order]}`` of the fields that differ."""
+    out: dict[str, list[Any]] = {}
+    for a in varying_fields(configs):
+        vals: list[Any] = []
+        for c in configs:
+            v = _get(c, a)
+            if v not in vals:
+                vals.append(v)
+        out[a] = vals
+    return out

@@ -46,6 +46,7 @@ def run(
     log: Any = None,
     resume: str | Path | None = None,
     report: Callable[[RunResult], Any] | None = None,
+    on_step: Callable[[int, dict[str, float]], Any] | None = None,
     **models: Any,
 ) -> RunResult:
     """Train ``cfg`` to the end and return its metrics, final state and run directory.
@@ -56,7 +57,8 @@ def run(
     ``metrics.jsonl`` is cut back to the checkpoint, so the result is the same, bit for bit,
     as a run that was never interrupted. ``report(result)`` is called at the end of a written run
     (e.g. :func:`klrl.report.maybe_write_report`); ``models`` go to :func:`klrl.train.make_train`
-    (``policy=``, ``policy_params=``, ...).
+    (``policy=``, ``policy_params=``, ...). ``on_step(iteration, metrics)`` is called with each
+    iteration's metrics as they are recorded (e.g. for a live plot; see :func:`klrl.loop.drive`).
 
     SIGTERM/SIGINT finish the current iteration, checkpoint and return
     (``result.info['stopped']`` names the signal). :class:`klrl.reliability.RunStopped` is raised
@@ -67,10 +69,10 @@ def run(
     # the whole run inside RunGuard: signals from the start (a SIGTERM during the task build or the
     # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
-        return _run(cfg, task, run_dir, write, log, resume, report, models, guard)
+        return _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step)
 
 
-def _run(cfg, task, run_dir, write, log, resume, report, models, guard) -> RunResult:
+def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=None) -> RunResult:
     tc = cfg.train
     plan = None
     if resume is not None:
@@ -101,7 +103,9 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard) -> RunRe
         env=env,
         task_info=task.info,
     )
-    (result,), stop_error = drive(prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard)
+    (result,), stop_error = drive(
+        prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard, on_step=on_step
+    )
     if result.dir is not None and distributed.is_main():
         if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
             from klrl.tasks.text import save_policy

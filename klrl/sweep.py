@@ -30,7 +30,7 @@ from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
 from klrl.loop import Program, drive, prepare_sweep_resume
 from klrl.parallel import SWEEP, make_mesh, shard_step
-from klrl.results import SUMMARY_KEYS, RunResult
+from klrl.results import SUMMARY_KEYS, RunResult, Sweep
 from klrl.runner import build_task
 from klrl.tasks.base import Task
 from klrl.train import make_train, set_learning_rate
@@ -154,26 +154,31 @@ def sweep(
     log: Any = None,
     resume: str | Path | None = None,
     report: Callable[[list[RunResult]], Any] | None = None,
-) -> list[RunResult]:
+    on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
     The loop is a single run's (:mod:`klrl.loop`): with ``write``, ``out_dir`` (default: a new run
-    directory) gets ``member-XX/`` sub-directories, each with its own config, ``metrics.jsonl``
-    and event file, a ``sweep.json`` index, and ``checkpoints/`` of the stacked state every
+    directory) gets one sub-directory per member, named after its swept values
+    (:func:`klrl.results.member_names`: ``kl.beta=0.1,train.seed=1``, else ``member-XX``), each with
+    its own config, ``metrics.jsonl`` and event file (with an HParams session), a ``sweep.json`` index
+    (``members`` and ``axes``), and ``checkpoints/`` of the stacked state every
     ``train.checkpoint_every`` iterations. SIGTERM/SIGINT checkpoint and return (``info['stopped']``);
     ``resume=SWEEP_DIR`` continues the sweep exactly (bit for bit against an uninterrupted one).
     The non-finite guard and the quality rollback apply per member (a rollback restores the whole
     sweep to a checkpoint good for the members that crossed; the others replay exactly).
     ``report(results)`` is called at the end of a written sweep. With several processes only
-    process 0 writes.
+    process 0 writes. ``on_step(iteration, metrics)`` gets each iteration's ``{name: array over
+    members}`` as it is recorded (e.g. for a live plot). The result is a list with
+    ``.to_frame()`` (:func:`klrl.results.to_frame`).
     """
     check_members(members)
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
-        return _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard)
+        return _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard, on_step)
 
 
-def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard) -> list[RunResult]:
+def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, guard, on_step=None) -> Sweep:
     base = members[0]
     plan = None
     if resume is not None:
@@ -200,7 +205,10 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         task_info=task.info,
         abstract=abstract,
     )
-    results, stop_error = drive(prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard)
+    results, stop_error = drive(
+        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step
+    )
+    results = Sweep(results)
     if results[0].dir is not None and distributed.is_main() and report is not None:
         report(results)
     if stop_error is not None:

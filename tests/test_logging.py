@@ -47,3 +47,59 @@ def test_a_failing_event_writer_thread_is_reported_not_hung(tmp_path, monkeypatc
             time.sleep(0.01)
     assert e.value.errno == errno.ENOSPC and time.time() - t0 < 30
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_eta_counts_only_this_process_after_the_first_step():
+    from klrl.io.logging import eta_seconds
+
+    # resumed at 40 of 100; the first step of this process returned at done=41 (after the compile);
+    # 10 more iterations in 5 s: 0.5 s each, 49 left
+    assert eta_seconds(51, 100, 41, 5.0) == 24.5
+    assert eta_seconds(41, 100, 41, 0.0) is None  # nothing timed yet (the first step holds the compile)
+    assert eta_seconds(100, 100, 1, 9.0) == 0.0
+
+
+def test_progress_lines_when_not_a_tty(monkeypatch):
+    import io
+
+    from klrl.io import logging as L
+
+    clock = iter([0.0, 100.0, 101.0, 102.0])  # t0; the first update after a 100 s compile; 1 s each
+    monkeypatch.setattr(L.time, "time", lambda: next(clock))
+    out = io.StringIO()
+    p = L.Progress(10, every=1, stream=out, start=5)
+    for i in (5, 6, 7):
+        p.update(i, {"reward/task": 0.5, "ctrl/beta": 0.1})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[6/10] R 0.5 beta 0.1 | eta ?")
+    assert "eta 3s" in lines[1] and "eta 2s" in lines[2]  # 1 s/iteration, the compile not counted
+
+
+def test_sweep_progress_shows_the_range_of_beta():
+    import numpy as np
+
+    from klrl.io.logging import sweep_progress
+
+    means, text = sweep_progress(
+        {"ctrl/beta": np.array([0.1, 0.01, 1.0]), "reward/task": np.array([1.0, 2, 3])}
+    )
+    assert text == "beta 0.01..1 (3 members, mean)" and means == {"reward/task": 2.0}
+    _, text = sweep_progress({"ctrl/beta": np.array([0.5, 0.5])})
+    assert text == "beta 0.5 (2 members, mean)"
+
+
+def test_progress_bar_on_a_terminal():
+    import io
+
+    from klrl.io.logging import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    p = Progress(3, stream=out)
+    for i in range(3):
+        p.update(i, {"reward/task": 0.25})
+    text = out.getvalue()
+    assert "3/3" in text and "R 0.25" in text and p._bar is None  # closed at the end

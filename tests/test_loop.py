@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import signal
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +63,8 @@ def test_sweep_sigterm_then_resume_is_bit_identical(tiny_task, cache_dir, jax_ca
         assert a.metrics.keys() == b.metrics.keys()
         for k in a.metrics:
             assert a.metrics[k].tobytes() == b.metrics[k].tobytes(), (j, k)
-        d = f"member-{j:02d}"
+        d = a.dir.name  # named after the swept value (kl.beta=...)
+        assert d == f"kl.beta={a.config.kl.beta}" and lines(tmp_path / "full" / d / "metrics.jsonl")
         assert lines(tmp_path / "full" / d / "metrics.jsonl") == lines(tmp_path / "cut" / d / "metrics.jsonl")
     assert [len(r.metrics["reward/task"]) for r in load_sweep(tmp_path / "cut")] == [6, 6]
     # the members differ (their beta), so the comparison above is not of one run with itself
@@ -83,7 +85,7 @@ def test_sweep_resume_refuses_a_changed_member(tiny_task, cache_dir, jax_cache, 
     with pytest.raises(ConfigError, match="3 members given"):
         sweep([*members, members[0]], task=tiny_task, resume=tmp_path / "s")
     with pytest.raises(CheckpointError, match="no sweep.json"):
-        sweep(members, task=tiny_task, resume=tmp_path / "s" / "member-00")
+        sweep(members, task=tiny_task, resume=tmp_path / "s" / "kl.beta=0.01")
 
 
 def test_sweep_nonfinite_member_stops_after_exactly_k(tiny_task, cache_dir, jax_cache, tmp_path):
@@ -99,7 +101,8 @@ def test_sweep_nonfinite_member_stops_after_exactly_k(tiny_task, cache_dir, jax_
     with pytest.raises(RunStopped, match="2 consecutive iterations skipped") as e:
         sweep(members, task=task, out_dir=tmp_path / "s")
     for j in range(2):
-        rows = [json.loads(x) for x in lines(tmp_path / "s" / f"member-{j:02d}" / "metrics.jsonl")]
+        rows = [json.loads(x) for x in lines(e.value.result[j].dir / "metrics.jsonl")]
+        assert len(rows) == 2
         assert [r["guard/consecutive_skips"] for r in rows] == [1.0, 2.0]
     assert len(e.value.result) == 2
 
@@ -112,3 +115,177 @@ def test_sweep_write_false_keeps_everything_in_memory(tiny_task, cache_dir, jax_
     assert all(
         len(r.metrics["reward/task"]) == 6 and np.isfinite(r.metrics["reward/task"]).all() for r in res
     )
+
+
+# ---- sweeps you can compare: member names, sweep.json axes, HParams in the member's own run ---------
+
+
+class _Inject(NamedTuple):
+    hyperparams: dict
+
+
+class _FakeState(NamedTuple):
+    t: Any
+    beta: Any
+    seed: Any
+    opt_state: tuple
+
+
+def _fake_sweep(members, **kw):
+    """A stacked Program whose step is known by hand: ``reward/gold = 10 beta + seed + t`` at
+    iteration ``t`` (no model: the loop's bookkeeping only); its optimizer state holds the
+    injected ``step_size = -optim.lr`` as optax does."""
+    import jax
+
+    from klrl.loop import Program, drive
+
+    def col(f):
+        return jnp.asarray(np.array([f(m) for m in members], np.float32))
+
+    def init():
+        lr = _Inject({"step_size": -col(lambda m: m.optim.lr)})
+        return _FakeState(
+            jnp.zeros(len(members)), col(lambda m: m.kl.beta), col(lambda m: m.train.seed), (lr,)
+        )
+
+    @jax.jit
+    def step(s, env):
+        m = {"reward/gold": 10 * s.beta + s.seed + s.t, "ctrl/beta": s.beta, "eval/ref_ppl": 2.0 + 0 * s.t,
+             "response/length": 4.0 + 0 * s.t}  # fmt: skip
+        return s._replace(t=s.t + 1), m
+
+    prog = Program(configs=members, stacked=True, init=init, step=step, place=lambda s: s, env=None)
+    return drive(prog, **kw)
+
+
+def test_2x2_sweep_in_tensorboards_hparams_dashboard(cache_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from klrl.results import load_sweep
+    from klrl.sweep import grid
+
+    base = base_config(cache_dir, iterations=6, checkpoint_every=0)
+    members = grid(base, {"kl.beta": [0.1, 1.0], "train.seed": [1, 2]})
+    results, err = _fake_sweep(members, out_dir=tmp_path / "s")
+    assert err is None
+    names = ["kl.beta=0.1,train.seed=1", "kl.beta=0.1,train.seed=2", "kl.beta=1.0,train.seed=1",
+             "kl.beta=1.0,train.seed=2"]  # fmt: skip
+    index = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert index == {"members": names, "axes": {"kl.beta": [0.1, 1.0], "train.seed": [1, 2]}}
+    assert [r.dir.name for r in results] == names
+    assert [r.config for r in load_sweep(tmp_path / "s")] == members
+    for name, m in zip(names, members, strict=True):
+        tb = tmp_path / "s" / name / "tb"
+        assert not (tb / "hparams").exists()  # one run: the series and the HParams session together
+        ea = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+        ea.Reload()
+        content = ea.PluginTagToContent("hparams")
+        start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+        hp = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
+        assert hp["kl/beta"] == pytest.approx(m.kl.beta) and hp["train/seed"] == m.train.seed
+        exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+        tags = {i.name.tag for i in exp.metric_infos}
+        assert {"final/reward/gold", "final/eval/ref_ppl", "final/ctrl/beta"} <= tags
+        assert {"kl/beta", "train/seed"} <= {i.name for i in exp.hparam_infos}
+        # the final value: the mean over the last diag.window (20 >= 6) iterations, 0..5 -> 2.5
+        (final,) = ea.Scalars("final/reward/gold")
+        want = 10 * np.float32(m.kl.beta) + m.train.seed + 2.5
+        assert final.value == pytest.approx(want, rel=1e-6) and final.step == 5
+        assert len(ea.Scalars("reward/gold")) == 6
+
+
+def test_member_names_fall_back_to_member_xx(cache_dir):
+    from klrl.results import member_names
+
+    base = base_config(cache_dir)
+    assert member_names([base, base]) == ["member-00", "member-01"]  # nothing differs
+    only_name = [base.replace(train={"name": "a"}), base.replace(train={"name": "b"})]
+    assert member_names(only_name) == ["member-00", "member-01"]
+    odd = [
+        base.replace(ctrl={"kind": "fixed", "target": 1.0}),
+        base.replace(ctrl={"kind": "pi", "target": 0.5}),
+    ]
+    assert member_names(odd) == ["ctrl.kind=fixed,ctrl.target=1.0", "ctrl.kind=pi,ctrl.target=0.5"]
+    assert member_names([base.replace(kl={"beta": 1e-3}), base])[0] == "kl.beta=0.001"
+    # a value with characters unsafe in a path: replaced by "_"
+    out = member_names([base.replace(train={"out_dir": "a/b c"}), base.replace(train={"out_dir": "x"})])
+    assert out == ["train.out_dir=a_b_c", "train.out_dir=x"]
+
+
+def test_host_side_metrics_lr_samples_throughput(cache_dir, tmp_path):
+    base = base_config(cache_dir, iterations=6, checkpoint_every=0)
+    members = [base.replace(optim={"lr": 1e-3}), base.replace(optim={"lr": 2e-3})]
+    results, _ = _fake_sweep(members, out_dir=tmp_path / "s")
+    batch = base.train.batch_size
+    for m, r in zip(members, results, strict=True):
+        np.testing.assert_allclose(r.metrics["optim/lr"], [m.optim.lr] * 6, rtol=1e-6)  # float32 in the state
+        np.testing.assert_array_equal(r.metrics["train/samples"], batch * np.arange(1, 7))
+        assert "train/iteration_s" not in r.metrics  # wall clock: not in the rows a resume reproduces
+        timing = [json.loads(x) for x in (r.dir / "timing.jsonl").read_text().splitlines()]
+        assert [t["iteration"] for t in timing] == [1, 2, 3, 4, 5]  # iteration 0 holds the compile
+        for t in timing:
+            assert t["train/iteration_s"] > 0
+            assert t["perf/tokens_per_s"] == pytest.approx(4.0 * batch / t["train/iteration_s"])
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        ea = EventAccumulator(str(r.dir / "tb"))
+        ea.Reload()
+        assert {"optim/lr", "train/samples", "train/iteration_s", "perf/tokens_per_s"} <= set(
+            ea.Tags()["scalars"]
+        )
+
+
+def test_on_step_gets_each_recorded_row(cache_dir, tmp_path):
+    import jax
+
+    from klrl.loop import Program, drive
+
+    base = base_config(cache_dir, iterations=4, checkpoint_every=0)
+    seen = []
+    members = [base.replace(kl={"beta": 0.1}), base.replace(kl={"beta": 1.0})]
+    results, _ = _fake_sweep(members, write=False, on_step=lambda i, m: seen.append((i, m)))
+    assert [i for i, _ in seen] == [0, 1, 2, 3]
+    np.testing.assert_allclose(seen[2][1]["reward/gold"], [10 * 0.1 + 2, 10 * 1.0 + 2], rtol=1e-6)
+    np.testing.assert_array_equal(seen[3][1]["train/samples"], [4 * base.train.batch_size] * 2)
+
+    @jax.jit
+    def step(t, env):  # a single run: metrics are plain floats
+        return t + 1, {"reward/task": t * 0.5}
+
+    one = []
+    prog = Program(
+        configs=[base], stacked=False, init=lambda: jnp.float32(0), step=step, place=lambda s: s, env=None
+    )
+    drive(prog, write=False, on_step=lambda i, m: one.append((i, m)))
+    assert [(i, m["reward/task"]) for i, m in one] == [(0, 0.0), (1, 0.5), (2, 1.0), (3, 1.5)]
+    assert isinstance(one[0][1]["reward/task"], float)
+
+
+def test_metric_aliases_in_metrics_jsonl_and_tensorboard_only(cache_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from klrl.config import ConfigError
+
+    base = base_config(cache_dir, iterations=3, checkpoint_every=0, metric_aliases="verl")
+    members = [base.replace(kl={"beta": 0.1}), base.replace(kl={"beta": 1.0})]
+    results, _ = _fake_sweep(members, out_dir=tmp_path / "s")
+    for m, r in zip(members, results, strict=True):
+        rows = [json.loads(x) for x in (r.dir / "metrics.jsonl").read_text().splitlines()]
+        # verl's names (klrl/aliases.py): ctrl/beta -> actor/reward_kl_penalty_coeff, response/length ->
+        # response_length/mean
+        assert [row["actor/reward_kl_penalty_coeff"] for row in rows] == pytest.approx([m.kl.beta] * 3)
+        assert [row["response_length/mean"] for row in rows] == [4.0] * 3
+        assert "actor/reward_kl_penalty_coeff" not in r.metrics  # the rows in memory keep klrl's names
+        ea = EventAccumulator(str(r.dir / "tb"))
+        ea.Reload()
+        assert "actor/reward_kl_penalty_coeff" in ea.Tags()["scalars"]
+    from klrl.host_metrics import alias_map, with_aliases
+
+    # TRL's PPOTrainer names: kl/seq_sum -> objective/kl; a name already a klrl metric is not overwritten
+    got = with_aliases(
+        {"kl/seq_sum": 2.0, "policy/entropy_avg": 7.0, "policy/entropy": 1.0}, alias_map("trl")
+    )
+    assert got == {"kl/seq_sum": 2.0, "objective/kl": 2.0, "policy/entropy": 1.0, "policy/entropy_avg": 7.0}
+    with pytest.raises(ConfigError, match="train.metric_aliases"):
+        base.replace(train={"metric_aliases": "openrlhf"})

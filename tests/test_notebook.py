@@ -1,5 +1,5 @@
 """experiments/beta_study.ipynb runs top to bottom (nbclient, a real python3 kernel) at tiny sizes set
-through its KLRL_NB_* environment variables, and is stored without outputs."""
+by a cell injected after its ``parameters`` cell (as papermill does), and is stored without outputs."""
 
 from __future__ import annotations
 
@@ -28,19 +28,22 @@ def test_notebook_runs_at_tiny_sizes(tiny_cfg, tiny_task, cache_dir, tmp_path, m
     overrides = {s: tiny[s] for s in ("model", "sampling", "ppo")}
     overrides["task"] = {k: v for k, v in tiny["task"].items() if k not in ("name", "cache_dir")}
     overrides["train"] = {k: tiny["train"][k] for k in ("batch_size", "devices")}
-    env = {
-        "KLRL_NB_ITERATIONS": "3",
-        "KLRL_NB_TASK": "wordclass",
-        "KLRL_NB_BETAS": "0.01",
-        "KLRL_NB_TARGET": "1.0",
-        "KLRL_NB_OUT_DIR": str(tmp_path / "runs"),
-        "KLRL_NB_OVERRIDES": json.dumps(overrides),
-        "KLRL_CACHE": cache_dir,
-        "MPLBACKEND": "Agg",
+    params = {
+        "ITERATIONS": 3,
+        "TASK": "wordclass",
+        "BETAS": [0.01],
+        "TARGET": 1.0,
+        "OUT_DIR": str(tmp_path / "runs"),
+        "OVERRIDES": overrides,
     }
-    for k, v in env.items():
+    for k, v in {"KLRL_CACHE": cache_dir, "MPLBACKEND": "Agg"}.items():
         monkeypatch.setenv(k, v)  # the kernel inherits the environment of this process
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    # the parameters cell (tagged, as papermill expects) is followed by one setting the tiny sizes
+    (at,) = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert set(params) <= {ln.split(" = ")[0] for ln in nb.cells[at].source.splitlines() if " = " in ln}
+    injected = "\n".join(f"{k} = {v!r}" for k, v in params.items())
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(injected, metadata={"tags": ["injected-parameters"]}))
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
     )
@@ -52,4 +55,4 @@ def test_notebook_runs_at_tiny_sizes(tiny_cfg, tiny_task, cache_dir, tmp_path, m
     assert len(images) >= 5
     sweeps = list((tmp_path / "runs").iterdir())
     assert len(sweeps) == 1 and (sweeps[0] / "report.md").is_file()
-    assert len(list(sweeps[0].glob("member-*"))) == 2
+    assert len(json.loads((sweeps[0] / "sweep.json").read_text())["members"]) == 2

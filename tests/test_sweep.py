@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from klrl.config import ConfigError, RunConfig
+from klrl.results import member_names
 from klrl.sweep import check_members, grid, parse_axis
 
 RTOL = 1e-5
@@ -256,9 +257,10 @@ def test_mesh_2x2_matches_unsharded_sweep(swept, subprocs, members, tiny_task) -
 def test_written_member_directories(swept, members) -> None:
     results, root = swept
     index = json.loads((root / "sweep.json").read_text())
-    assert index["members"] == [f"member-{j:02d}" for j in range(len(members))]
+    assert index["members"] == member_names(members) and set(index["axes"]) >= {"kl.beta", "train.seed"}
+    assert index["axes"]["kl.beta"] == [0.05, 0.1, 0.2]
     for j, (m, r) in enumerate(zip(members, results, strict=True)):
-        d = root / f"member-{j:02d}"
+        d = root / index["members"][j]
         assert r.dir == d
         assert RunConfig.from_dict(json.loads((d / "config.json").read_text())) == m
         lines = (d / "metrics.jsonl").read_text().splitlines()

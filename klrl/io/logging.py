@@ -109,21 +109,46 @@ class MetricsWriter:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, float(v), int(iteration))
 
+    def write_timing(self, iteration: int, metrics: dict[str, float]) -> None:
+        """Wall-clock metrics (``train/iteration_s``, ``perf/tokens_per_s``): to the event file and
+        ``timing.jsonl``, not ``metrics.jsonl`` (whose rows a resume reproduces bit for bit)."""
+        with open(self.run_dir / "timing.jsonl", "a") as f:
+            f.write(
+                json.dumps({"iteration": int(iteration), **{k: _clean(v) for k, v in metrics.items()}}) + "\n"
+            )
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, float(v), int(iteration))
+
     def event(self, iteration: int, kind: str, message: str) -> None:
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps({"iteration": int(iteration), "event": kind, "message": message}) + "\n")
         if self._tb is not None:
             self._tb.add_text(f"events/{kind}", message, int(iteration))
 
-    def close(self, final: dict[str, Any] | None = None) -> None:
+    def close(self, final: dict[str, Any] | None = None, step: int = 0) -> None:
+        """Close the sinks; with ``hparams``, first write TensorBoard's HParams session into this
+        same run (experiment, session start/end) and the ``final`` values as ``final/<name>``
+        scalars at ``step``, the metrics the HParams dashboard shows beside the time series."""
         if self._tb is not None:
             if self._hparams is not None:
-                metrics = {
-                    f"final/{k}": float(v) for k, v in (final or {}).items() if math.isfinite(float(v))
-                }
-                self._tb.add_hparams(self._hparams, metrics, name="hparams", global_step=0)
+                write_hparams(self._tb, self._hparams, final or {}, step)
             self._tb.close()
         self._f.close()
+
+
+def write_hparams(tb: SummaryWriter, hparams: dict[str, Any], final: dict[str, Any], step: int) -> None:
+    """An HParams session in ``tb``'s own run (``SummaryWriter.add_hparams`` would open a separate
+    ``<run>/<name>`` run): hyper-parameters (bool/str/number; anything else as its ``str``) and
+    ``final/<name>`` metrics, the finite values of ``final``."""
+    from tensorboardX.summary import hparams as hparams_summaries
+
+    hp = {k: v if isinstance(v, bool | str | int | float) else str(v) for k, v in hparams.items()}
+    metrics = {f"final/{k}": float(v) for k, v in final.items() if math.isfinite(float(v))}
+    for summary in hparams_summaries(hp, metrics):
+        tb.file_writer.add_summary(summary)
+    for k, v in metrics.items():
+        tb.add_scalar(k, v, int(step))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -134,10 +159,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return readers.read_jsonl(path)
 
 
-def hparams_of(cfg: RunConfig) -> dict[str, Any]:
-    """The hyper-parameters a beta study compares, flat, for TensorBoard's hparams view."""
+def hparams_of(cfg: RunConfig, swept: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The hyper-parameters a beta study compares, flat (``section/field``), for TensorBoard's
+    HParams dashboard: the main config fields plus every ``swept`` ``section.field``."""
     c, k = cfg.ctrl, cfg.kl
-    return {
+    out = {
         "kl/beta": k.beta,
         "kl/estimator": k.estimator,
         "kl/placement": k.placement,
@@ -152,34 +178,98 @@ def hparams_of(cfg: RunConfig) -> dict[str, Any]:
         "ppo/advantage": cfg.ppo.advantage,
         "optim/lr": cfg.optim.lr,
         "train/seed": cfg.train.seed,
+        "task/name": cfg.task.name,
+        "train/iterations": cfg.train.iterations,
     }
+    for name in swept:
+        section, field = name.split(".", 1)
+        out[f"{section}/{field}"] = getattr(getattr(cfg, section), field)
+    return out
+
+
+def eta_seconds(done: int, total: int, first_done: int, since_first: float) -> float | None:
+    """Seconds left at ``done`` of ``total`` iterations, at the rate measured since the first step of
+    this process returned (``first_done`` iterations done then, ``since_first`` seconds ago): the
+    compile and the iterations before a resume are not counted. None until a second step is timed."""
+    n = done - first_done
+    if n <= 0 or since_first <= 0:
+        return None
+    return max(total - done, 0) * since_first / n
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(round(s))
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s}s"
+    )
+
+
+def sweep_progress(metrics: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """What a sweep's progress line shows of stacked metrics (a member axis first): the member mean of
+    each metric but beta, whose range across members is the text (``beta 0.01..1 (4 members, mean)``)."""
+    import numpy as np
+
+    arrays = {k: np.asarray(v, float).reshape(-1) for k, v in metrics.items()}
+    n = len(next(iter(arrays.values()))) if arrays else 0
+    means = {k: float(np.mean(v)) for k, v in arrays.items() if k != "ctrl/beta"}
+    text = f"({n} members, mean)"
+    if "ctrl/beta" in arrays:
+        b = arrays["ctrl/beta"]
+        lo, hi = float(np.min(b)), float(np.max(b))
+        text = (f"beta {lo:.3g}" if lo == hi else f"beta {lo:.3g}..{hi:.3g}") + " " + text
+    return means, text
 
 
 class Progress:
-    """A progress line with ETA on a terminal; plain periodic lines otherwise."""
+    """Progress with ETA: a tqdm bar on a terminal, plain lines every ``every`` iterations otherwise.
 
-    KEYS = (("reward/task", "R"), ("kl/seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
+    The ETA (:func:`eta_seconds`) is timed from the first :meth:`update` (the first step returned,
+    so after the compile) and counts only the iterations this process runs (``start``: those done
+    before a resume)."""
 
-    def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None):
-        self.total, self.every, self.quiet = total, every, quiet
+    KEYS = (("reward/task", "R"), ("reward/gold", "gold"), ("kl/seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
+
+    def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None, start: int = 0):
+        self.total, self.every, self.quiet, self.start = total, max(int(every), 1), quiet, start
         self.stream = stream or sys.stdout
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.time()
+        self._first: tuple[float, int] | None = None  # (time, done) at the first update
+        self._bar: Any = None
+
+    def line(self, done: int, metrics: dict[str, Any], extra: str, eta: float | None) -> str:
+        vals = " ".join(f"{n} {float(metrics[k]):.4g}" for k, n in self.KEYS if k in metrics)
+        return " ".join(x for x in (vals, extra) if x) + f" | eta {_fmt_s(eta)}"
 
     def update(self, i: int, metrics: dict[str, Any], extra: str = "") -> None:
         if self.quiet:
             return
-        done = i + 1
-        el = time.time() - self.t0
-        eta = el / done * (self.total - done)
-        vals = " ".join(f"{n} {float(metrics[k]):.4g}" for k, n in self.KEYS if k in metrics)
-        line = f"[{done}/{self.total}] {vals} {extra} | {el:.0f}s, eta {eta:.0f}s"
+        done, now = i + 1, time.time()
+        if self._first is None:
+            self._first = (now, done)
+        eta = eta_seconds(done, self.total, self._first[1], now - self._first[0])
+        text = self.line(done, metrics, extra, eta)
         if self.tty:
-            width = 24
-            fill = int(width * done / self.total)
-            self.stream.write("\r|" + "#" * fill + "." * (width - fill) + "| " + line + "\x1b[K")
-            if done == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
+            if self._bar is None:
+                from tqdm import tqdm
+
+                fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}"
+                self._bar = tqdm(total=self.total, initial=done - 1, file=self.stream, bar_format=fmt,
+                                 dynamic_ncols=True, leave=True)  # fmt: skip
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(done - self._bar.n)
+            if done >= self.total:
+                self.close()
         elif done % self.every == 0 or done == self.total:
-            print(line, file=self.stream, flush=True)
+            print(f"[{done}/{self.total}] {text}, {now - self.t0:.0f}s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
