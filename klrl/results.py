@@ -17,8 +17,8 @@ from klrl.io import readers
 
 SUMMARY_KEYS = (
     "reward/task",
-    "kl/seq_sum",
-    "kl/token_mean",
+    "kl/k1_seq_sum",
+    "kl/k1_seq_token_mean",
     "kl/exact_seq_sum",
     "ctrl/beta",
     "response/length",
@@ -45,10 +45,21 @@ class RunResult:
         return out
 
 
+# metric names of runs stored before issue 12 -> today's names (same values; read by :func:`columns`)
+LEGACY_NAMES = {
+    "kl/seq_sum": "kl/k1_seq_sum",
+    "kl/token_mean": "kl/k1_seq_token_mean",
+    "eval/oracle_ppl": "eval/oracle_ppl_floored",
+    "eval/oracle_impossible_frac": "eval/oracle_floored_frac",
+}
+
+
 def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there."""
+    """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there.
+    Legacy names (:data:`LEGACY_NAMES`) are read under today's name."""
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "iteration"))
-    return {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
+    out = {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
+    return {LEGACY_NAMES.get(k, k): v for k, v in out.items() if k not in LEGACY_NAMES or LEGACY_NAMES[k] not in out}
 
 
 def load_run(run_dir: str | Path) -> RunResult:
@@ -58,7 +69,10 @@ def load_run(run_dir: str | Path) -> RunResult:
     ``ValueError``) naming the file; only a torn last line of ``metrics.jsonl`` is skipped."""
     d = Path(run_dir)
     cfg, rows = readers.read_run(d)
-    return RunResult(cfg, d, columns(rows))
+    metrics = columns(rows)
+    if cfg.ctrl.kind == "fixed":  # a fixed beta has no target (runs before issue 12 logged one)
+        metrics.pop("ctrl/target", None)
+    return RunResult(cfg, d, metrics)
 
 
 def load_sweep(sweep_dir: str | Path) -> list[RunResult]:

@@ -158,7 +158,7 @@ def hparams_of(cfg: RunConfig) -> dict[str, Any]:
 class Progress:
     """A progress line with ETA on a terminal; plain periodic lines otherwise."""
 
-    KEYS = (("reward/task", "R"), ("kl/seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
+    KEYS = (("reward/task", "R"), ("kl/k1_seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
 
     def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None):
         self.total, self.every, self.quiet = total, every, quiet
