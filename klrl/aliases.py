@@ -130,7 +130,7 @@ VERL_METRICS: dict[str, str] = {
 
 # OpenRLHF (experience_maker, ray/ppo_actor, ray/ppo_critic)
 OPENRLHF_METRICS: dict[str, str] = {
-    "kl/k1_seq_token_mean": "kl",  # per-sequence token mean of algo.kl.estimator (k1); with use_loss: the loss KL
+    "kl/k1_seq_token_mean": "kl",  # per-sequence token mean of algo.kl.estimator (k1); use_loss: loss KL
     "reward/task": "reward",
     "reward/shaped_mean": "return",  # sum over tokens of the shaped reward
     "response/length": "response_length",

@@ -62,7 +62,8 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
         out.append(("frontier", "reward-KL frontier"))
     if kl and has("reward/gold"):
         out.append(("overoptimization", "overoptimization: gold and proxy against sqrt(KL), Gao et al. fit"))
-    if has("eval/oracle_ppl_floored", "eval/independent_ppl", "eval/ref_ppl", "eval/distinct_1", "eval/distinct_2"):
+    ppl = ("eval/oracle_ppl_floored", "eval/independent_ppl", "eval/ref_ppl")
+    if has(*ppl, "eval/distinct_1", "eval/distinct_2"):
         out.append(("perplexity_diversity", "perplexity and diversity"))
     if any(r.config.ctrl.kind != "fixed" for r in results):
         out.append(("controller_comparison", "controller: KL / target and beta"))

@@ -59,7 +59,8 @@ def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     Legacy names (:data:`LEGACY_NAMES`) are read under today's name."""
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "iteration"))
     out = {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
-    return {LEGACY_NAMES.get(k, k): v for k, v in out.items() if k not in LEGACY_NAMES or LEGACY_NAMES[k] not in out}
+    new = lambda k: LEGACY_NAMES.get(k, k)
+    return {new(k): v for k, v in out.items() if new(k) == k or new(k) not in out}
 
 
 def load_run(run_dir: str | Path) -> RunResult:

@@ -83,7 +83,8 @@ def main(cache_dir: str) -> dict[str, str]:
         cfg = base.replace(train={"devices": n}, **upd)
         out[f"single_{name}_{n}dev"] = digest(recorded_view(run(cfg, write=False).metrics, cfg.ctrl.target))
     members = grid(base.replace(train={"devices": n}), {"kl.beta": [0.01, 0.03, 0.1, 0.3]})
-    out[f"sweep4_{n}dev"] = [digest(recorded_view(r.metrics, r.config.ctrl.target)) for r in sweep(members, write=False)]
+    runs = sweep(members, write=False)
+    out[f"sweep4_{n}dev"] = [digest(recorded_view(r.metrics, r.config.ctrl.target)) for r in runs]
     if n == 4:
         members = grid(base.replace(train={"devices": 2}), {"kl.beta": [0.01, 0.03, 0.1, 0.3]})
         out["sweep4_2x2dev"] = [

@@ -45,7 +45,8 @@ def test_settings_table_is_mean_and_t_interval_over_seeds(tmp_path):
     for row, setting in zip(rows, (rs[0::2], rs[1::2]), strict=True):
         cell = dict(zip(head, row, strict=True))
         assert cell["seeds (n)"] == "3" and cell["train.seed"] == "0, 1, 2"
-        for key in ("reward/gold", "reward/proxy", "kl/exact_seq_sum", "eval/oracle_ppl_floored", "ctrl/beta"):
+        keys = ("reward/gold", "reward/proxy", "kl/exact_seq_sum", "eval/oracle_ppl_floored", "ctrl/beta")
+        for key in keys:
             finals = [sum(r.metrics[key][-10:]) / 10 for r in setting]
             m = sum(finals) / 3
             h = T975[2] * math.sqrt(sum((f - m) ** 2 for f in finals) / 2) / math.sqrt(3)
