@@ -56,11 +56,11 @@ LEGACY_NAMES = {
 
 def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there.
-    Legacy names (:data:`LEGACY_NAMES`) are read under today's name."""
-    keys = list(dict.fromkeys(k for r in rows for k in r if k != "iteration"))
-    out = {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
-    new = lambda k: LEGACY_NAMES.get(k, k)
-    return {new(k): v for k, v in out.items() if new(k) == k or new(k) not in out}
+    Legacy names (:data:`LEGACY_NAMES`) are read under today's name (a row's own value first: a run
+    resumed across the rename has both, row by row)."""
+    keys = list(dict.fromkeys(LEGACY_NAMES.get(k, k) for r in rows for k in r if k != "iteration"))
+    old = {v: k for k, v in LEGACY_NAMES.items()}
+    return {k: np.array([float(r.get(k, r.get(old.get(k, k), np.nan))) for r in rows]) for k in keys}
 
 
 def load_run(run_dir: str | Path) -> RunResult:

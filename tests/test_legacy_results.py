@@ -57,3 +57,12 @@ def test_stored_results_load():
     rs = load_sweep(ROOT / "experiments" / "results" / "overoptimization")
     assert [r.config.kl.beta for r in rs] == [0.001, 0.003, 0.01, 0.03, 0.1, 1.0]
     assert all(len(r.metrics["kl/k1_seq_sum"]) == 400 and "eval/oracle_ppl_floored" in r.metrics for r in rs)
+
+
+def test_run_resumed_across_the_rename(tmp_path):
+    d = _run_dir(tmp_path, "proportional", False)
+    with (d / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"iteration": 3, "kl/k1_seq_sum": 7.0, "ctrl/target": 6.0}) + "\n")
+    m = load_run(d).metrics
+    np.testing.assert_array_equal(m["kl/k1_seq_sum"], [0.0, 2.0, 4.0, 7.0])
+    assert "kl/seq_sum" not in m and np.isnan(m["eval/oracle_ppl_floored"][3])
