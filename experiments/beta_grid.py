@@ -44,7 +44,7 @@ def rows(results):
             "proxy at gold peak": float(px[ig]),
             "gold end": float(gold[-1]),
             "KL exact (nats/seq) end": last(r, "kl/exact_seq_sum"),
-            "oracle ppl end": last(r, "eval/oracle_ppl"),
+            "oracle ppl end": last(r, "eval/oracle_ppl_floored"),
             "indep ppl end": last(r, "eval/independent_ppl"),
             "ref ppl end": last(r, "eval/ref_ppl"),
             "distinct-2 end": last(r, "eval/distinct_2"),

@@ -194,13 +194,15 @@ def gao_curve(d: Any, alpha: float, b: float) -> np.ndarray:
 def unit_of(name: str) -> str:
     """The unit of a logged metric, from its name (the KL unit is in the name: ``seq_sum``,
     ``token_mean``); ``a.u.`` (arbitrary units) for rewards and anything unknown."""
+    if name.startswith("kl/beta_x_"):
+        return "reward a.u."  # beta x nats: the penalty in the reward's units
     if name.endswith("seq_sum"):
         return "nats/sequence"
     if name.endswith("token_mean"):
         return "nats/token"
     if name == "ctrl/beta":
         return "reward a.u. per nat"
-    if name.endswith("_ppl"):
+    if name.endswith(("_ppl", "_ppl_floored")):
         return "exp(nats/token)"
     if "distinct" in name or name.endswith("_frac"):
         return "fraction"
@@ -214,7 +216,7 @@ _QUANTITY = {
     "reward/proxy": "proxy reward",
     "reward/task": "task reward",
     "reward/gold": "gold reward",
-    "eval/oracle_ppl": "oracle perplexity",
+    "eval/oracle_ppl_floored": "oracle perplexity (floored)",
     "eval/independent_ppl": "independent-LM perplexity",
     "eval/ref_ppl": "reference perplexity",
     "eval/distinct_1": "distinct-1",

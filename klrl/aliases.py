@@ -33,8 +33,10 @@ KLRL_METRICS: frozenset[str] = frozenset(
         "reward/proxy",
         "reward/gold",
         "reward/proxy_gold_spearman",
-        "kl/seq_sum",
-        "kl/token_mean",
+        "kl/k1_seq_sum",
+        "kl/k1_seq_token_mean",
+        "kl/k1_token_mean",
+        "kl/beta_x_k1_seq_sum",
         "kl/exact_seq_sum",
         "kl/exact_token_mean",
         "ctrl/beta",
@@ -45,9 +47,10 @@ KLRL_METRICS: frozenset[str] = frozenset(
         "value/explained_variance",
         "value/clipfrac",
         "eval/ref_ppl",
-        "eval/oracle_ppl",
+        "eval/oracle_ppl_floored",
         "eval/independent_ppl",
-        "eval/oracle_impossible_frac",
+        "eval/oracle_floored_frac",
+        "eval/oracle_zero_prob_token_frac",
         "eval/distinct_1",
         "eval/distinct_2",
         "loss/policy",
@@ -67,7 +70,7 @@ KLRL_METRICS: frozenset[str] = frozenset(
 
 # trl.experimental.ppo.PPOTrainer (TRL 1.x; the PPOTrainer of 0.12 onwards used the same names)
 TRL_METRICS: dict[str, str] = {
-    "kl/seq_sum": "objective/kl",  # sum over tokens of TRL's kl_estimator (k1 default), batch mean
+    "kl/k1_seq_sum": "objective/kl",  # sum over tokens of TRL's kl_estimator (k1 default), batch mean
     "reward/task": "objective/scores",  # TRL's includes missing_eos_penalty
     "reward/shaped_mean": "objective/rlhf_reward",  # scores + sum of -kl_coef * kl
     "policy/entropy": "policy/entropy_avg",  # TRL: unmasked mean over the microbatch's positions
@@ -80,7 +83,7 @@ TRL_METRICS: dict[str, str] = {
 
 # trl.PPOTrainer 0.11.x (the pre-December-2024 trainer with the adaptive controller)
 TRL_LEGACY_METRICS: dict[str, str] = {
-    "kl/seq_sum": "objective/kl",  # sum over tokens of kl_penalty ('kl' = k1), batch mean
+    "kl/k1_seq_sum": "objective/kl",  # sum over tokens of kl_penalty ('kl' = k1), batch mean
     "ctrl/beta": "objective/kl_coef",  # TRL logs the coefficient used this step; klrl the updated one
     "reward/task": "ppo/mean_scores",
     "policy/entropy": "ppo/policy/entropy",
@@ -107,7 +110,7 @@ TRL_GRPO_METRICS: dict[str, str] = {
 # verl (ray_trainer.apply_kl_penalty, metric_utils.compute_data_metrics, dp_actor, dp_critic, core_algos)
 VERL_METRICS: dict[str, str] = {
     # the per-sequence token mean of algorithm.kl_penalty (k1 default), batch mean
-    "kl/token_mean": "actor/reward_kl_penalty",
+    "kl/k1_seq_token_mean": "actor/reward_kl_penalty",
     "ctrl/beta": "actor/reward_kl_penalty_coeff",  # verl: the coefficient used this step
     "ctrl/loss_coef": "actor/kl_coef",  # actor.kl_loss_coef (fixed)
     # kl_loss_type (low_var_kl = k3 clamped to +-10) aggregated by loss_agg_mode
@@ -127,7 +130,7 @@ VERL_METRICS: dict[str, str] = {
 
 # OpenRLHF (experience_maker, ray/ppo_actor, ray/ppo_critic)
 OPENRLHF_METRICS: dict[str, str] = {
-    "kl/token_mean": "kl",  # per-sequence token mean of algo.kl.estimator (k1); with use_loss: the loss KL
+    "kl/k1_seq_token_mean": "kl",  # per-sequence token mean of algo.kl.estimator (k1); use_loss: loss KL
     "reward/task": "reward",
     "reward/shaped_mean": "return",  # sum over tokens of the shaped reward
     "response/length": "response_length",

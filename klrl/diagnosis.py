@@ -50,10 +50,10 @@ def diagnose(history: dict[str, Any], t: int, cfg: DiagnosisConfig) -> tuple[str
     """The regime at iteration ``t`` (0-based) from ``history[name][: t + 1]``, and a reason."""
     lo = max(0, t + 1 - cfg.window)
     win = {k: np.asarray(v, float)[lo : t + 1] for k, v in history.items()}
-    kl = _first(win, "kl/exact_seq_sum", "kl/seq_sum")
+    kl = _first(win, "kl/exact_seq_sum", "kl/k1_seq_sum")
     proxy = _first(win, "reward/proxy", "reward/task")
     gold = _first(win, "reward/gold")
-    ppl_all = _first(history, "eval/oracle_ppl", "eval/independent_ppl")
+    ppl_all = _first(history, "eval/oracle_ppl_floored", "eval/independent_ppl")
     if kl is None or proxy is None or t + 1 < cfg.window:
         return "healthy", "warming up"
     g_proxy = _gain(proxy)

@@ -13,7 +13,7 @@ from klrl import distributed
 from klrl.aggregate import tail_mean
 from klrl.results import SUMMARY_KEYS
 
-FINAL_KEYS = (*SUMMARY_KEYS, "reward/gold", "eval/ref_ppl", "eval/oracle_ppl", "eval/independent_ppl")
+FINAL_KEYS = (*SUMMARY_KEYS, "reward/gold", "eval/ref_ppl", "eval/oracle_ppl_floored", "eval/independent_ppl")
 
 
 def final_metrics(metrics: dict[str, np.ndarray], window: int) -> dict[str, float]:

@@ -44,13 +44,13 @@ from klrl.plotkit import (
 )
 from klrl.results import RunResult
 
-KL_SEQ = ("kl/exact_seq_sum", "kl/seq_sum")
-KL_TOKEN = ("kl/exact_token_mean", "kl/token_mean")
+KL_SEQ = ("kl/exact_seq_sum", "kl/k1_seq_sum")
+KL_TOKEN = ("kl/exact_token_mean", "kl/k1_seq_token_mean")
 PROXY = ("reward/proxy", "reward/task")
 GOLD = "reward/gold"
 BETA = "ctrl/beta"
 TARGET = "ctrl/target"
-PERPLEXITIES = ("eval/oracle_ppl", "eval/independent_ppl", "eval/ref_ppl")
+PERPLEXITIES = ("eval/oracle_ppl_floored", "eval/independent_ppl", "eval/ref_ppl")
 DIVERSITY = ("eval/distinct_1", "eval/distinct_2")
 SMOOTH = 10
 _STYLES = ("-", "--", ":", "-.")

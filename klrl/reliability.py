@@ -6,7 +6,7 @@ without training anything:
 * :func:`skip_stop`: the non-finite guard in the step keeps the state when
   anything is NaN/inf and counts consecutive skips; after ``K`` in a row the run
   stops (:class:`RunStopped`), its last good state checkpointed.
-* :func:`decide_rollback`: a quality metric (e.g. ``eval/oracle_ppl``) traced
+* :func:`decide_rollback`: a quality metric (e.g. ``eval/oracle_ppl_floored``) traced
   over iterations crosses ``threshold x`` its value at iteration 0; the run
   goes back to the newest checkpoint whose metric was still on the good side,
   multiplies beta by ``rollback_factor`` and continues, at most

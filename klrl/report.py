@@ -35,11 +35,11 @@ REPORT_KEYS = (
     "reward/task",
     "reward/proxy",
     "reward/gold",
-    "kl/seq_sum",
+    "kl/k1_seq_sum",
     "kl/exact_seq_sum",
-    "kl/token_mean",
+    "kl/k1_seq_token_mean",
     "ctrl/beta",
-    "eval/oracle_ppl",
+    "eval/oracle_ppl_floored",
     "eval/independent_ppl",
     "eval/ref_ppl",
     "eval/distinct_2",
@@ -54,7 +54,7 @@ class ReportError(ValueError):
 def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
     """``(plot function, title)`` for the figures these results have data for."""
     has = lambda *names: any(n in r.metrics for r in results for n in names)
-    kl = has("kl/exact_seq_sum", "kl/seq_sum")
+    kl = has("kl/exact_seq_sum", "kl/k1_seq_sum")
     out = []
     if has("ctrl/beta") or kl:
         out.append(("beta_kl", "beta and KL"))
@@ -62,7 +62,8 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
         out.append(("frontier", "reward-KL frontier"))
     if kl and has("reward/gold"):
         out.append(("overoptimization", "overoptimization: gold and proxy against sqrt(KL), Gao et al. fit"))
-    if has("eval/oracle_ppl", "eval/independent_ppl", "eval/ref_ppl", "eval/distinct_1", "eval/distinct_2"):
+    ppl = ("eval/oracle_ppl_floored", "eval/independent_ppl", "eval/ref_ppl")
+    if has(*ppl, "eval/distinct_1", "eval/distinct_2"):
         out.append(("perplexity_diversity", "perplexity and diversity"))
     if any(r.config.ctrl.kind != "fixed" for r in results):
         out.append(("controller_comparison", "controller: KL / target and beta"))

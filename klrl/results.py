@@ -18,8 +18,8 @@ from klrl.io import readers
 
 SUMMARY_KEYS = (
     "reward/task",
-    "kl/seq_sum",
-    "kl/token_mean",
+    "kl/k1_seq_sum",
+    "kl/k1_seq_token_mean",
     "kl/exact_seq_sum",
     "ctrl/beta",
     "response/length",
@@ -50,10 +50,22 @@ class RunResult:
         return out
 
 
+# metric names of runs stored before issue 12 -> today's names (same values; read by :func:`columns`)
+LEGACY_NAMES = {
+    "kl/seq_sum": "kl/k1_seq_sum",
+    "kl/token_mean": "kl/k1_seq_token_mean",
+    "eval/oracle_ppl": "eval/oracle_ppl_floored",
+    "eval/oracle_impossible_frac": "eval/oracle_floored_frac",
+}
+
+
 def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there."""
-    keys = list(dict.fromkeys(k for r in rows for k in r if k != "iteration"))
-    return {k: np.array([float(r.get(k, np.nan)) for r in rows]) for k in keys}
+    """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there.
+    Legacy names (:data:`LEGACY_NAMES`) are read under today's name (a row's own value first: a run
+    resumed across the rename has both, row by row)."""
+    keys = list(dict.fromkeys(LEGACY_NAMES.get(k, k) for r in rows for k in r if k != "iteration"))
+    old = {v: k for k, v in LEGACY_NAMES.items()}
+    return {k: np.array([float(r.get(k, r.get(old.get(k, k), np.nan))) for r in rows]) for k in keys}
 
 
 def load_run(run_dir: str | Path) -> RunResult:
@@ -63,7 +75,10 @@ def load_run(run_dir: str | Path) -> RunResult:
     ``ValueError``) naming the file; only a torn last line of ``metrics.jsonl`` is skipped."""
     d = Path(run_dir)
     cfg, rows = readers.read_run(d)
-    return RunResult(cfg, d, columns(rows))
+    metrics = columns(rows)
+    if cfg.ctrl.kind == "fixed":  # a fixed beta has no target (runs before issue 12 logged one)
+        metrics.pop("ctrl/target", None)
+    return RunResult(cfg, d, metrics)
 
 
 class Sweep(list):

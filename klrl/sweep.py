@@ -125,7 +125,8 @@ def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1):
         raise ConfigError(f"sweep: {n} members do not split over {n_sweep_devices} sweep device groups")
     mesh = make_mesh(base.train.devices, n_sweep_devices)
     check_devices(base, mesh.shape["data"])
-    trains = [make_train(m, task, mesh) for m in members]
+    adaptive = any(m.ctrl.kind != "fixed" for m in members)  # ctrl/target: NaN for fixed members
+    trains = [make_train(m, task, mesh, log_target=adaptive) for m in members]
 
     def init() -> Any:
         states = []

@@ -315,6 +315,7 @@ def make_train(
     value_params: Any = None,
     reward: JaxReward | None = None,
     stop_ids: tuple[int, ...] | None = None,
+    log_target: bool | None = None,
 ) -> Train:
     """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
 
@@ -327,7 +328,8 @@ def make_train(
     then travel in ``train.context.task.env``, the env to step with). ``stop_ids`` (default: the
     task's tokenizer's) is the set of tokens that end a response. The task's parts are checked
     against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
-    :class:`ConfigError` naming the part.
+    :class:`ConfigError` naming the part. ``log_target`` (default: ``cfg.ctrl.kind != 'fixed'``) logs
+    ``ctrl/target`` (a sweep sets it when any member is adaptive; fixed members then log NaN).
     """
     mesh = make_mesh(cfg.train.devices) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
@@ -349,6 +351,7 @@ def make_train(
         controller=from_config(cfg.ctrl),
         optimizer=make_optimizer(cfg),
         n_dev=n_dev,
+        log_target=cfg.ctrl.kind != "fixed" if log_target is None else log_target,
     )
     one = partial(step_fn, ctx)
     phases = Phases(

@@ -29,6 +29,26 @@ def config(cache_dir: str):
     )  # fmt: skip
 
 
+# Issue 12 renamed metrics and added some; the digest is taken over the metrics as named and logged
+# when it was recorded, so the recorded digests prove the values did not change: today's names are
+# mapped back to the recorded ones, the metrics added since are left out, and ``ctrl/target``
+# (logged since only for adaptive controllers) is the configured target as it was then logged.
+RECORDED_NAMES = {
+    "kl/k1_seq_sum": "kl/seq_sum",
+    "kl/k1_seq_token_mean": "kl/token_mean",
+    "eval/oracle_ppl_floored": "eval/oracle_ppl",
+    "eval/oracle_floored_frac": "eval/oracle_impossible_frac",
+}
+ADDED = ("kl/k1_token_mean", "kl/beta_x_k1_seq_sum", "eval/oracle_zero_prob_token_frac")
+
+
+def recorded_view(metrics: dict[str, np.ndarray], target: float) -> dict[str, np.ndarray]:
+    out = {RECORDED_NAMES.get(k, k): v for k, v in metrics.items() if k not in ADDED}
+    n = len(next(iter(out.values())))
+    out.setdefault("ctrl/target", np.full(n, target, np.float32))
+    return out
+
+
 def digest(metrics: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     names = sorted(metrics)
@@ -61,12 +81,16 @@ def main(cache_dir: str) -> dict[str, str]:
         if n > 1 and name != "gae_head":
             continue
         cfg = base.replace(train={"devices": n}, **upd)
-        out[f"single_{name}_{n}dev"] = digest(run(cfg, write=False).metrics)
+        out[f"single_{name}_{n}dev"] = digest(recorded_view(run(cfg, write=False).metrics, cfg.ctrl.target))
     members = grid(base.replace(train={"devices": n}), {"kl.beta": [0.01, 0.03, 0.1, 0.3]})
-    out[f"sweep4_{n}dev"] = [digest(r.metrics) for r in sweep(members, write=False)]
+    runs = sweep(members, write=False)
+    out[f"sweep4_{n}dev"] = [digest(recorded_view(r.metrics, r.config.ctrl.target)) for r in runs]
     if n == 4:
         members = grid(base.replace(train={"devices": 2}), {"kl.beta": [0.01, 0.03, 0.1, 0.3]})
-        out["sweep4_2x2dev"] = [digest(r.metrics) for r in sweep(members, write=False, sweep_devices=2)]
+        out["sweep4_2x2dev"] = [
+            digest(recorded_view(r.metrics, r.config.ctrl.target))
+            for r in sweep(members, write=False, sweep_devices=2)
+        ]
     return out
 
 

@@ -78,9 +78,12 @@ def test_seed_groups_ignore_only_the_seed_and_the_run_name():
 
 
 def test_units_and_labels():
-    assert A.unit_of("kl/exact_seq_sum") == "nats/sequence" and A.unit_of("kl/token_mean") == "nats/token"
+    assert A.unit_of("kl/exact_seq_sum") == "nats/sequence" and A.unit_of("kl/k1_token_mean") == "nats/token"
+    assert A.unit_of("kl/beta_x_k1_seq_sum") == "reward a.u."
+    assert A.unit_of("eval/oracle_ppl_floored") == "exp(nats/token)"
     assert A.unit_of("reward/gold") == "a.u." and A.unit_of("eval/distinct_2") == "fraction"
     assert A.metric_label("reward/gold") == "gold reward [reward/gold]\n(a.u.)"
     assert A.metric_label("reward/task", "reward") == "reward [reward/task] (a.u.)"  # short: one line
     assert A.metric_label(["kl/exact_seq_sum", None]) == "KL [kl/exact_seq_sum]\n(nats/sequence)"
-    assert A.metric_label(["eval/oracle_ppl", "eval/ref_ppl"], "perplexity") == "perplexity (exp(nats/token))"
+    label = A.metric_label(["eval/oracle_ppl_floored", "eval/ref_ppl"], "perplexity")
+    assert label == "perplexity (exp(nats/token))"

@@ -88,7 +88,7 @@ def test_metric_maps_use_klrl_metric_names(name):
 
 def test_klrl_metrics_are_what_the_source_writes():
     literals, templates = _source_metric_names()
-    assert "kl/seq_sum" in literals and templates  # the source scan found something
+    assert "kl/k1_seq_sum" in literals and templates  # the source scan found something
     for m in aliases.KLRL_METRICS:
         assert m in literals or any(t.fullmatch(m) for t in templates), m
     # and the other way: every literal metric of the metrics dicts of the step is listed

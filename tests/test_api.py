@@ -84,7 +84,7 @@ def test_public_names():
 
 def test_run_metrics_match_metrics_jsonl(run_result, tiny_cfg):
     n = tiny_cfg.train.iterations
-    assert {"ctrl/beta", "kl/seq_sum", "reward/task"} <= set(run_result.metrics)
+    assert {"ctrl/beta", "kl/k1_seq_sum", "reward/task"} <= set(run_result.metrics)
     assert all(v.shape == (n,) for v in run_result.metrics.values())
     rows = read_jsonl(run_result.dir / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == list(range(n))
@@ -95,17 +95,17 @@ def test_run_metrics_match_metrics_jsonl(run_result, tiny_cfg):
 def test_tensorboard_scalars_and_hparams(run_result, tiny_cfg):
     n = tiny_cfg.train.iterations
     ea = events(run_result.dir / "tb")
-    assert {"ctrl/beta", "kl/seq_sum", "kl/exact_seq_sum", "reward/task"} <= set(ea.Tags()["scalars"])
-    for tag in ("ctrl/beta", "kl/seq_sum"):
+    assert {"ctrl/beta", "kl/k1_seq_sum", "kl/exact_seq_sum", "reward/task"} <= set(ea.Tags()["scalars"])
+    for tag in ("ctrl/beta", "kl/k1_seq_sum"):
         ev = ea.Scalars(tag)
         assert [e.step for e in ev] == list(range(n))
         np.testing.assert_allclose([e.value for e in ev], run_result.metrics[tag], rtol=1e-6)
     hp, metric_tags = hparams_of_events(run_result.dir / "tb")  # the same run as the time series
     assert hp["kl/beta"] == pytest.approx(tiny_cfg.kl.beta)
     assert hp["ctrl/kind"] == tiny_cfg.ctrl.kind and hp["ppo/advantage"] == tiny_cfg.ppo.advantage
-    assert {"final/ctrl/beta", "final/kl/seq_sum"} <= set(metric_tags)
-    final = ea.Scalars("final/kl/seq_sum")  # the trailing-window (diag.window >= n) mean
-    assert final[0].value == pytest.approx(np.mean(run_result.metrics["kl/seq_sum"]), rel=1e-5)
+    assert {"final/ctrl/beta", "final/kl/k1_seq_sum"} <= set(metric_tags)
+    final = ea.Scalars("final/kl/k1_seq_sum")  # the trailing-window (diag.window >= n) mean
+    assert final[0].value == pytest.approx(np.mean(run_result.metrics["kl/k1_seq_sum"]), rel=1e-5)
 
 
 def test_load_run_reads_the_run_back(run_result):
@@ -156,7 +156,7 @@ def test_report_of_a_run(run_result):
     text = path.read_text()
     for section in ("## Summary", "## Diagnosis timeline", "## Plots", "## Config"):
         assert section in text
-    assert "| kl/seq_sum |" in text and "| ctrl/beta |" in text
+    assert "| kl/k1_seq_sum |" in text and "| ctrl/beta |" in text
     links = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert "report-beta_kl.png" in links and "report-frontier.png" in links
     for link in links:

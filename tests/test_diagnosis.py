@@ -15,7 +15,7 @@ def trace(kl, proxy, gold=None, ppl=None, beta=None):
     if gold is not None:
         h["reward/gold"] = gold
     if ppl is not None:
-        h["eval/oracle_ppl"] = ppl
+        h["eval/oracle_ppl_floored"] = ppl
     if beta is not None:
         h["ctrl/beta"] = beta
     return h

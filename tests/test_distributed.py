@@ -225,7 +225,7 @@ def rollback_jobs(tiny_cfg, tiny_task, tmp_path_factory):
     to the initial state until ``max_rollbacks`` is spent, on 1 process and on 2."""
     d = tmp_path_factory.mktemp("distributed-rollback")
     cfg = tiny_cfg.replace(
-        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/seq_sum",
+        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/k1_seq_sum",
                "rollback_threshold": 1.5, "max_rollbacks": 2},
         kl={"beta": 0.001},
     )  # fmt: skip

@@ -52,7 +52,7 @@ def test_cli_runs_each_mode(case, tiny_cfg, tmp_path):
         bad = {k: v for k, v in row.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
         assert not bad, f"{case}: non-finite metrics {bad}"
     names = set(rows[0])
-    assert {"kl/seq_sum", "kl/token_mean", "kl/exact_seq_sum", "ctrl/beta", "loss/policy"} <= names
+    assert {"kl/k1_seq_sum", "kl/k1_seq_token_mean", "kl/exact_seq_sum", "ctrl/beta", "loss/policy"} <= names
     if "loss" in case or "grpo" in case:
         assert any(k.startswith("kl/loss_") for k in names)
     if case in ("grpo", "rloo"):

@@ -282,10 +282,11 @@ def test_metric_aliases_in_metrics_jsonl_and_tensorboard_only(cache_dir, tmp_pat
         assert "actor/reward_kl_penalty_coeff" in ea.Tags()["scalars"]
     from klrl.host_metrics import alias_map, with_aliases
 
-    # TRL's PPOTrainer names: kl/seq_sum -> objective/kl; a name already a klrl metric is not overwritten
+    # TRL's PPOTrainer names: kl/k1_seq_sum -> objective/kl; a name already a klrl metric is not overwritten
     got = with_aliases(
-        {"kl/seq_sum": 2.0, "policy/entropy_avg": 7.0, "policy/entropy": 1.0}, alias_map("trl")
+        {"kl/k1_seq_sum": 2.0, "policy/entropy_avg": 7.0, "policy/entropy": 1.0}, alias_map("trl")
     )
-    assert got == {"kl/seq_sum": 2.0, "objective/kl": 2.0, "policy/entropy": 1.0, "policy/entropy_avg": 7.0}
+    want = {"kl/k1_seq_sum": 2.0, "objective/kl": 2.0, "policy/entropy": 1.0, "policy/entropy_avg": 7.0}
+    assert got == want
     with pytest.raises(ConfigError, match="train.metric_aliases"):
         base.replace(train={"metric_aliases": "openrlhf"})

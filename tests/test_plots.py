@@ -48,13 +48,13 @@ def synthetic(
     d = np.sqrt(kl)
     m = {
         "kl/exact_seq_sum": kl,
-        "kl/seq_sum": kl + 0.05 * rng.standard_normal(n),
+        "kl/k1_seq_sum": kl + 0.05 * rng.standard_normal(n),
         "ctrl/beta": np.full(n, beta) if kind == "fixed" else beta * np.exp(0.03 * t),
         "ctrl/target": np.full(n, 3.0),
         "ctrl/kl_observed_seq_sum": kl,
         "reward/proxy": 0.5 * d,
         "reward/task": 0.5 * d,
-        "eval/oracle_ppl": 20 + kl,
+        "eval/oracle_ppl_floored": 20 + kl,
         "eval/independent_ppl": 25 + kl,
         "eval/ref_ppl": 22 + kl,
         "eval/distinct_1": 0.5 - 0.01 * kl,
@@ -140,7 +140,7 @@ def empty_text(ax):
 def test_missing_metrics_are_skipped(name, tmp_path):
     cfg = klrl.RunConfig()
     empty = RunResult(cfg, None, {})
-    only_kl = RunResult(cfg, None, {"kl/seq_sum": np.linspace(0, 1, 5)})
+    only_kl = RunResult(cfg, None, {"kl/k1_seq_sum": np.linspace(0, 1, 5)})
     nan = RunResult(cfg, None, {"ctrl/beta": np.full(5, np.nan), "reward/task": np.full(5, np.nan)})
     fn = getattr(plots, name)
     for i, rs in enumerate(([empty], [only_kl], [nan, synthetic(gold=False)], [])):
@@ -273,8 +273,8 @@ def test_controller_comparison_normalises_only_adaptive_runs():
         assert handle.get_linestyle() == (":" if text.startswith("fixed") else "-")
     only_adaptive = plots.controller_comparison([rs[3]])
     assert len(only_adaptive.axes) == 2
-    sampled = plots.controller_comparison(rs, kl="kl/seq_sum", smooth=1)  # another KL, by name
-    np.testing.assert_allclose(sampled.axes[0].lines[0].get_ydata(), pi.metrics["kl/seq_sum"] / 3.0)
+    sampled = plots.controller_comparison(rs, kl="kl/k1_seq_sum", smooth=1)  # another KL, by name
+    np.testing.assert_allclose(sampled.axes[0].lines[0].get_ydata(), pi.metrics["kl/k1_seq_sum"] / 3.0)
 
 
 def test_beta_kl_axis_label_and_target_line():
@@ -287,7 +287,7 @@ def test_beta_kl_axis_label_and_target_line():
     np.testing.assert_array_equal(adaptive.axes[1].get_lines()[1].get_ydata(), np.full(40, 3.0))
     sampled = synthetic()
     del sampled.metrics["kl/exact_seq_sum"]
-    assert "kl/seq_sum" in plots.beta_kl(sampled).axes[1].get_ylabel()
+    assert "kl/k1_seq_sum" in plots.beta_kl(sampled).axes[1].get_ylabel()
 
 
 def test_labels_come_from_the_config():

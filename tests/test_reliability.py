@@ -125,7 +125,7 @@ def test_check_resumable_rules():
     a = RunConfig()
     knobs = {"iterations": 500, "quiet": True, "log_every": 7, "out_dir": "x", "name": "y",
              "checkpoint_every": 3, "keep_checkpoints": 9, "max_consecutive_skips": 0,
-             "rollback_metric": "eval/oracle_ppl", "rollback_threshold": 1.3, "rollback_factor": 4.0,
+             "rollback_metric": "eval/oracle_ppl_floored", "rollback_threshold": 1.3, "rollback_factor": 4.0,
              "max_rollbacks": 1}  # fmt: skip
     b = a.replace(train=knobs)
     assert set(config_diff(a, b)) == {f"train.{k}" for k in knobs} <= RESUME_MUTABLE

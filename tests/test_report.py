@@ -41,11 +41,12 @@ def test_settings_table_is_mean_and_t_interval_over_seeds(tmp_path):
     text = klrl.write_report(rs, out_dir=tmp_path, plots=False, window=10).read_text()
     head, rows = table(text, "## Settings (aggregated over seeds)")
     assert len(rows) == 2 and head[:2] == ["ctrl.kind", "kl.beta"]  # train.seed is not a setting column
-    assert "reward/gold (a.u.)" in head and "eval/oracle_ppl (exp(nats/token))" in head
+    assert "reward/gold (a.u.)" in head and "eval/oracle_ppl_floored (exp(nats/token))" in head
     for row, setting in zip(rows, (rs[0::2], rs[1::2]), strict=True):
         cell = dict(zip(head, row, strict=True))
         assert cell["seeds (n)"] == "3" and cell["train.seed"] == "0, 1, 2"
-        for key in ("reward/gold", "reward/proxy", "kl/exact_seq_sum", "eval/oracle_ppl", "ctrl/beta"):
+        keys = ("reward/gold", "reward/proxy", "kl/exact_seq_sum", "eval/oracle_ppl_floored", "ctrl/beta")
+        for key in keys:
             finals = [sum(r.metrics[key][-10:]) / 10 for r in setting]
             m = sum(finals) / 3
             h = T975[2] * math.sqrt(sum((f - m) ** 2 for f in finals) / 2) / math.sqrt(3)

@@ -40,11 +40,12 @@ def test_testbed_step_reports_gold_and_perplexities(testbed):
     train = make_train(cfg, task)
     state, m = train.step(train.init(0), task.env)
     m = jax.device_get(m)
-    names = "reward/proxy reward/gold eval/oracle_ppl eval/independent_ppl eval/ref_ppl eval/distinct_1"
-    names += " eval/distinct_2 reward/proxy_gold_spearman kl/exact_seq_sum"
+    names = "reward/proxy reward/gold eval/oracle_ppl_floored eval/independent_ppl eval/ref_ppl"
+    names += " eval/distinct_1 eval/distinct_2 eval/oracle_floored_frac eval/oracle_zero_prob_token_frac"
+    names += " reward/proxy_gold_spearman kl/exact_seq_sum"
     for k in names.split():
         assert k in m and np.isfinite(m[k]), k
     assert not any(k.startswith("_") for k in m)
-    assert 1.0 < m["eval/oracle_ppl"] < 100 and 1.0 < m["eval/independent_ppl"] < 100
+    assert 1.0 < m["eval/oracle_ppl_floored"] < 100 and 1.0 < m["eval/independent_ppl"] < 100
     assert 0 < m["eval/distinct_1"] <= m["eval/distinct_2"] <= 1
     assert m["reward/proxy"] == pytest.approx(m["reward/task"])

@@ -87,9 +87,15 @@ def test_beta_moves_inside_the_jitted_step(bench: Bench, name, ctrl_cfg, factor)
     expected = np.float32(0.05)
     betas = [float(state.ctrl.beta)]
     for _ in range(3):
+        beta_used = float(state.ctrl.beta)  # the beta this iteration shapes its rewards with
         state, m = bench.train.step(state, env)
         beta = float(state.ctrl.beta)
         kl = float(m["ctrl/kl_observed_seq_sum"])
+        # the penalty's size, and the global per-token k1 = (sum of per-sequence sums) / (sum of lengths)
+        np.testing.assert_allclose(m["kl/beta_x_k1_seq_sum"], beta_used * m["kl/k1_seq_sum"], rtol=1e-5)
+        per_token = m["kl/k1_seq_sum"] / m["response/length"]
+        np.testing.assert_allclose(m["kl/k1_token_mean"], per_token, rtol=1e-4)
+        assert "ctrl/target" not in m  # a fixed-kind program logs no target
         assert m["guard/skipped"] == 0
         assert np.isfinite(kl) and kl > 0  # exact KL to a perturbed reference
         if name == "kl_above_target":
@@ -271,3 +277,14 @@ def test_phases_compose_to_the_step(bench: Bench) -> None:
     assert float(m["loss/total"]) == pytest.approx(float(stats["loss/total"]), rel=1e-4, abs=1e-6)
     assert float(m[f"ctrl/kl_observed_{bench.cfg.ctrl.unit}"]) == pytest.approx(float(kl_seen), rel=1e-5)
     assert float(new.ctrl.beta) != 0.05  # the controller really moved beta: the comparison says something
+
+
+def test_ctrl_target_is_nan_for_fixed_members(bench: Bench) -> None:
+    """A program that logs ``ctrl/target`` (a sweep with an adaptive member) logs NaN for a fixed one."""
+    train = make_train(bench.cfg, bench.task, log_target=True)
+    for ctrl_cfg, want in ((_prop(2.5), 2.5), (ControllerConfig(kind="fixed", target=2.5), None)):
+        s = train.init(0)
+        s = jax.device_put(s._replace(ctrl=control.from_config(ctrl_cfg).init(0.05)), bench.replicated)
+        _, m = train.step(s, bench.env(0.0))
+        got = float(m["ctrl/target"])
+        assert np.isnan(got) if want is None else got == want, (ctrl_cfg.kind, got)

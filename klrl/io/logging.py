@@ -233,7 +233,7 @@ class Progress:
     so after the compile) and counts only the iterations this process runs (``start``: those done
     before a resume)."""
 
-    KEYS = (("reward/task", "R"), ("reward/gold", "gold"), ("kl/seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
+    KEYS = (("reward/task", "R"), ("reward/gold", "gold"), ("kl/k1_seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
 
     def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None, start: int = 0):
         self.total, self.every, self.quiet, self.start = total, max(int(every), 1), quiet, start

@@ -9,8 +9,10 @@ mid-write: no final newline) is the one damage that is tolerated: it is left out
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +88,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The objects of a ``.jsonl`` file, one per line; a torn last line (no final newline) that does
     not parse is left out, any other line that is not a JSON object raises :class:`RunDirError`."""
     p = Path(path)
-    lines = _read_bytes(p).split(b"\n")
+    data = _read_bytes(p)
+    if p.suffix == ".gz":  # stored results are gzipped (experiments/results/*/member-*/metrics.jsonl.gz)
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise RunDirError(f"{p}: not a valid gzip file ({e})") from None
+    lines = data.split(b"\n")
     rows = []
     for n, line in enumerate(lines, 1):
         torn = n == len(lines)  # after the last newline: empty, or a line cut mid-write
@@ -138,6 +146,8 @@ def read_run(run_dir: str | os.PathLike) -> tuple[RunConfig, list[dict[str, Any]
         raise NotARunDirError(f"{d}: not a klrl run directory (no config.json)")
     cfg = read_config(d / "config.json")
     m = d / "metrics.jsonl"
+    if not (m.exists() or m.is_symlink()) and (d / "metrics.jsonl.gz").exists():
+        m = d / "metrics.jsonl.gz"
     rows = read_metrics(m) if (m.exists() or m.is_symlink()) else []
     return cfg, rows
 

@@ -224,8 +224,11 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
             "gold/sentiment": terms.sentiment,
             "gold/fluency_penalty": terms.fluency_penalty,
             "_oracle_ll": jnp.sum(jnp.maximum(oracle_lp, floor) * ro.mask, -1),
-            "eval/oracle_impossible_frac": jnp.sum((oracle_lp <= floor) * ro.mask, -1)
+            # per sequence: the fraction of its tokens at or below the floor (batch metric: the mean
+            # over sequences); ``_oracle_n_zero``: its tokens of oracle probability exactly 0
+            "eval/oracle_floored_frac": jnp.sum((oracle_lp <= floor) * ro.mask, -1)
             / jnp.maximum(jnp.sum(ro.mask, -1), 1.0),
+            "_oracle_n_zero": jnp.sum(jnp.isneginf(oracle_lp) * ro.mask, -1),
             "_indep_ll": lm_response_ll(
                 ind_model, env["indep"], ro.prompt, ro.prompt_mask, ro.response, ro.mask
             ),
@@ -235,7 +238,8 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
         n_tok = jnp.maximum(jnp.sum(ro.mask), 1.0)
         return {
             "reward/proxy": jnp.mean(proxy),
-            "eval/oracle_ppl": jnp.exp(-jnp.sum(ev["_oracle_ll"]) / n_tok),
+            "eval/oracle_ppl_floored": jnp.exp(-jnp.sum(ev["_oracle_ll"]) / n_tok),
+            "eval/oracle_zero_prob_token_frac": jnp.sum(ev["_oracle_n_zero"]) / n_tok,
             "eval/independent_ppl": jnp.exp(-jnp.sum(ev["_indep_ll"]) / n_tok),
             "eval/distinct_1": M.distinct_n(ro.response, ro.mask, 1),
             "eval/distinct_2": M.distinct_n(ro.response, ro.mask, 2),
