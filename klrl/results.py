@@ -76,8 +76,9 @@ def load_run(run_dir: str | Path) -> RunResult:
     d = Path(run_dir)
     cfg, rows = readers.read_run(d)
     metrics = columns(rows)
-    if cfg.ctrl.kind == "fixed":  # a fixed beta has no target (runs before issue 12 logged one)
-        metrics.pop("ctrl/target", None)
+    tgt = metrics.get("ctrl/target")
+    if cfg.ctrl.kind == "fixed" and tgt is not None and np.isfinite(tgt).any():
+        del metrics["ctrl/target"]  # runs before issue 12 logged a meaningless target for a fixed beta
     return RunResult(cfg, d, metrics)
 
 
