@@ -310,7 +310,7 @@ class TrainConfig:
         5, "stop the run after this many consecutive iterations skipped by the non-finite guard (0 = never)"
     )
     rollback_metric: str = _f(
-        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl' ('' = rollback off)"
+        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl_floored' ('' = rollback off)"
     )
     rollback_threshold: float = _f(
         1.1,
