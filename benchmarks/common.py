@@ -175,9 +175,10 @@ def iteration_flops(cfg: RunConfig, task: Task, reward_model: bool | None = None
     """
     m, v = cfg.model, task.vocab_size
     b, p, r = cfg.train.batch_size, task.prompt_len, cfg.sampling.response_len
-    if hasattr(task.policy, "config") and hasattr(task.policy.config, "num_hidden_layers"):
-        m = task.policy.config  # a pretrained Llama-family policy (its own shapes)
-        v = task.policy.vocab_size
+    policy = getattr(task, "policy", None)  # (a stand-in task may carry only the shapes)
+    if hasattr(policy, "config") and hasattr(policy.config, "num_hidden_layers"):
+        m = policy.config  # a pretrained Llama-family policy (its own shapes)
+        v = policy.vocab_size
         if reward_model is None:
             reward_model = task.name == "text"
     s = p + r
