@@ -228,6 +228,7 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
             check_task(m, builtin_task_shape(m))
     except ConfigError as e:
         fail(str(e))
+    _check_reward_fns(cfg)
     for w in config_warnings(cfg):  # after every check: an error is the only line on stderr
         print(f"warning: {w}", file=sys.stderr)
     if distributed:
@@ -248,6 +249,20 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         if e.errno in _USER_ERRNOS:
             fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
         raise
+
+
+def _check_reward_fns(cfg: RunConfig) -> None:
+    """Every ``reward.fn`` entry loads (a built-in name, ``module:function`` or ``file.py:function``)."""
+    if not cfg.reward.fn.strip():
+        return
+    from klrl.rewards import RewardLoadError
+    from klrl.rewards.host import load_reward_fn, parse_specs
+
+    try:
+        for spec in parse_specs(cfg.reward.fn, cfg.reward.weights)[0]:
+            load_reward_fn(spec)
+    except RewardLoadError as e:
+        fail(f"reward.fn: {e}")
 
 
 def _check_device_count(cfg: RunConfig) -> None:

@@ -384,6 +384,20 @@ class RewardConfig:
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
 
+    def __post_init__(self) -> None:
+        fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
+        _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
+        if self.weights.strip():
+            _check(bool(fns), "reward.weights", "given without reward.fn")
+            try:
+                ws = [float(w) for w in self.weights.split(",")]
+            except ValueError:
+                ws = None
+            _check(ws is not None and all(map(math.isfinite, ws)), "reward.weights",
+                   f"must be comma-separated finite numbers (got {self.weights!r})")  # fmt: skip
+            _check(len(ws) == len(fns), "reward.weights",
+                   f"{len(ws)} weights for {len(fns)} functions in reward.fn")  # fmt: skip
+
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text", "disk")
 TRUNCATE = ("left", "error")
@@ -449,6 +463,9 @@ class RunConfig:
             want = type(f.default_factory())  # type: ignore[misc]
             if not isinstance(getattr(self, f.name), want):
                 raise ConfigError(f"{f.name}: expected a {want.__name__}, got {short(getattr(self, f.name))}")
+        if self.reward.fn.strip():
+            _check(self.task.name == "text", "reward.fn",
+                   f"host text rewards need task.name=text (got task.name={self.task.name})")  # fmt: skip
         b = self.train.batch_size
         _check(
             b % self.ppo.minibatches == 0,

@@ -47,6 +47,8 @@ FREE_STRINGS = {
     "data.field",
     "data.split",
     "data.eval_path",
+    "reward.fn",  # (tested below: test_bad_reward_fn)
+    "reward.weights",
 }
 CHOICES = [
     f"{s}.{f.name}" for s, f in FIELDS if type(f.default) is str and f"{s}.{f.name}" not in FREE_STRINGS
@@ -145,6 +147,22 @@ RANGES = [
     ("optim.b2", "1"), ("train.rollback_threshold", "1"), ("diag.window", "3"),
     ("train.batch_size", "0"), ("train.devices", "4096"), ("ppo.minibatches", "3"), ("model.d_model", "30"),
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--reward.fn", "positivity"], ("reward.fn", "task.name=text")),  # the testbed has no text reward
+        (["--task.name", "text", "--model.path", __file__, "--reward.fn", "bogus"], ("reward.fn", "bogus")),
+        (["--task.name", "text", "--model.path", __file__, "--reward.fn", "positivity,"], ("reward.fn",)),
+        *(
+            (["--task.name", "text", "--reward.fn", "positivity", "--reward.weights", w], ("reward.weights",))
+            for w in ("x", "1,2", "nan")
+        ),
+    ],
+)
+def test_bad_reward_fn(argv, words, capsys):
+    legacy(capsys, argv, *words)
 
 
 @pytest.mark.parametrize("name,value", RANGES)
