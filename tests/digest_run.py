@@ -31,15 +31,22 @@ def config(cache_dir: str):
 
 # Issue 12 renamed metrics and added some; the digest is taken over the metrics as named and logged
 # when it was recorded, so the recorded digests prove the values did not change: today's names are
-# mapped back to the recorded ones, the metrics added since are left out, and ``ctrl/target``
-# (logged since only for adaptive controllers) is the configured target as it was then logged.
+# mapped back to the recorded ones, the metrics added since (in the step and host-side) are left
+# out, and ``ctrl/target`` (logged since only for adaptive controllers) is the configured target as
+# it was then logged.
 RECORDED_NAMES = {
     "kl/k1_seq_sum": "kl/seq_sum",
     "kl/k1_seq_token_mean": "kl/token_mean",
     "eval/oracle_ppl_floored": "eval/oracle_ppl",
     "eval/oracle_floored_frac": "eval/oracle_impossible_frac",
 }
-ADDED = ("kl/k1_token_mean", "kl/beta_x_k1_seq_sum", "eval/oracle_zero_prob_token_frac")
+ADDED = (
+    "kl/k1_token_mean",
+    "kl/beta_x_k1_seq_sum",
+    "eval/oracle_zero_prob_token_frac",
+    "train/samples",  # host-side rows of the loop (issue 17), not values of the step
+    "optim/lr",
+)
 
 
 def recorded_view(metrics: dict[str, np.ndarray], target: float) -> dict[str, np.ndarray]:
