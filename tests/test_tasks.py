@@ -112,9 +112,9 @@ def test_word_tokenizer_is_a_tokenizer_with_several_stop_ids():
 
 
 def test_built_in_tasks_are_registered():
-    assert {"testbed", "wordclass", "peer"} <= set(TASKS.names())
+    assert {"testbed", "wordclass", "peer", "text"} <= set(TASKS.names())
     with pytest.raises(
-        ConfigError, match=r"task.name: must be one of peer, wordclass, testbed \(got .nope.\)"
+        ConfigError, match=r"task.name: must be one of peer, wordclass, testbed, text \(got .nope.\)"
     ):
         RunConfig().replace(task={"name": "nope"})
 
