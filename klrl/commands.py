@@ -221,7 +221,8 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         fail(str(e))
     if mode == "resume":
         check_run_dir_writable(ns.resume, "--resume")
-    from klrl.config import builtin_task_shape, check_task, config_warnings
+    from klrl.config import check_task, config_warnings
+    from klrl.tasks.base import builtin_task_shape
 
     try:
         for m in members or [cfg]:

@@ -555,20 +555,9 @@ class TaskShape(NamedTuple):
     max_len: int
 
 
-def builtin_task_shape(cfg: RunConfig) -> TaskShape:
-    """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
-    if cfg.task.name == "text":  # a pretrained model's: known once it is read (checked again then)
-        return TaskShape(2**31 - 1, cfg.data.prompt_len, 2**31 - 1)
-    from klrl.tasks import language  # the words never depend on the seed
-
-    vocab = 2 + sum(len(words) for words in language._LEXICON.values())  # PAD, EOS, the words
-    t = cfg.task
-    return TaskShape(vocab, t.prompt_len, max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len))
-
-
 def check_task(cfg: RunConfig, task: Any) -> None:
     """Rules that need the task (its vocabulary and lengths): run right after the task is built
-    (or on :func:`builtin_task_shape` before), before anything of the iteration compiles."""
+    (or on :func:`klrl.tasks.base.builtin_task_shape` before), before anything of the iteration compiles."""
     s, v = cfg.sampling, int(task.vocab_size)
     _check(s.top_k <= v, "sampling.top_k",
            f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip

@@ -280,7 +280,8 @@ def test_beta_bounds_are_checked_instead_of_clipped() -> None:
 
 
 def test_check_task_against_the_vocabulary_and_lengths() -> None:
-    from klrl.config import TaskShape, builtin_task_shape, check_task
+    from klrl.config import TaskShape, check_task
+    from klrl.tasks.base import builtin_task_shape
     from klrl.tasks.language import make_language
 
     cfg = RunConfig()

@@ -53,6 +53,14 @@ def _imports(tree: ast.AST, modules: set[str], here: str) -> set[str]:
 
     visit(tree)
     out.discard(None)
+    # importing ``klrl.pkg.mod`` first runs ``klrl/pkg/__init__.py``: an edge to that package too
+    # (not to the root ``klrl``, nor to a package ``here`` is inside, which is already importing)
+    for target in list(out):
+        parts = target.split(".")
+        for i in range(2, len(parts)):
+            pkg = ".".join(parts[:i])
+            if pkg in modules and not here.startswith(pkg + "."):
+                out.add(pkg)
     out.discard(here)
     return out
 
@@ -106,7 +114,7 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_results_is_a_leaf_and_nothing_imports_the_report():
     edges = graph()
-    assert edges["klrl.results"] <= {"klrl.config", "klrl.io.logging", "klrl.io.readers"}
+    assert edges["klrl.results"] <= {"klrl.config", "klrl.io", "klrl.io.logging", "klrl.io.readers"}
     assert edges["klrl.io.readers"] <= {"klrl.config", "klrl.schema"}  # (so results stays a leaf)
     importers = sorted(m for m, deps in edges.items() if {"klrl.report", "klrl.plots"} & deps)
     # only the report reads the plots; only the command line (klrl.commands) attaches a report

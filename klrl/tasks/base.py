@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from klrl.config import ConfigError
+from klrl.config import ConfigError, RunConfig, TaskShape
 from klrl.data.tokenizer import Tokenizer
 from klrl.models.base import CausalLM
 from klrl.registry import TASKS
@@ -234,3 +234,14 @@ def check_reward(task: Task, batch: int, response_len: int) -> None:
     if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:
         got = f"{tuple(out.shape)} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
         raise ConfigError(f"task {task.name} reward: must return [B] = ({b},) float32 per batch, got {got}")
+
+
+def builtin_task_shape(cfg: RunConfig) -> TaskShape:
+    """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
+    if cfg.task.name == "text":  # a pretrained model's: known once it is read (checked again then)
+        return TaskShape(2**31 - 1, cfg.data.prompt_len, 2**31 - 1)
+    from klrl.tasks import language  # the words never depend on the seed (tasks -> config only)
+
+    vocab = 2 + sum(len(words) for words in language._LEXICON.values())  # PAD, EOS, the words
+    t = cfg.task
+    return TaskShape(vocab, t.prompt_len, max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len))
