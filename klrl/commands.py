@@ -281,36 +281,42 @@ def _check_device_count(cfg: RunConfig) -> None:
         fail(str(e))
 
 
-def _run_sweep(
-    members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int, resume: str | None
-) -> int:
-    import jax
-
+def _guarded(call: Any) -> Any:
+    """``call()`` (a run or a sweep): the user's input or environment failing (a bad value, a damaged,
+    locked or foreign checkpoint, a full disk, a bad model file, prompt file or reward function) is
+    one line and exit 2, the run stopping itself (guard, rollback limit) one line and exit 1; None
+    after Ctrl-C."""
     from klrl.data.prompts import PromptDataError
     from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
     from klrl.models.hf import CheckpointFormatError
     from klrl.reliability import RunStopped
-    from klrl.report import maybe_write_report
     from klrl.rewards import RewardLoadError
-    from klrl.sweep import summary_table, sweep
 
     try:
-        results = sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
-    # CheckpointError: locked, disk full
-    except (
-        ConfigError,
-        CheckpointError,
-        RunDirError,
-        CheckpointFormatError,
-        PromptDataError,
-        RewardLoadError,
-    ) as e:
+        return call()
+    except (ConfigError, CheckpointError, RunDirError, CheckpointFormatError, PromptDataError,
+            RewardLoadError) as e:  # fmt: skip
         fail(str(e))
     except RunStopped as e:
         fail(str(e), 1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        return None
+
+
+def _run_sweep(
+    members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int, resume: str | None
+) -> int:
+    import jax
+
+    from klrl.report import maybe_write_report
+    from klrl.sweep import summary_table, sweep
+
+    results = _guarded(
+        lambda: sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
+    )
+    if results is None:
         return 130
     stopped = results[0].info.get("stopped")
     if jax.process_index() == 0:
@@ -334,31 +340,11 @@ def _run_sweep(
 
 def _run_one(cfg: RunConfig, resume: str | None) -> int:
     import klrl
-    from klrl.data.prompts import PromptDataError
     from klrl.distributed import is_main
-    from klrl.io.checkpoint import CheckpointError
-    from klrl.io.readers import RunDirError
-    from klrl.models.hf import CheckpointFormatError
-    from klrl.reliability import RunStopped
-    from klrl.rewards import RewardLoadError
+    from klrl.report import maybe_write_report
 
-    try:
-        from klrl.report import maybe_write_report
-
-        result = klrl.run(cfg, resume=resume, report=maybe_write_report)
-    except (
-        ConfigError,
-        CheckpointError,
-        RunDirError,
-        CheckpointFormatError,
-        PromptDataError,
-        RewardLoadError,
-    ) as e:
-        fail(str(e))
-    except RunStopped as e:
-        fail(str(e), 1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    result = _guarded(lambda: klrl.run(cfg, resume=resume, report=maybe_write_report))
+    if result is None:
         return 130
     stopped = result.info.get("stopped")
     if is_main():  # several processes (--distributed): one summary, from the process that writes
