@@ -8,7 +8,9 @@ Reports, per run: tracking error over the second half (mean |KL/target - 1|), se
 oscillation of log beta over the second half (total variation), the final beta, and early
 stability: the peak of the 10-iteration mean KL over target and the total variation of log beta in
 the 100 iterations after the controller takes over (iteration 0, or the end of the warm-up).
-KL here is what the controller saw: per-sequence sum of k1 (nats/sequence).
+KL here is what the controller saw: per-sequence sum of k1 (nats/sequence). With ``--seeds 0,1,2``
+every setting runs once per seed (one sweep); the table gives each setting's mean over seeds with a
+95% t-interval beside the per-seed rows.
 """
 
 from __future__ import annotations
@@ -16,7 +18,19 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from study import base_config, diagnosis_of, markdown, parser, run_study, save_plots, smooth, write_table
+from study import (
+    SEEDS_NOTE,
+    base_config,
+    by_setting,
+    diagnosis_of,
+    markdown,
+    parser,
+    run_study,
+    save_plots,
+    settings_markdown,
+    smooth,
+    write_table,
+)
 
 CONTROLLERS = {
     "proportional": {"kind": "proportional", "horizon": 1000.0},
@@ -53,6 +67,7 @@ def rows(results):
             "controller": name,
             "target (nats/seq)": c.target,
             "warm-up": c.warmup_iters,
+            "seed": r.config.train.seed,
             "tracking error 2nd half": float(np.mean(np.abs(kl[half:] / c.target - 1))),
             "settling iter": "never" if s is None else s,
             "TV log beta 2nd half": float(np.sum(np.abs(np.diff(logb[half:])))),
@@ -75,13 +90,15 @@ def main(argv=None):
         for ctrl in CONTROLLERS.values():
             for w in (0, ns.warmup):
                 members.append(base.replace(ctrl={**ctrl, "target": target, "warmup_iters": w}))
-    results, out = run_study(members, ns.replay)
+    results, out = run_study(members, ns.replay, ns.seeds)
     table = rows(results)
+    agg = by_setting(results, table, ["controller", "target (nats/seq)", "warm-up"])
     plots = save_plots(results, out, ["controller_comparison", "beta_kl"])
-    path = write_table(
-        out, "adaptive: controllers x targets x warm-up", markdown(table), plots, extra={"rows": table}
-    )
-    print(markdown(table))
+    body = "\n\n".join(["## Per setting, over seeds", settings_markdown(agg), SEEDS_NOTE,
+                         "## Per member", markdown(table)])  # fmt: skip
+    extra = {"seeds": sorted({row["seed"] for row in table}), "settings": agg, "rows": table}
+    path = write_table(out, "adaptive: controllers x targets x warm-up", body, plots, extra=extra)
+    print(settings_markdown(agg))
     print(f"written: {path}")
     return 0
 

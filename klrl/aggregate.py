@@ -22,8 +22,9 @@ import numpy as np
 
 LEVEL = 0.95
 SEED_FIELD = "train.seed"
-# fields that name a run or set what it prints: runs differing in them are the same setting
-NOT_SETTING = ("train.name", "train.out_dir", "train.log_every", "train.quiet")
+# fields that name a run, set what it prints or where a cache lives: runs differing in them are the
+# same setting
+NOT_SETTING = ("train.name", "train.out_dir", "train.log_every", "train.quiet", "task.cache_dir")
 
 __all__ = [
     "Group",
@@ -48,7 +49,8 @@ def setting_key(cfg: Any) -> str:
     """The config as canonical JSON without ``train.seed`` and the fields that only name or report a
     run (:data:`NOT_SETTING`): equal keys = runs differing only in their seed."""
     d = cfg.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k != "seed" and f"train.{k}" not in NOT_SETTING}
+    drop = {SEED_FIELD, *NOT_SETTING}
+    d = {s: {k: v for k, v in f.items() if f"{s}.{k}" not in drop} for s, f in d.items()}
     return json.dumps(d, sort_keys=True, default=str)
 
 

@@ -75,6 +75,10 @@ def test_seed_groups_ignore_only_the_seed_and_the_run_name():
     assert gs[0].seeds == (0, 1, 2) and gs[1].config.kl.beta == 0.01
     longer = RunResult(cfg.replace(train={"seed": 5, "iterations": 7}, kl={"beta": 0.1}), None, {})
     assert [g.n for g in A.seed_groups([*runs[:3], longer])] == [3, 1]
+    # where the pretrained models are cached names no setting (stored runs used /tmp/klrlcache)
+    cached = RunResult(cfg.replace(train={"seed": 5}, kl={"beta": 0.1}, task={"cache_dir": "/x"}), None, {})
+    other_task = RunResult(cfg.replace(train={"seed": 6}, kl={"beta": 0.1}, task={"seed": 1}), None, {})
+    assert [g.n for g in A.seed_groups([*runs[:3], cached, other_task])] == [4, 1]
 
 
 def test_units_and_labels():
