@@ -242,17 +242,21 @@ def main(argv=None) -> int:
     for b in betas:
         sel = beta_all == b
         ax.scatter(d_all[sel], g_all[sel], s=3, alpha=0.2, label=f"beta={b:g}")
-    sel = [r for r in rows if r["seeds in bin"]]
-    mid = np.array([(r["lo"] + r["hi"]) / 2 for r in sel])
+    allin = [r for r in rows if r["seeds in bin"] == len(seeds)]
+    some = [r for r in rows if 0 < r["seeds in bin"] < len(seeds)]
+    mid = lambda rr: np.array([(r["lo"] + r["hi"]) / 2 for r in rr])
     ax.errorbar(
-        mid,
-        [r["seed mean"] for r in sel],
-        yerr=[r["seed ci95 half"] if np.isfinite(r["seed ci95 half"]) else 0.0 for r in sel],
+        mid(allin),
+        [r["seed mean"] for r in allin],
+        yerr=[r["seed ci95 half"] if np.isfinite(r["seed ci95 half"]) else 0.0 for r in allin],
         color="k",
-        fmt="o-",
+        fmt="o",
         capsize=3,
         label=f"binned mean, 95% t-interval over seeds {sl}",
     )
+    if some:
+        ax.plot(mid(some), [r["seed mean"] for r in some], "o", mfc="none", color="k",
+                label="binned mean, fewer seeds in the bin (no interval)")  # fmt: skip
     x = np.linspace(1e-3, d_all.max(), 200)
     for (k, f), c in zip(fits.items(), ("tab:gray", "tab:red", "tab:purple"), strict=True):
         lab = f"Gao fit, {k} (d*={f['d_star']:.2f})"

@@ -215,7 +215,13 @@ def run_study(
                    for r in load_sweep(out)]  # fmt: skip
         return results, out
     out = new_run_dir(members[0])
-    return sweep(members, out_dir=out), out
+    results = sweep(members, out_dir=out)
+    stopped = results[0].info.get("stopped") if results else None
+    if stopped:  # SIGTERM/SIGINT: checkpointed, nothing to tabulate yet
+        n = len(results[0].metrics.get("reward/gold", ()))
+        print(f"stopped ({stopped}) after {n} iterations; continue with: klrl resume {out}", file=sys.stderr)
+        raise SystemExit(0)
+    return results, out
 
 
 def diagnosis_of(r: klrl.RunResult) -> str:
