@@ -53,6 +53,12 @@ class Program:
     env: Any
     task_info: dict[str, Any] = field(default_factory=dict)
     abstract: Any = None  # shapes and dtypes of the state (default: ``jax.eval_shape(init)``)
+    # raises klrl.rewards.RewardFunctionError if a host reward function failed (called when an
+    # iteration was rejected by the guard); None: the reward cannot fail that way
+    reward_check: Callable[[], None] | None = None
+    # (iteration, host metrics of one member or stacked) -> None: called on every flushed row before
+    # it is written (samples, text logs); set by the caller
+    on_row: Callable[..., Any] | None = None
 
 
 class _Stop(Exception):
@@ -356,6 +362,43 @@ def drive(
             log(msg)
         return target
 
+    stop_reward: tuple[int, Exception] | None = None
+    reward_stop: str | None = None
+    rejected_at: dict[int, np.ndarray] = {}
+
+    def failed_reward(m: Any) -> Exception | None:
+        """The host reward's failure, if this row's iteration was rejected and a function failed."""
+        if prog.reward_check is None:
+            return None
+        skipped = np.asarray(distributed.to_host(m["guard/skipped"])).reshape(-1)
+        if not (skipped > 0).any():
+            return None
+        from klrl.rewards.host import RewardFunctionError
+
+        try:
+            prog.reward_check()
+        except RewardFunctionError as e:
+            rejected_at[0] = skipped
+            return e
+        return None
+
+    def accepted_none(it: int) -> bool:
+        # several sweep device groups call the reward concurrently: a group scored before the failure
+        # may have accepted this iteration; then only an older checkpoint is good for every member
+        return bool((rejected_at.get(0, np.ones(1)) > 0).all())
+
+    def restamp(st: Any, n: int) -> Any:
+        """``st`` (the last good parameters after rejected iterations) as the state after ``n`` rows."""
+        host = ckpt.host_copy(st)
+        it = np.asarray(host.iteration)
+        prev = np.asarray([r[-1].get("guard/consecutive_skips", 0.0) if r else 0.0 for r in rows])
+        return prog.place(
+            host._replace(
+                iteration=np.full_like(it, n),
+                skipped=prev.reshape(it.shape).astype(np.asarray(host.skipped).dtype),
+            )
+        )
+
     pending = None  # (iteration, metrics) of the newest step, fetched while the next one runs
     try:
         with guard.signals if guard is not None else reliability.StopSignals(log) as signals:
@@ -376,8 +419,27 @@ def drive(
                 action = None
                 for it, m in fetch:
                     if action is None:  # rows end where the stop was decided
+                        reward_error = failed_reward(m)
+                        if reward_error is not None:
+                            action = "reward"
+                            stop_reward = (it, reward_error)
+                            break
                         flush(it, m)
                         action = check()
+                if action == "reward":
+                    # a host reward function failed: the iteration (and any after it, see
+                    # klrl.rewards.host) was rejected by the guard, so the state holds the last good
+                    # parameters; it is saved as the state after the rows written, and the run ends
+                    pending = None
+                    it, err = stop_reward
+                    if mgr is not None and accepted_none(it):
+                        state = restamp(state, len(rows[0]))
+                        save(len(rows[0]))
+                    where = f"checkpoint {last_saved} in {mgr.directory}" if mgr and last_saved >= 0 else (
+                        "not saved (write=False)" if mgr is None else "none yet")  # fmt: skip
+                    reward_stop = f"{err}; last good state: {where}"
+                    i = len(rows[0])
+                    break
                 if action == "rollback":
                     pending = None
                     try:
@@ -425,4 +487,10 @@ def drive(
             writers[j].close(final_metrics(r.metrics, cfgs[j].diag.window), step=max(i - 1, 0))
             (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
         results.append(r)
+    if reward_stop is not None:
+        from klrl.rewards.host import RewardFunctionError
+
+        err = RewardFunctionError(reward_stop)
+        err.result = results
+        raise err
     return results, stop_error

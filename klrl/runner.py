@@ -102,6 +102,7 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         place=lambda s: distributed.replicate(s, mesh),
         env=env,
         task_info=task.info,
+        reward_check=getattr(task.reward, "check", None),
     )
     (result,), stop_error = drive(
         prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard, on_step=on_step

@@ -205,6 +205,7 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         env=env,
         task_info=task.info,
         abstract=abstract,
+        reward_check=getattr(task.reward, "check", None),
     )
     results, stop_error = drive(
         prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step

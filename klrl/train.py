@@ -108,7 +108,8 @@ def value_out(ctx: Context, value_params: Any, tokens: Array, key_mask: Array) -
 
 
 def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
-    """Prompts and responses for this device's share of the global batch."""
+    """Prompts and responses for this device's share of the global batch; ``prompt_idx`` holds the
+    rows of the prompt pool each example was drawn from (host rewards read their columns by it)."""
     k_prompt, k_sample, _ = iteration_keys(state)
     b_loc, group = ctx.b_loc, ctx.cfg.ppo.group_size
     g_idx = jax.lax.axis_index(DATA) * b_loc + jnp.arange(b_loc)
@@ -118,10 +119,11 @@ def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
     )
     ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
     head = ctx.models.value_head if ctx.head else None
-    return generate(
+    ro = generate(
         ctx.models.policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
         ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
     )  # fmt: skip
+    return ro._replace(prompt_idx=p_idx.astype(jnp.int32))
 
 
 def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:

@@ -102,7 +102,8 @@ def test_tiny_pretrained_end_to_end_saves_trained_policy(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_host_reward_sees_each_rows_prompt(tmp_path):
-    """reward.fn: the host function gets the prompt of each row (found in the pool) and the response text."""
+    """reward.fn: the host function gets the prompt of each row (by the rollout's prompt_idx) and the
+    response text."""
     from klrl.data.prompts import load_prompts
     from klrl.tasks.text import make_text_task
 
@@ -122,7 +123,7 @@ def test_host_reward_sees_each_rows_prompt(tmp_path):
     env = task.env
     response = np.array([tok.encode("hi")[:2] + [0, 0]] * 3, np.int32)
     mask = np.array([[1, 1, 0, 0]] * 3, np.float32)
-    ro = Rollout(env["prompts"][rows], env["prompt_mask"][rows], response, mask, None, None, None)
+    ro = Rollout(env["prompts"][rows], env["prompt_mask"][rows], response, mask, None, None, None, rows)
     got = np.asarray(jax.jit(task.reward.fn)(env, ro))
     text = tok.decode([int(t) for t in response[0, :2]], skip_special_tokens=True)
     want = [2.0 * (len(pool.prompts[i]) + 1000 * len(text)) for i in rows]

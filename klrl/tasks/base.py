@@ -88,6 +88,9 @@ class JaxReward:
 
     fn: RewardFn
     params: dict[str, Any] = field(default_factory=dict)
+    # host-side check the run loop calls when an iteration was rejected: raises (one line) if a host
+    # reward function failed (:meth:`klrl.rewards.host.HostReward.check`); None for in-graph rewards
+    check: Callable[[], None] | None = None
     kind = "jax"
 
 
@@ -228,7 +231,8 @@ def check_reward(task: Task, batch: int, response_len: int) -> None:
     i32 = jax.ShapeDtypeStruct((b, p), jnp.int32)
     f32 = jax.ShapeDtypeStruct((b, p), jnp.float32)
     rr = jax.ShapeDtypeStruct((b, r), jnp.float32)
-    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None)
+    idx = jax.ShapeDtypeStruct((b,), jnp.int32)
+    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None, idx)
     env = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), task.env)
     out = jax.eval_shape(task.reward.fn, env, ro)
     if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:

@@ -104,24 +104,24 @@ def model_reward(model: Any, params: Any) -> JaxReward:
     return JaxReward(reward_fn, {"reward_params": params})
 
 
-def host_text_reward(cfg: RunConfig, tok: Any, prompts: TokenPool, texts: list, columns: dict) -> JaxReward:
-    """``reward.fn`` (:func:`klrl.rewards.make_host_reward`) as a traced reward: each row's prompt index
-    is recovered by matching its tokens and mask against the pool (the first match; identical rows
-    have identical text), then the host functions score the decoded responses. A failing function
-    scores NaN, so the non-finite guard skips the iteration (its message is in the reward's registry)."""
+def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> JaxReward:
+    """``reward.fn`` (:func:`klrl.rewards.make_host_reward`) as a traced reward: the host functions
+    score the decoded responses of the pool rows ``ro.prompt_idx`` (the rollout's sampled prompt
+    indices; the dataset's other columns are passed by the same index). A failing function scores NaN
+    on every row, so the step's guard rejects the iteration; the run loop then calls the reward's
+    ``check`` (its message: :class:`klrl.rewards.RewardFunctionError`) and ends the run."""
     from klrl.rewards import make_host_reward, parse_specs
 
     specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
-    host = make_host_reward(specs, weights, tok, texts, columns)
+    host = make_host_reward(specs, weights, tok, texts, columns, stop_after_error=True)
 
     def reward_fn(env: Any, ro: Rollout) -> Array:
-        same = jnp.all(ro.prompt[:, None, :] == env["prompts"][None], axis=-1)
-        same &= jnp.all(ro.prompt_mask[:, None, :] == env["prompt_mask"][None], axis=-1)
-        idx = jnp.argmax(same, axis=-1).astype(jnp.int32)
-        scores, error = host(idx, ro.response, ro.mask)
+        if ro.prompt_idx is None:
+            raise ValueError("host text reward: the rollout carries no prompt_idx (set by the train step)")
+        scores, error = host(ro.prompt_idx, ro.response, ro.mask)
         return jnp.where(error == 0, scores, jnp.nan).astype(jnp.float32)
 
-    return JaxReward(reward_fn)
+    return JaxReward(reward_fn, check=host.check)
 
 
 def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
@@ -155,7 +155,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     else:
         texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
     if cfg.reward.fn:
-        reward = host_text_reward(cfg, tok, prompts, texts, columns)
+        reward = host_text_reward(cfg, tok, texts, columns)
         info["reward"] = cfg.reward.fn
     else:
         reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
