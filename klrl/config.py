@@ -376,15 +376,20 @@ class DiagnosisConfig:
 
 @section("reward")
 class RewardConfig:
-    """Task text: host-side text rewards instead of the reward model (klrl.rewards)."""
+    """Task text: host-side text rewards instead of the reward model (klrl.rewards); every task: the
+    missing-EOS penalty."""
 
     fn: str = _f(
         "", "comma-separated text rewards: built-in names (positivity, length_target, arithmetic), "
         "module:function or file.py:function ('' = the reward model of model.reward_path)",
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
+    missing_eos_penalty: float = _f(
+        0.0, "subtracted from the task reward of a response with no stop token (TRL's missing_eos_penalty; 0 = off)"
+    )
 
     def __post_init__(self) -> None:
+        _check(math.isfinite(self.missing_eos_penalty), "reward.missing_eos_penalty", "must be finite")
         fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
         _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
         if self.weights.strip():

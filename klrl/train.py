@@ -42,7 +42,7 @@ from klrl.models.gpt import entropy, token_logprobs
 from klrl.models.heads import ValueHead, detach
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
 from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
-from klrl.shaping import sequence_returns, shaped_rewards
+from klrl.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.tasks.base import JaxReward, Task, check_task
 from klrl.train_parts import (
     Advantages,
@@ -127,7 +127,8 @@ def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
 
 
 def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:
-    """Reference log-probs (and logits), old values, task reward and evaluations."""
+    """Reference log-probs (and logits), old values, task reward (less ``reward.missing_eos_penalty``
+    for a response without a stop token) and evaluations."""
     mask = ro.mask
     tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
     ref = forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits
@@ -139,13 +140,18 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
     else:
         old_value = jnp.zeros_like(mask)
     evaluate = ctx.task.eval_fn
+    task_reward = ctx.task.reward_fn(env, ro)
+    if ctx.cfg.reward.missing_eos_penalty:  # static: off leaves the program as it was
+        task_reward = missing_eos_penalty(
+            task_reward, ro.response, mask, ctx.stop_ids, ctx.cfg.reward.missing_eos_penalty
+        )
     return Scores(
         tokens=tokens,
         key_mask=key_mask,
         ref_logits=ref_logits,
         ref_logp=token_logprobs(ref_logits, ro.response) * mask,
         value=old_value,
-        task_reward=ctx.task.reward_fn(env, ro),
+        task_reward=task_reward,
         evals=evaluate(env, ro) if evaluate is not None else {},
     )
 
