@@ -322,6 +322,11 @@ class TrainConfig:
     metric_aliases: str = _f(
         "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
     )
+    samples_every: int = _f(
+        10, "write decoded samples (samples.jsonl, TensorBoard text, report) every this many iterations, "
+        "also at the first and last (0 = off)",
+    )  # fmt: skip
+    samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, "train.iterations", "must be >= 1")
@@ -333,6 +338,8 @@ class TrainConfig:
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         _check(self.devices >= 0, "train.devices", "must be >= 0")
         _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+        _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
+        _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
         _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
@@ -385,7 +392,8 @@ class RewardConfig:
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
     missing_eos_penalty: float = _f(
-        0.0, "subtracted from the task reward of a response with no stop token (TRL's missing_eos_penalty; 0 = off)"
+        0.0,
+        "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty; 0: off)",
     )
 
     def __post_init__(self) -> None:

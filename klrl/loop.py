@@ -56,9 +56,8 @@ class Program:
     # raises klrl.rewards.RewardFunctionError if a host reward function failed (called when an
     # iteration was rejected by the guard); None: the reward cannot fail that way
     reward_check: Callable[[], None] | None = None
-    # (iteration, host metrics of one member or stacked) -> None: called on every flushed row before
-    # it is written (samples, text logs); set by the caller
-    on_row: Callable[..., Any] | None = None
+    tokenizer: Any = None  # decodes the step's ``_samples/*`` rows (klrl.samples)
+    prompt_texts: Any = None  # the prompt pool as text, if the task has it
 
 
 class _Stop(Exception):
@@ -171,6 +170,10 @@ def drive(
                 if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
                     replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
                 replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
+                if (d / "samples.jsonl").is_file():  # samples of iterations after the checkpoint: rewritten
+                    kept = [x for x in complete_lines(d / "samples.jsonl")
+                            if json.loads(x).get("iteration", 0) < n_lines]  # fmt: skip
+                    replace_file(d / "samples.jsonl", b"".join(kept))
                 writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
                 dropped = len(lines) - n_lines
                 msg = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
@@ -224,8 +227,21 @@ def drive(
     lrs = learning_rates(state, n_m)  # (read before the first step donates the state)
     clock = {"last": None}  # when the previous row was flushed (None: none yet in this process)
 
+    sample_log = None
+    if writers and prog.tokenizer is not None and tc.samples_every > 0:
+        from klrl.samples import SampleLog
+
+        sample_log = SampleLog(
+            prog.tokenizer, dirs, writers, tc.samples_every, tc.iterations, prog.prompt_texts
+        )
+
     def flush(it: int, m: Any) -> None:
-        m = distributed.to_host(m)
+        m = dict(distributed.to_host(m))
+        from klrl.samples import pop_samples
+
+        sample_rows = pop_samples(m)  # decoded and written every train.samples_every iterations
+        if sample_log is not None:
+            sample_log.write(it, sample_rows, stacked)
         now = time.time()
         # wall time per iteration: between two rows (one step late, so in steady state the step's time);
         # the first row of this process holds the compile and is not timed
@@ -473,6 +489,8 @@ def drive(
                     break
     finally:
         progress.close()
+        if sample_log is not None:
+            sample_log.close()
         if mgr is not None:
             ckpt.finish(mgr)  # wait + close; a second error on the way out is dropped
     elapsed = time.time() - t0

@@ -91,7 +91,8 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         from klrl.tasks.text import value_models
 
         models = {**value_models(cfg, task), **models}  # a separate value trunk from model.value_path
-    train = make_train(cfg, task, mesh, **models)
+    n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
+    train = make_train(cfg, task, mesh, samples=n_samples, **models)
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     prog = Program(
@@ -103,6 +104,8 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         env=env,
         task_info=task.info,
         reward_check=getattr(task.reward, "check", None),
+        tokenizer=task.tokenizer,
+        prompt_texts=task.prompt_texts,
     )
     (result,), stop_error = drive(
         prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard, on_step=on_step

@@ -42,6 +42,7 @@ from klrl.models.gpt import entropy, token_logprobs
 from klrl.models.heads import ValueHead, detach
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
 from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
+from klrl.samples import sample_rows
 from klrl.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.tasks.base import JaxReward, Task, check_task
 from klrl.train_parts import (
@@ -306,6 +307,8 @@ def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict
                      state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
     out = guard(ctx, state, new, ok)
     metrics = iteration_metrics(ctx, env, state, out, ok, ro, sc, ad, stats, kl_seen)
+    if ctx.samples:  # a few rows' token ids for the host to decode (klrl.samples), not logged
+        metrics.update(sample_rows(ctx.samples, ro, sc.task_reward, ad.k1, ad.exact, sc.ref_logp))
     return out, metrics
 
 
@@ -324,6 +327,7 @@ def make_train(
     reward: JaxReward | None = None,
     stop_ids: tuple[int, ...] | None = None,
     log_target: bool | None = None,
+    samples: int = 0,
 ) -> Train:
     """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
 
@@ -338,6 +342,8 @@ def make_train(
     against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
     :class:`ConfigError` naming the part. ``log_target`` (default: ``cfg.ctrl.kind != 'fixed'``) logs
     ``ctrl/target`` (a sweep sets it when any member is adaptive; fixed members then log NaN).
+    ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
+    as ``_samples/*`` arrays (:func:`klrl.samples.sample_rows`; the run loop decodes and writes them).
     """
     mesh = make_mesh(cfg.train.devices) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
@@ -360,6 +366,7 @@ def make_train(
         optimizer=make_optimizer(cfg),
         n_dev=n_dev,
         log_target=cfg.ctrl.kind != "fixed" if log_target is None else log_target,
+        samples=min(int(samples), cfg.train.batch_size),
     )
     one = partial(step_fn, ctx)
     phases = Phases(

@@ -56,7 +56,8 @@ def _argv(tmp_path: Path, fn: str, name: str, *extra: str, iterations: int = 5) 
     return ["--task.name", "text", "--model.path", str(GGUF), "--reward.fn", f"{f}:{fn}",
             "--data.prompt_len", "16", "--data.limit", "8", "--sampling.response_len", "4",
             "--ppo.epochs", "1", "--ppo.minibatches", "2", "--train.batch_size", "4",
-            "--train.iterations", str(iterations), "--train.checkpoint_every", "1", "--train.out_dir", str(tmp_path),
+            "--train.iterations", str(iterations), "--train.checkpoint_every", "1",
+            "--train.out_dir", str(tmp_path),
             "--train.name", name, "--train.quiet", "true", *extra]  # fmt: skip
 
 

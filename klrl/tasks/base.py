@@ -129,6 +129,7 @@ class Task:
     policy_params: Any  # its pretrained parameters: the initial policy and the KL reference
     evaluators: Evaluators = field(default_factory=Evaluators)
     info: dict[str, Any] = field(default_factory=dict)  # e.g. pretraining loss, entropy rate
+    prompt_texts: Sequence[str] | None = None  # the pool's prompts as text (samples show them), if known
 
     @property
     def env(self) -> dict[str, Any]:

@@ -172,6 +172,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         policy=policy,
         policy_params=params,
         info=info,
+        prompt_texts=list(texts),
     )
 
 
