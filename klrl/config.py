@@ -393,7 +393,7 @@ class RewardConfig:
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
     missing_eos_penalty: float = _f(
         0.0,
-        "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty; 0: off)",
+        "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty)",
     )
 
     def __post_init__(self) -> None:
