@@ -63,6 +63,10 @@ class ModelConfig:
         "task text: the frozen reward model, an HF *ForSequenceClassification directory (its score head) "
         "or a causal LM (a fresh scalar head); '' = model.path's trunk with a fresh scalar head",
     )
+    eval_path: str = _f(
+        "", "task text: an independent evaluator LM (HF directory or .gguf, the policy's tokenizer) whose "
+        "perplexity of the samples is logged as eval/independent_ppl ('' = none)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
@@ -364,7 +368,11 @@ class DiagnosisConfig:
     proxy_min_gain: float = _f(0.05, "frozen: and the proxy improved by less than this across the window")
     trend_min: float = _f(0.05, "hacking: proxy up and gold down by more than this across the window")
     ppl_margin: float = _f(
-        0.5, "hacking: oracle (else independent) perplexity this fraction above the reference's"
+        0.5, "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
+        "its start",
+    )  # fmt: skip
+    distinct_drop: float = _f(
+        0.5, "hacking (text runs): text/distinct_2 over the window this fraction below its start"
     )
     beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
     trend_t: float = _f(3.0, "hacking: both trends must also exceed this many standard errors")
@@ -376,6 +384,7 @@ class DiagnosisConfig:
         _check(self.proxy_min_gain >= 0, "diag.proxy_min_gain", "must be >= 0")
         _check(self.trend_min >= 0, "diag.trend_min", "must be >= 0")
         _check(self.ppl_margin > 0, "diag.ppl_margin", "must be > 0")
+        _check(0 < self.distinct_drop < 1, "diag.distinct_drop", "must be in (0, 1)")
         _check(self.beta_trend > 0, "diag.beta_trend", "must be > 0")
         _check(self.trend_t >= 0, "diag.trend_t", "must be >= 0")
         _check(self.persist >= 1, "diag.persist", "must be >= 1")

@@ -36,7 +36,7 @@ from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
 from klrl.rollout import Rollout, sequence
-from klrl.tasks.base import JaxReward, Task, TokenPool, register_task
+from klrl.tasks.base import Evaluators, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
 
@@ -48,7 +48,7 @@ def compute_dtype(cfg: RunConfig) -> Any:
 def check_model_paths(cfg: RunConfig) -> None:
     """Every checkpoint path the config names must exist (:class:`ConfigError` naming the field)."""
     m = cfg.model
-    for name in ("path", "value_path", "reward_path"):
+    for name in ("path", "value_path", "reward_path", "eval_path"):
         p = getattr(m, name)
         if p and not Path(p).exists():
             raise ConfigError(f"model.{name}: {p}: no such file or directory")
@@ -124,6 +124,59 @@ def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> Ja
     return JaxReward(reward_fn, check=host.check)
 
 
+def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None) -> Evaluators:
+    """The text task's metrics of each iteration's samples (over the global batch, on token ids):
+
+    * ``text/distinct_1``, ``text/distinct_2``: distinct n-grams / n-grams in the batch (Li et al.
+      2016); ``text/rep_4``: the fraction of a response's 4-grams repeating an earlier one, averaged
+      over responses (seq-rep-4, Welleck et al. 2019; logged when ``sampling.response_len >= 4``);
+      :mod:`klrl.textmetrics`;
+    * with an evaluator LM (``model.eval_path``): ``eval/independent_ppl = exp(-sum_b sum_t m_bt
+      log p_eval(y_bt | prompt, y_<t) / sum_b sum_t m_bt)`` over the batch, its token-weighted
+      perplexity of the samples (the reference's is ``eval/ref_ppl``, logged by every run).
+    """
+    from klrl.models.gpt import token_logprobs
+    from klrl.rollout import response_slice
+    from klrl.textmetrics import distinct_n_jax, rep_n_jax
+
+    def per_example(env: Any, ro: Rollout) -> dict[str, Array]:
+        if eval_model is None:
+            return {}
+        tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
+        p = ro.prompt.shape[1]
+        logits = response_slice(forward(eval_model, env["eval_lm_params"], tokens, key_mask).logits, p, r_len)
+        logp = token_logprobs(logits.astype(jnp.float32), ro.response) * ro.mask
+        return {"_eval_nll_sum": -jnp.sum(logp, axis=-1), "_eval_len": jnp.sum(ro.mask, axis=-1)}
+
+    def batch(env: Any, ro: Rollout, reward: Array, evals: dict[str, Array]) -> dict[str, Array]:
+        out = {
+            "text/distinct_1": distinct_n_jax(ro.response, ro.mask, 1),
+            "text/distinct_2": distinct_n_jax(ro.response, ro.mask, 2) if r_len >= 2 else jnp.float32(0.0),
+        }
+        if r_len >= 4:
+            out["text/rep_4"] = rep_n_jax(ro.response, ro.mask, 4)
+        if "_eval_nll_sum" in evals:
+            n = jnp.maximum(jnp.sum(evals["_eval_len"]), 1.0)
+            out["eval/independent_ppl"] = jnp.exp(jnp.sum(evals["_eval_nll_sum"]) / n)
+        return out
+
+    params = {"eval_lm_params": eval_params} if eval_model is not None else {}
+    return Evaluators(per_example=per_example, batch=batch, params=params)
+
+
+def eval_lm(cfg: RunConfig, policy: Any) -> tuple[Any, Any]:
+    """``(model, params)`` of ``model.eval_path`` (or ``(None, None)``); the policy's vocabulary."""
+    if not cfg.model.eval_path:
+        return None, None
+    model, params, _ = _load(cfg.model.eval_path, compute_dtype(cfg))
+    if model.vocab_size != policy.vocab_size:
+        raise CheckpointFormatError(
+            f"model.eval_path: {cfg.model.eval_path}: vocabulary of {model.vocab_size} tokens, the policy's "
+            f"has {policy.vocab_size} (the evaluator reads the policy's token ids)"
+        )
+    return model, params
+
+
 def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
     """``make_train``'s ``value=`` and ``value_params=`` for ``model.value_model=separate`` on a
     pretrained model: the trunk of ``model.value_path`` (default: the policy's) with a fresh value
@@ -172,6 +225,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         policy=policy,
         policy_params=params,
         info=info,
+        evaluators=text_evaluators(cfg.sampling.response_len, *eval_lm(cfg, policy)),
         prompt_texts=list(texts),
     )
 
