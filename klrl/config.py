@@ -444,6 +444,11 @@ class DataConfig:
     eval_fraction: float = _f(0.0, "fraction of the prompts held out for evaluation (if no eval_path)")
     seed: int = _f(0, "seed of the held-out split")
     limit: int = _f(0, "use the first `limit` prompts of the file (0: all)")
+    eval_every: int = _f(
+        10, "score the held-out prompts (data.eval_path or data.eval_fraction) with the policy at "
+        "temperature 0 every this many iterations, also at the first and last; logged as eval/heldout/* "
+        "(0 = off)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "data.path", "must name a prompt file")
@@ -462,6 +467,7 @@ class DataConfig:
             "must be 0 when data.eval_path is given",
         )
         _check(self.limit >= 0, "data.limit", f"must be >= 0 (got {self.limit})")
+        _check(self.eval_every >= 0, "data.eval_every", f"must be >= 0 (got {self.eval_every})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,7 @@ from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sw
 from klrl.io.resume import Resume, check_resumable, complete_lines, replace_file
 from klrl.io.resume import restore as restore_resume
 from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
+from klrl.samples import due
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 
@@ -58,6 +59,10 @@ class Program:
     reward_check: Callable[[], None] | None = None
     tokenizer: Any = None  # decodes the step's ``_samples/*`` rows (klrl.samples)
     prompt_texts: Any = None  # the prompt pool as text, if the task has it
+    # (state, env) -> {name: scalar (or [members])}: the held-out evaluation (klrl.evaluate), run on the
+    # state after i updates every data.eval_every iterations and merged into row i; None: off
+    evaluate: Callable[[Any, Any], Any] | None = None
+    heldout_check: Callable[[], None] | None = None  # as reward_check, for the held-out rows' reward
 
 
 class _Stop(Exception):
@@ -235,8 +240,12 @@ def drive(
             prog.tokenizer, dirs, writers, tc.samples_every, tc.iterations, prog.prompt_texts
         )
 
+    heldout_rows: dict[int, Any] = {}  # held-out metrics waiting for their row
+
     def flush(it: int, m: Any) -> None:
         m = dict(distributed.to_host(m))
+        if it in heldout_rows:
+            m.update(distributed.to_host(heldout_rows.pop(it)))
         from klrl.samples import pop_samples
 
         sample_rows = pop_samples(m)  # decoded and written every train.samples_every iterations
@@ -415,6 +424,11 @@ def drive(
             )
         )
 
+    def where_saved() -> str:
+        if mgr is None:
+            return "not saved (write=False)"
+        return f"checkpoint {last_saved} in {mgr.directory}" if last_saved >= 0 else "none yet"
+
     pending = None  # (iteration, metrics) of the newest step, fetched while the next one runs
     try:
         with guard.signals if guard is not None else reliability.StopSignals(log) as signals:
@@ -423,6 +437,30 @@ def drive(
                 fetch = [pending] if pending is not None else []
                 pending = None
                 sync = True
+                if (
+                    not stopping
+                    and i < tc.iterations
+                    and prog.evaluate is not None
+                    and due(i, cfgs[0].data.eval_every, tc.iterations)
+                ):
+                    # before the step donates the state: the held-out metrics of the state after i updates
+                    heldout_rows[i] = jax.block_until_ready(prog.evaluate(state, prog.env))
+                    err = None
+                    if prog.heldout_check is not None:
+                        from klrl.rewards.host import RewardFunctionError
+
+                        try:
+                            prog.heldout_check()
+                        except RewardFunctionError as e:
+                            err = e
+                    if err is not None:  # the state is good (only the evaluation's reward failed)
+                        heldout_rows.pop(i)
+                        if pending is not None:
+                            flush(*pending)
+                            pending = None
+                        save(len(rows[0]))
+                        reward_stop = f"{err} (held-out evaluation); last good state: {where_saved()}"
+                        break
                 if not stopping and i < tc.iterations:
                     state, metrics = prog.step(state, prog.env)
                     i += 1
@@ -451,9 +489,7 @@ def drive(
                     if mgr is not None and accepted_none(it):
                         state = restamp(state, len(rows[0]))
                         save(len(rows[0]))
-                    where = f"checkpoint {last_saved} in {mgr.directory}" if mgr and last_saved >= 0 else (
-                        "not saved (write=False)" if mgr is None else "none yet")  # fmt: skip
-                    reward_stop = f"{err}; last good state: {where}"
+                    reward_stop = f"{err}; last good state: {where_saved()}"
                     i = len(rows[0])
                     break
                 if action == "rollback":

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
+from klrl.evaluate import make_heldout_eval
 from klrl.loop import Program, drive, prepare_sweep_resume
 from klrl.parallel import SWEEP, make_mesh, shard_step
 from klrl.results import SUMMARY_KEYS, RunResult, Sweep
@@ -193,6 +194,7 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         check_task(m, task)  # lengths, top_k and vocabulary against the task, before anything compiles
     n_samples = base.train.samples_n if write and base.train.samples_every > 0 else 0
     init, step, mesh = make_sweep(members, task, sweep_devices, samples=n_samples)
+    evaluate = make_heldout_eval(make_train(base, task, mesh), stacked=True)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     split = NamedSharding(mesh, P(SWEEP))
     one = jax.eval_shape(lambda: make_train(base, task, mesh).init(base.train.seed))
@@ -209,6 +211,8 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         reward_check=getattr(task.reward, "check", None),
         tokenizer=task.tokenizer,
         prompt_texts=task.prompt_texts,
+        evaluate=evaluate,
+        heldout_check=getattr(task.heldout.reward, "check", None) if task.heldout is not None else None,
     )
     results, stop_error = drive(
         prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step

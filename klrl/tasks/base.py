@@ -106,6 +106,17 @@ class HostReward:
 
 
 @dataclass(frozen=True)
+class HeldOut:
+    """Held-out prompts scored with the policy at temperature 0 (:mod:`klrl.evaluate`): their pool
+    (its arrays travel in ``env`` as ``heldout_prompts``/``heldout_prompt_mask``), the reward of its
+    rows (``ro.prompt_idx`` indexes this pool) and their texts."""
+
+    prompts: TokenPool
+    reward: JaxReward
+    texts: Sequence[Any] = ()
+
+
+@dataclass(frozen=True)
 class Evaluators:
     per_example: EvalFn | None = None
     batch: BatchEvalFn | None = None
@@ -130,11 +141,20 @@ class Task:
     evaluators: Evaluators = field(default_factory=Evaluators)
     info: dict[str, Any] = field(default_factory=dict)  # e.g. pretraining loss, entropy rate
     prompt_texts: Sequence[str] | None = None  # the pool's prompts as text (samples show them), if known
+    heldout: HeldOut | None = None  # held-out prompts for the temperature-0 evaluation (klrl.evaluate)
 
     @property
     def env(self) -> dict[str, Any]:
         reward_params = self.reward.params if isinstance(self.reward, JaxReward) else {}
-        return {**self.prompts.env(), **reward_params, **self.evaluators.params}
+        env = {**self.prompts.env(), **reward_params, **self.evaluators.params}
+        if self.heldout is not None:
+            h = self.heldout.prompts.env()
+            env.update(
+                heldout_prompts=h["prompts"],
+                heldout_prompt_mask=h["prompt_mask"],
+                **self.heldout.reward.params,
+            )
+        return env
 
     # convenient views of the parts
     @property

@@ -36,7 +36,7 @@ from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
 from klrl.rollout import Rollout, sequence
-from klrl.tasks.base import Evaluators, JaxReward, Task, TokenPool, register_task
+from klrl.tasks.base import Evaluators, HeldOut, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
 
@@ -200,11 +200,13 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     if tok is None:
         raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
     info: dict[str, Any] = {"model_path": str(cfg.model.path)}
+    held = None
     if prompts is None:
         splits = load_prompts(cfg.data, tok)
         prompts = TokenPool(jnp.asarray(splits.train.tokens), jnp.asarray(splits.train.mask, jnp.float32))
         info["prompts"] = splits.train.source
         texts, columns = splits.train.prompts, splits.train.columns
+        held = splits.eval
     else:
         texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
     if cfg.reward.fn:
@@ -213,6 +215,12 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     else:
         reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
         info["reward"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
+    heldout = None
+    if held is not None and len(held):
+        pool = TokenPool(jnp.asarray(held.tokens), jnp.asarray(held.mask, jnp.float32))
+        h_reward = host_text_reward(cfg, tok, held.prompts, held.columns) if cfg.reward.fn else reward
+        heldout = HeldOut(pool, h_reward, list(held.prompts))
+        info["heldout_prompts"] = len(held)
     if log is not None:
         log(f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
             f"reward {info['reward']}")  # fmt: skip
@@ -227,6 +235,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         info=info,
         evaluators=text_evaluators(cfg.sampling.response_len, *eval_lm(cfg, policy)),
         prompt_texts=list(texts),
+        heldout=heldout,
     )
 
 
