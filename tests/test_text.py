@@ -189,3 +189,16 @@ def test_text_run_logs_text_metrics_and_the_evaluator_lms_perplexity(tmp_path):
     for k in ("text/distinct_1", "text/distinct_2", "text/rep_4"):
         assert ((m[k] >= 0) & (m[k] <= 1)).all(), (k, m[k])
     assert (m["text/distinct_1"] > 0).all()
+
+
+def test_model_path_on_the_default_task_selects_the_text_task():
+    import argparse
+
+    from klrl.cli import config_from_args
+
+    def cfg(**kw):
+        return config_from_args(argparse.Namespace(config=None, **kw))
+
+    assert cfg(**{"model.path": str(GGUF)}).task.name == "text"
+    assert cfg(**{"model.path": str(GGUF), "task.name": "wordclass"}).task.name == "wordclass"
+    assert cfg().task.name == "testbed"
