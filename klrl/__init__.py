@@ -23,6 +23,7 @@ from klrl.report import write_report
 from klrl.results import RunResult, load_run, load_sweep
 from klrl.rollout import Rollout, generate
 from klrl.runner import run
+from klrl.samples import samples  # the function; the module stays importable as klrl.samples
 from klrl.sweep import sweep  # the function; the module stays importable as klrl.sweep (sys.modules)
 from klrl.train import Phases, Train, TrainState, make_train
 
@@ -67,6 +68,7 @@ __all__ = [
     "make_train",
     "plots",
     "run",
+    "samples",
     "shaping",
     "sweep",
     "write_report",

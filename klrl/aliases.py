@@ -144,6 +144,7 @@ OPENRLHF_METRICS: dict[str, str] = {
 # Their config knob -> klrl's ``section.field``. Keys: lower case, '_' for '-', dots for nesting;
 # :func:`lookup` tries the full key, then its last dotted component.
 FLAG_ALIASES: dict[str, str] = {
+    "missing_eos_penalty": "reward.missing_eos_penalty",  # TRL PPO / RLOO
     # KL coefficient, controller, estimator, placement
     "kl_coef": "kl.beta", "init_kl_coef": "kl.beta", "init_coef": "kl.beta", "algo.kl.init_coef": "kl.beta",
     "algorithm.kl_ctrl.kl_coef": "kl.beta",
@@ -232,8 +233,6 @@ FLAG_NOTES: dict[str, str] = {
 # Their knobs with no klrl counterpart, and why.
 NO_COUNTERPART: dict[str, str] = {
     "whiten_rewards": "TRL PPO: scale per-token rewards by their std; klrl whitens advantages (--ppo.whiten)",
-    "missing_eos_penalty": "TRL PPO: subtract from the score of responses without EOS; no such knob",
-    "stop_properly_penalty_coef": "OpenRLHF: the same for truncated responses; no such knob",
     "early_stopping": "TRL 0.11: stop the epochs when the policy KL exceeds 1.5 target_kl; no such knob",
     "normalize_reward": "OpenRLHF: running reward normalisation; no such knob",
     "reward_clip_range": "OpenRLHF: clip rewards to (-10, 10); no such knob",

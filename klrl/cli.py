@@ -194,7 +194,8 @@ def _typed(dest: str, raw: Any, default: Any) -> Any:
 
 def config_from_args(ns: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
     """Apply ``--section.field`` values from ``ns`` onto ``base`` (else ``--config FILE``, else the
-    default config)."""
+    default config). ``--model.path`` on the default task (``testbed``, not given) selects
+    ``task.name=text``: RLHF on that pretrained model."""
     if base is None and getattr(ns, "config", None):
         base = load_config_file(ns.config)
     base = base or RunConfig()
@@ -203,6 +204,10 @@ def config_from_args(ns: argparse.Namespace, base: RunConfig | None = None) -> R
         section, name = dest.split(".", 1)
         value = _typed(dest, getattr(ns, dest), getattr(getattr(base, section), name))
         updates.setdefault(section, {})[name] = value
+    # a pretrained model given on the command line, on the default task: the text task (RLHF on that model)
+    new_model = updates.get("model", {}).get("path") and not base.model.path
+    if new_model and "name" not in updates.get("task", {}) and base.task.name == "testbed":
+        updates.setdefault("task", {})["name"] = "text"
     try:
         return base.replace(**updates)
     except ConfigError as e:  # UnknownFieldError included

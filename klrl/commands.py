@@ -284,19 +284,20 @@ def _check_device_count(cfg: RunConfig) -> None:
 def _guarded(call: Any) -> Any:
     """``call()`` (a run or a sweep): the user's input or environment failing (a bad value, a damaged,
     locked or foreign checkpoint, a full disk, a bad model file, prompt file or reward function) is
-    one line and exit 2, the run stopping itself (guard, rollback limit) one line and exit 1; None
+    one line and exit 2 (also a host reward function failing during the run, after the last good state
+    is checkpointed), the run stopping itself (guard, rollback limit) one line and exit 1; None
     after Ctrl-C."""
     from klrl.data.prompts import PromptDataError
     from klrl.io.checkpoint import CheckpointError
     from klrl.io.readers import RunDirError
     from klrl.models.hf import CheckpointFormatError
     from klrl.reliability import RunStopped
-    from klrl.rewards import RewardLoadError
+    from klrl.rewards import RewardFunctionError, RewardLoadError
 
     try:
         return call()
     except (ConfigError, CheckpointError, RunDirError, CheckpointFormatError, PromptDataError,
-            RewardLoadError) as e:  # fmt: skip
+            RewardLoadError, RewardFunctionError) as e:  # fmt: skip
         fail(str(e))
     except RunStopped as e:
         fail(str(e), 1)

@@ -63,6 +63,10 @@ class ModelConfig:
         "task text: the frozen reward model, an HF *ForSequenceClassification directory (its score head) "
         "or a causal LM (a fresh scalar head); '' = model.path's trunk with a fresh scalar head",
     )
+    eval_path: str = _f(
+        "", "task text: an independent evaluator LM (HF directory or .gguf, the policy's tokenizer) whose "
+        "perplexity of the samples is logged as eval/independent_ppl ('' = none)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
@@ -322,6 +326,11 @@ class TrainConfig:
     metric_aliases: str = _f(
         "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
     )
+    samples_every: int = _f(
+        10, "write decoded samples (samples.jsonl, TensorBoard text, report) every this many iterations, "
+        "also at the first and last (0 = off)",
+    )  # fmt: skip
+    samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, "train.iterations", "must be >= 1")
@@ -333,6 +342,8 @@ class TrainConfig:
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         _check(self.devices >= 0, "train.devices", "must be >= 0")
         _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+        _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
+        _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
         _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
@@ -357,7 +368,11 @@ class DiagnosisConfig:
     proxy_min_gain: float = _f(0.05, "frozen: and the proxy improved by less than this across the window")
     trend_min: float = _f(0.05, "hacking: proxy up and gold down by more than this across the window")
     ppl_margin: float = _f(
-        0.5, "hacking: oracle (else independent) perplexity this fraction above the reference's"
+        0.5, "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
+        "its start",
+    )  # fmt: skip
+    distinct_drop: float = _f(
+        0.5, "hacking (text runs): text/distinct_2 over the window this fraction below its start"
     )
     beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
     trend_t: float = _f(3.0, "hacking: both trends must also exceed this many standard errors")
@@ -369,6 +384,7 @@ class DiagnosisConfig:
         _check(self.proxy_min_gain >= 0, "diag.proxy_min_gain", "must be >= 0")
         _check(self.trend_min >= 0, "diag.trend_min", "must be >= 0")
         _check(self.ppl_margin > 0, "diag.ppl_margin", "must be > 0")
+        _check(0 < self.distinct_drop < 1, "diag.distinct_drop", "must be in (0, 1)")
         _check(self.beta_trend > 0, "diag.beta_trend", "must be > 0")
         _check(self.trend_t >= 0, "diag.trend_t", "must be >= 0")
         _check(self.persist >= 1, "diag.persist", "must be >= 1")
@@ -376,15 +392,21 @@ class DiagnosisConfig:
 
 @section("reward")
 class RewardConfig:
-    """Task text: host-side text rewards instead of the reward model (klrl.rewards)."""
+    """Task text: host-side text rewards instead of the reward model (klrl.rewards); every task: the
+    missing-EOS penalty."""
 
     fn: str = _f(
         "", "comma-separated text rewards: built-in names (positivity, length_target, arithmetic), "
         "module:function or file.py:function ('' = the reward model of model.reward_path)",
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
+    missing_eos_penalty: float = _f(
+        0.0,
+        "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty)",
+    )
 
     def __post_init__(self) -> None:
+        _check(math.isfinite(self.missing_eos_penalty), "reward.missing_eos_penalty", "must be finite")
         fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
         _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
         if self.weights.strip():
@@ -422,6 +444,11 @@ class DataConfig:
     eval_fraction: float = _f(0.0, "fraction of the prompts held out for evaluation (if no eval_path)")
     seed: int = _f(0, "seed of the held-out split")
     limit: int = _f(0, "use the first `limit` prompts of the file (0: all)")
+    eval_every: int = _f(
+        10, "score the held-out prompts (data.eval_path or data.eval_fraction) with the policy at "
+        "temperature 0 every this many iterations, also at the first and last; logged as eval/heldout/* "
+        "(0 = off)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "data.path", "must name a prompt file")
@@ -440,6 +467,7 @@ class DataConfig:
             "must be 0 when data.eval_path is given",
         )
         _check(self.limit >= 0, "data.limit", f"must be >= 0 (got {self.limit})")
+        _check(self.eval_every >= 0, "data.eval_every", f"must be >= 0 (got {self.eval_every})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,13 @@ Regimes (thresholds are fields of :class:`klrl.config.DiagnosisConfig`):
   is still the reference): beta is too small for this reward model.
 * ``healthy``: neither.
 
+Text runs (the ``text`` task logs ``text/distinct_2``) have no gold reward and usually no oracle:
+then hacking is read from the independent evaluator LM's perplexity of the samples
+(``eval/independent_ppl``, with ``model.eval_path``), else the reference model's
+(``eval/ref_ppl``), rising more than ``ppl_margin`` above its start, or from the samples' diversity
+collapsing: ``text/distinct_2`` over the window more than ``distinct_drop`` below its start
+(repeating the words the reward likes). Frozen is read as everywhere, from the KL and the task reward.
+
 Under an adaptive controller the beta trend is read too: beta falling steadily means the KL target
 is looser than the reward needs; rising steadily means it is tighter.
 """
@@ -53,7 +60,9 @@ def diagnose(history: dict[str, Any], t: int, cfg: DiagnosisConfig) -> tuple[str
     kl = _first(win, "kl/exact_seq_sum", "kl/k1_seq_sum")
     proxy = _first(win, "reward/proxy", "reward/task")
     gold = _first(win, "reward/gold")
-    ppl_all = _first(history, "eval/oracle_ppl_floored", "eval/independent_ppl")
+    text = "text/distinct_2" in history
+    ppl_names = ("eval/oracle_ppl_floored", "eval/independent_ppl") + (("eval/ref_ppl",) if text else ())
+    ppl_all = _first(history, *ppl_names)
     if kl is None or proxy is None or t + 1 < cfg.window:
         return "healthy", "warming up"
     g_proxy = _gain(proxy)
@@ -69,6 +78,15 @@ def diagnose(history: dict[str, Any], t: int, cfg: DiagnosisConfig) -> tuple[str
             return (
                 "hacking",
                 f"perplexity {now:.3g} is {100 * (now / base - 1):.0f}% above the reference's ({base:.3g})",
+            )
+    distinct = _first(history, "text/distinct_2") if text else None
+    if distinct is not None:
+        base = float(np.mean(distinct[: min(5, len(distinct))]))
+        now = float(np.mean(distinct[lo : t + 1]))
+        if np.isfinite(base) and base > 0 and now < base * (1 - cfg.distinct_drop):
+            return (
+                "hacking",
+                f"distinct-2 {now:.3g} is {100 * (1 - now / base):.0f}% below its start ({base:.3g})",
             )
     if float(np.mean(kl)) < cfg.kl_floor and g_proxy < cfg.proxy_min_gain:
         return "frozen", f"KL {np.mean(kl):.3g} nats/seq under {cfg.kl_floor}, proxy gain {g_proxy:+.3g}"

@@ -36,6 +36,7 @@ from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sw
 from klrl.io.resume import Resume, check_resumable, complete_lines, replace_file
 from klrl.io.resume import restore as restore_resume
 from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
+from klrl.samples import due
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 
@@ -53,6 +54,15 @@ class Program:
     env: Any
     task_info: dict[str, Any] = field(default_factory=dict)
     abstract: Any = None  # shapes and dtypes of the state (default: ``jax.eval_shape(init)``)
+    # raises klrl.rewards.RewardFunctionError if a host reward function failed (called when an
+    # iteration was rejected by the guard); None: the reward cannot fail that way
+    reward_check: Callable[[], None] | None = None
+    tokenizer: Any = None  # decodes the step's ``_samples/*`` rows (klrl.samples)
+    prompt_texts: Any = None  # the prompt pool as text, if the task has it
+    # (state, env) -> {name: scalar (or [members])}: the held-out evaluation (klrl.evaluate), run on the
+    # state after i updates every data.eval_every iterations and merged into row i; None: off
+    evaluate: Callable[[Any, Any], Any] | None = None
+    heldout_check: Callable[[], None] | None = None  # as reward_check, for the held-out rows' reward
 
 
 class _Stop(Exception):
@@ -165,6 +175,10 @@ def drive(
                 if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
                     replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
                 replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
+                if (d / "samples.jsonl").is_file():  # samples of iterations after the checkpoint: rewritten
+                    kept = [x for x in complete_lines(d / "samples.jsonl")
+                            if json.loads(x).get("iteration", 0) < n_lines]  # fmt: skip
+                    replace_file(d / "samples.jsonl", b"".join(kept))
                 writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
                 dropped = len(lines) - n_lines
                 msg = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
@@ -218,8 +232,25 @@ def drive(
     lrs = learning_rates(state, n_m)  # (read before the first step donates the state)
     clock = {"last": None}  # when the previous row was flushed (None: none yet in this process)
 
+    sample_log = None
+    if writers and prog.tokenizer is not None and tc.samples_every > 0:
+        from klrl.samples import SampleLog
+
+        sample_log = SampleLog(
+            prog.tokenizer, dirs, writers, tc.samples_every, tc.iterations, prog.prompt_texts
+        )
+
+    heldout_rows: dict[int, Any] = {}  # held-out metrics waiting for their row
+
     def flush(it: int, m: Any) -> None:
-        m = distributed.to_host(m)
+        m = dict(distributed.to_host(m))
+        if it in heldout_rows:
+            m.update(distributed.to_host(heldout_rows.pop(it)))
+        from klrl.samples import pop_samples
+
+        sample_rows = pop_samples(m)  # decoded and written every train.samples_every iterations
+        if sample_log is not None:
+            sample_log.write(it, sample_rows, stacked)
         now = time.time()
         # wall time per iteration: between two rows (one step late, so in steady state the step's time);
         # the first row of this process holds the compile and is not timed
@@ -356,6 +387,48 @@ def drive(
             log(msg)
         return target
 
+    stop_reward: tuple[int, Exception] | None = None
+    reward_stop: str | None = None
+    rejected_at: dict[int, np.ndarray] = {}
+
+    def failed_reward(m: Any) -> Exception | None:
+        """The host reward's failure, if this row's iteration was rejected and a function failed."""
+        if prog.reward_check is None:
+            return None
+        skipped = np.asarray(distributed.to_host(m["guard/skipped"])).reshape(-1)
+        if not (skipped > 0).any():
+            return None
+        from klrl.rewards.host import RewardFunctionError
+
+        try:
+            prog.reward_check()
+        except RewardFunctionError as e:
+            rejected_at[0] = skipped
+            return e
+        return None
+
+    def accepted_none(it: int) -> bool:
+        # several sweep device groups call the reward concurrently: a group scored before the failure
+        # may have accepted this iteration; then only an older checkpoint is good for every member
+        return bool((rejected_at.get(0, np.ones(1)) > 0).all())
+
+    def restamp(st: Any, n: int) -> Any:
+        """``st`` (the last good parameters after rejected iterations) as the state after ``n`` rows."""
+        host = ckpt.host_copy(st)
+        it = np.asarray(host.iteration)
+        prev = np.asarray([r[-1].get("guard/consecutive_skips", 0.0) if r else 0.0 for r in rows])
+        return prog.place(
+            host._replace(
+                iteration=np.full_like(it, n),
+                skipped=prev.reshape(it.shape).astype(np.asarray(host.skipped).dtype),
+            )
+        )
+
+    def where_saved() -> str:
+        if mgr is None:
+            return "not saved (write=False)"
+        return f"checkpoint {last_saved} in {mgr.directory}" if last_saved >= 0 else "none yet"
+
     pending = None  # (iteration, metrics) of the newest step, fetched while the next one runs
     try:
         with guard.signals if guard is not None else reliability.StopSignals(log) as signals:
@@ -364,6 +437,30 @@ def drive(
                 fetch = [pending] if pending is not None else []
                 pending = None
                 sync = True
+                if (
+                    not stopping
+                    and i < tc.iterations
+                    and prog.evaluate is not None
+                    and due(i, cfgs[0].data.eval_every, tc.iterations)
+                ):
+                    # before the step donates the state: the held-out metrics of the state after i updates
+                    heldout_rows[i] = jax.block_until_ready(prog.evaluate(state, prog.env))
+                    err = None
+                    if prog.heldout_check is not None:
+                        from klrl.rewards.host import RewardFunctionError
+
+                        try:
+                            prog.heldout_check()
+                        except RewardFunctionError as e:
+                            err = e
+                    if err is not None:  # the state is good (only the evaluation's reward failed)
+                        heldout_rows.pop(i)
+                        if pending is not None:
+                            flush(*pending)
+                            pending = None
+                        save(len(rows[0]))
+                        reward_stop = f"{err} (held-out evaluation); last good state: {where_saved()}"
+                        break
                 if not stopping and i < tc.iterations:
                     state, metrics = prog.step(state, prog.env)
                     i += 1
@@ -376,8 +473,25 @@ def drive(
                 action = None
                 for it, m in fetch:
                     if action is None:  # rows end where the stop was decided
+                        reward_error = failed_reward(m)
+                        if reward_error is not None:
+                            action = "reward"
+                            stop_reward = (it, reward_error)
+                            break
                         flush(it, m)
                         action = check()
+                if action == "reward":
+                    # a host reward function failed: the iteration (and any after it, see
+                    # klrl.rewards.host) was rejected by the guard, so the state holds the last good
+                    # parameters; it is saved as the state after the rows written, and the run ends
+                    pending = None
+                    it, err = stop_reward
+                    if mgr is not None and accepted_none(it):
+                        state = restamp(state, len(rows[0]))
+                        save(len(rows[0]))
+                    reward_stop = f"{err}; last good state: {where_saved()}"
+                    i = len(rows[0])
+                    break
                 if action == "rollback":
                     pending = None
                     try:
@@ -411,6 +525,8 @@ def drive(
                     break
     finally:
         progress.close()
+        if sample_log is not None:
+            sample_log.close()
         if mgr is not None:
             ckpt.finish(mgr)  # wait + close; a second error on the way out is dropped
     elapsed = time.time() - t0
@@ -425,4 +541,10 @@ def drive(
             writers[j].close(final_metrics(r.metrics, cfgs[j].diag.window), step=max(i - 1, 0))
             (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
         results.append(r)
+    if reward_stop is not None:
+        from klrl.rewards.host import RewardFunctionError
+
+        err = RewardFunctionError(reward_stop)
+        err.result = results
+        raise err
     return results, stop_error

@@ -22,6 +22,7 @@ from klrl.aggregate import seed_groups, t_interval, tail_mean, unit_of
 from klrl.diagnosis import final_regime, timeline
 from klrl.io.logging import read_jsonl
 from klrl.results import RunResult, load_run, load_sweep
+from klrl.samples import report_lines
 
 # nothing in klrl imports this module but the command line and the user: the report is attached
 # to a finished run by its caller (``klrl.run``'s ``report`` argument, the ``klrl`` command)
@@ -200,6 +201,7 @@ def _single(r: RunResult, root: Path, w: int) -> list[str]:
     lines += _table(["metric", "unit", "start", "final"], rows) if rows else ["No metrics logged."]
     lines += ["", f"Start and final are means over the first and the last {w} iterations.", ""]
     lines += ["## Diagnosis timeline", "", *_timeline_table(r), ""]
+    lines += report_lines(r.dir)
     ev = _run_events(r.dir)
     if ev:
         lines += ["## Run events", "", *ev, ""]
@@ -278,6 +280,7 @@ def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
     for i, r in enumerate(results):
         name = r.dir.name if r.dir is not None else f"member {i:02d}"
         lines += [f"### {name}: {label(r)}", "", *_timeline_table(r), ""]
+        lines += report_lines(r.dir, "Samples:")
         ev = _run_events(r.dir)
         if ev:
             lines += ["Run events:", "", *ev, ""]

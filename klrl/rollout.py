@@ -35,6 +35,7 @@ class Rollout(NamedTuple):
     logp: Array  # [B, R] behaviour log-probs under the tempered full policy
     value: Array | None  # [B, R] V(s_t) from a trunk value head, else None
     logits: Array | None  # [B, R, V] tempered policy logits (for exact KL), else None
+    prompt_idx: Array | None = None  # [B] int32 rows of the prompt pool sampled (set by the train step)
 
 
 def sequence(prompt: Array, prompt_mask: Array, response: Array, mask: Array) -> tuple[Array, Array]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
+from klrl.evaluate import make_heldout_eval
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import ROLLED_BACK, Program, drive
 from klrl.parallel import make_mesh
@@ -91,8 +92,10 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         from klrl.tasks.text import value_models
 
         models = {**value_models(cfg, task), **models}  # a separate value trunk from model.value_path
-    train = make_train(cfg, task, mesh, **models)
+    n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
+    train = make_train(cfg, task, mesh, samples=n_samples, **models)
     task = train.context.task  # (a ``reward=`` passed in is part of it)
+    evaluate = make_heldout_eval(train)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     prog = Program(
         configs=[cfg],
@@ -102,6 +105,11 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         place=lambda s: distributed.replicate(s, mesh),
         env=env,
         task_info=task.info,
+        reward_check=getattr(task.reward, "check", None),
+        tokenizer=task.tokenizer,
+        prompt_texts=task.prompt_texts,
+        evaluate=evaluate,
+        heldout_check=getattr(task.heldout.reward, "check", None) if task.heldout is not None else None,
     )
     (result,), stop_error = drive(
         prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard, on_step=on_step

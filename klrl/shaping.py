@@ -54,3 +54,19 @@ def shaped_rewards(task_reward: Array, kl_tok: Array, mask: Array, beta: Array, 
 def sequence_returns(task_reward: Array, kl_tok: Array, mask: Array, beta: Array, placement: str) -> Array:
     """``[B]`` undiscounted sum of shaped rewards: the scalar a critic-free estimator sees."""
     return jnp.sum(shaped_rewards(task_reward, kl_tok, mask, beta, placement), axis=-1)
+
+
+def missing_eos_penalty(
+    reward: chex.Array, response: chex.Array, mask: chex.Array, stop_ids: tuple[int, ...], penalty: float
+) -> chex.Array:
+    """``R_b - penalty * [no valid token of response b is a stop id]`` (``[B]``).
+
+    TRL's ``missing_eos_penalty`` (PPO/RLOO trainers: ``scores[~contain_eos_token] -=
+    missing_eos_penalty``): a response that ran out of ``sampling.response_len`` without a stop token
+    is penalised; ``response [B, R]`` int, ``mask [B, R]`` (a kept stop token has mask 1).
+    """
+    hit = jnp.zeros(response.shape, bool)
+    for i in stop_ids:
+        hit = hit | (response == i)
+    stopped = jnp.any(hit & (mask > 0), axis=-1)
+    return reward - jnp.where(stopped, 0.0, penalty).astype(reward.dtype)

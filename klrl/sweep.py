@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
+from klrl.evaluate import make_heldout_eval
 from klrl.loop import Program, drive, prepare_sweep_resume
 from klrl.parallel import SWEEP, make_mesh, shard_step
 from klrl.results import SUMMARY_KEYS, RunResult, Sweep
@@ -111,7 +112,7 @@ def unstack(tree: Any, i: int) -> Any:
     return jax.tree.map(lambda x: x[i], tree)
 
 
-def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1):
+def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1, samples: int = 0):
     """``(init, step, mesh)`` for the stacked members.
 
     ``init()`` returns the stacked state already split over the ``sweep`` axis, as ``step``
@@ -126,7 +127,7 @@ def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1):
     mesh = make_mesh(base.train.devices, n_sweep_devices)
     check_devices(base, mesh.shape["data"])
     adaptive = any(m.ctrl.kind != "fixed" for m in members)  # ctrl/target: NaN for fixed members
-    trains = [make_train(m, task, mesh, log_target=adaptive) for m in members]
+    trains = [make_train(m, task, mesh, log_target=adaptive, samples=samples) for m in members]
 
     def init() -> Any:
         states = []
@@ -191,7 +192,9 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
     task = task or build_task(base, None if base.train.quiet else log)
     for m in members:
         check_task(m, task)  # lengths, top_k and vocabulary against the task, before anything compiles
-    init, step, mesh = make_sweep(members, task, sweep_devices)
+    n_samples = base.train.samples_n if write and base.train.samples_every > 0 else 0
+    init, step, mesh = make_sweep(members, task, sweep_devices, samples=n_samples)
+    evaluate = make_heldout_eval(make_train(base, task, mesh), stacked=True)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     split = NamedSharding(mesh, P(SWEEP))
     one = jax.eval_shape(lambda: make_train(base, task, mesh).init(base.train.seed))
@@ -205,6 +208,11 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         env=env,
         task_info=task.info,
         abstract=abstract,
+        reward_check=getattr(task.reward, "check", None),
+        tokenizer=task.tokenizer,
+        prompt_texts=task.prompt_texts,
+        evaluate=evaluate,
+        heldout_check=getattr(task.heldout.reward, "check", None) if task.heldout is not None else None,
     )
     results, stop_error = drive(
         prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step

@@ -42,7 +42,8 @@ from klrl.models.gpt import entropy, token_logprobs
 from klrl.models.heads import ValueHead, detach
 from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
 from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
-from klrl.shaping import sequence_returns, shaped_rewards
+from klrl.samples import sample_rows
+from klrl.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.tasks.base import JaxReward, Task, check_task
 from klrl.train_parts import (
     Advantages,
@@ -108,7 +109,8 @@ def value_out(ctx: Context, value_params: Any, tokens: Array, key_mask: Array) -
 
 
 def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
-    """Prompts and responses for this device's share of the global batch."""
+    """Prompts and responses for this device's share of the global batch; ``prompt_idx`` holds the
+    rows of the prompt pool each example was drawn from (host rewards read their columns by it)."""
     k_prompt, k_sample, _ = iteration_keys(state)
     b_loc, group = ctx.b_loc, ctx.cfg.ppo.group_size
     g_idx = jax.lax.axis_index(DATA) * b_loc + jnp.arange(b_loc)
@@ -118,14 +120,16 @@ def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
     )
     ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
     head = ctx.models.value_head if ctx.head else None
-    return generate(
+    ro = generate(
         ctx.models.policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
         ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
     )  # fmt: skip
+    return ro._replace(prompt_idx=p_idx.astype(jnp.int32))
 
 
 def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:
-    """Reference log-probs (and logits), old values, task reward and evaluations."""
+    """Reference log-probs (and logits), old values, task reward (less ``reward.missing_eos_penalty``
+    for a response without a stop token) and evaluations."""
     mask = ro.mask
     tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
     ref = forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits
@@ -137,13 +141,18 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
     else:
         old_value = jnp.zeros_like(mask)
     evaluate = ctx.task.eval_fn
+    task_reward = ctx.task.reward_fn(env, ro)
+    if ctx.cfg.reward.missing_eos_penalty:  # static: off leaves the program as it was
+        task_reward = missing_eos_penalty(
+            task_reward, ro.response, mask, ctx.stop_ids, ctx.cfg.reward.missing_eos_penalty
+        )
     return Scores(
         tokens=tokens,
         key_mask=key_mask,
         ref_logits=ref_logits,
         ref_logp=token_logprobs(ref_logits, ro.response) * mask,
         value=old_value,
-        task_reward=ctx.task.reward_fn(env, ro),
+        task_reward=task_reward,
         evals=evaluate(env, ro) if evaluate is not None else {},
     )
 
@@ -298,6 +307,8 @@ def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict
                      state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
     out = guard(ctx, state, new, ok)
     metrics = iteration_metrics(ctx, env, state, out, ok, ro, sc, ad, stats, kl_seen)
+    if ctx.samples:  # a few rows' token ids for the host to decode (klrl.samples), not logged
+        metrics.update(sample_rows(ctx.samples, ro, sc.task_reward, ad.k1, ad.exact, sc.ref_logp))
     return out, metrics
 
 
@@ -316,6 +327,7 @@ def make_train(
     reward: JaxReward | None = None,
     stop_ids: tuple[int, ...] | None = None,
     log_target: bool | None = None,
+    samples: int = 0,
 ) -> Train:
     """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
 
@@ -330,6 +342,8 @@ def make_train(
     against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
     :class:`ConfigError` naming the part. ``log_target`` (default: ``cfg.ctrl.kind != 'fixed'``) logs
     ``ctrl/target`` (a sweep sets it when any member is adaptive; fixed members then log NaN).
+    ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
+    as ``_samples/*`` arrays (:func:`klrl.samples.sample_rows`; the run loop decodes and writes them).
     """
     mesh = make_mesh(cfg.train.devices) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
@@ -352,6 +366,7 @@ def make_train(
         optimizer=make_optimizer(cfg),
         n_dev=n_dev,
         log_target=cfg.ctrl.kind != "fixed" if log_target is None else log_target,
+        samples=min(int(samples), cfg.train.batch_size),
     )
     one = partial(step_fn, ctx)
     phases = Phases(

@@ -181,6 +181,7 @@ class Context:
     n_dev: int
     keep_logits: bool = True  # exact KL is a metric of every run; small vocabularies make it cheap
     log_target: bool = False  # log ``ctrl/target``: some run of this program has an adaptive controller
+    samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.samples)
 
     # shapes and modes, all static
     @property

@@ -48,3 +48,111 @@ def test_write_and_read(tmp_path) -> None:
 def test_length_mismatch_names_the_field(tmp_path) -> None:
     with SamplesWriter(tmp_path) as w, pytest.raises(ValueError, match="samples: reward has 1 values for 2"):
         w.write(0, ["a", "b"], ["x", "y"], [1.0])
+
+
+# ---- klrl.samples: rows out of the step, decoded on the host -------------------------------------
+
+
+def _word_tok():
+    from klrl.data.vocab import WordTokenizer
+
+    return WordTokenizer(("<pad>", "<eos>", "good", "bad", "day", "cat"), pad_id=0, stop_ids=(1,))
+
+
+def test_decode_rows_hand_values() -> None:
+    from klrl.samples import decode_rows
+
+    rows = {
+        "prompt": np.array([[0, 5, 4], [0, 0, 3]]),
+        "prompt_mask": np.array([[0, 1, 1], [0, 0, 1]], np.float32),
+        "response": np.array([[2, 2, 1, 0], [3, 4, 5, 2]]),
+        "mask": np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.float32),
+        "prompt_idx": np.array([1, 7]),
+        "reward": np.array([0.5, -1.0], np.float32),
+        "kl_seq_sum": np.array([0.25, 2.0], np.float32),
+        "kl_exact_seq_sum": np.array([0.5, 1.0], np.float32),
+        "ref_logprob": np.array([-3.0, -9.0], np.float32),
+        "length": np.array([3.0, 4.0], np.float32),
+    }
+    got = decode_rows(_word_tok(), rows, prompt_texts=["p0", "Tell me about cats."])
+    # row 0: prompt text of pool row 1; the stop token dropped. Row 1: index 7 is outside the pool
+    # texts, so its valid prompt tokens are decoded
+    assert got["prompt"] == ["Tell me about cats.", "bad"]
+    assert got["completion"] == ["good good", "bad day cat good"]
+    assert got["reward"] == [0.5, -1.0] and got["kl_seq_sum"] == [0.25, 2.0]
+    assert got["ref_logprob"] == [-3.0, -9.0] and got["length"] == [3, 4] and got["prompt_idx"] == [1, 7]
+    assert decode_rows(_word_tok(), rows)["prompt"] == ["cat day", "bad"]
+
+
+def test_due_first_every_and_last() -> None:
+    from klrl.samples import due
+
+    assert [i for i in range(25) if due(i, 10, 25)] == [0, 10, 20, 24]
+    assert [i for i in range(3) if due(i, 10, 3)] == [0, 2]
+    assert not any(due(i, 0, 5) for i in range(5))
+
+
+def test_side_by_side_pairs_first_and_last_iteration() -> None:
+    from klrl.samples import side_by_side
+
+    rows = [
+        {"iteration": it, "prompt": f"p{it}{i}", "completion": f"c{it}{i}", "reward": it, "kl_seq_sum": 0.5}
+        for it in (0, 5, 9)
+        for i in range(2)
+    ]
+    lines = side_by_side(rows)
+    assert lines[0] == "| # | iteration 0 | iteration 9 |"
+    assert "**p00** → c00 (reward 0, KL 0.5)" in lines[2] and "**p90** → c90 (reward 9, KL 0.5)" in lines[2]
+    assert "p51" not in "\n".join(lines) and side_by_side([]) == []
+
+
+def test_run_writes_samples_consistent_with_its_metrics(tiny_cfg, tiny_task, tmp_path) -> None:
+    """With ``train.samples_n`` = the batch, the samples' means are the logged batch means
+    (reward/task, kl/k1_seq_sum, response/length) and their reference log-probs give eval/ref_ppl:
+    the rows are the batch's, each number in its named unit."""
+    import klrl
+
+    b = tiny_cfg.train.batch_size
+    cfg = tiny_cfg.replace(
+        train={"iterations": 4, "samples_every": 2, "samples_n": b, "out_dir": str(tmp_path), "name": "s"}
+    )
+    r = klrl.run(cfg, task=tiny_task)
+    rows = read_samples(r.dir / "samples.jsonl")
+    assert sorted({x["iteration"] for x in rows}) == [0, 2, 3] and len(rows) == 3 * b
+    words = set(tiny_task.tokenizer.words)
+    for it in (0, 2, 3):
+        got = [x for x in rows if x["iteration"] == it]
+        assert all(set(x["completion"].split()) <= words for x in got)  # the testbed's own vocabulary
+        assert all(len(x["completion"].split()) <= x["length"] for x in got)
+        np.testing.assert_allclose(
+            np.mean([x["reward"] for x in got]), r.metrics["reward/task"][it], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.mean([x["kl_seq_sum"] for x in got]), r.metrics["kl/k1_seq_sum"][it], rtol=1e-4, atol=1e-6
+        )
+        np.testing.assert_allclose(np.mean([x["length"] for x in got]), r.metrics["response/length"][it])
+        ppl = math.exp(-sum(x["ref_logprob"] for x in got) / sum(x["length"] for x in got))
+        np.testing.assert_allclose(ppl, r.metrics["eval/ref_ppl"][it], rtol=1e-4)
+    assert not any(k.startswith("_samples") for k in r.metrics)  # never a logged metric
+    assert b"samples/text" in b"".join(p.read_bytes() for p in (r.dir / "tb").rglob("events.*"))
+    frame = klrl.samples(r)
+    assert len(frame) == 3 * b and {"member", "iteration", "prompt", "completion", "kl_seq_sum"} <= set(frame)
+    assert klrl.samples(r.dir, iteration=3, frame=False) == [
+        {"member": "s", **x} for x in rows if x["iteration"] == 3
+    ]
+    report = klrl.write_report(r.dir, plots=False).read_text()
+    assert "## Samples" in report and "| # | iteration 0 | iteration 3 |" in report
+
+
+def test_sweep_writes_samples_per_member(tiny_cfg, tiny_task, tmp_path) -> None:
+    import klrl
+
+    base = tiny_cfg.replace(train={"iterations": 2, "samples_n": 2, "out_dir": str(tmp_path), "name": "sw"})
+    members = [base.replace(kl={"beta": b}) for b in (0.01, 1.0)]
+    res = klrl.sweep(members, task=tiny_task)
+    root = res[0].dir.parent
+    frame = klrl.samples(root)
+    assert sorted(set(frame["member"])) == sorted(r.dir.name for r in res)
+    assert len(frame) == 2 * 2 * 2  # members x iterations (first, last) x samples_n
+    report = klrl.write_report(root, plots=False).read_text()
+    assert report.count("Samples:") == 2

@@ -52,3 +52,34 @@ def test_reward_and_sequence_have_the_same_total() -> None:
 def test_unknown_placement_raises() -> None:
     with pytest.raises(ValueError, match="kl.placement"):
         shaped_rewards(R, KL, MASK, BETA, "nowhere")
+
+
+def test_missing_eos_penalty_hand_values() -> None:
+    """TRL: ``scores[~any(response == eos)] -= penalty``; here any of several stop ids, valid tokens only."""
+    from klrl.shaping import missing_eos_penalty
+
+    stops = (2, 7)
+    response = np.array(
+        [
+            [5, 6, 2, 0],  # stopped by 2 (then PAD)
+            [5, 6, 5, 6],  # ran out of budget: penalised
+            [5, 6, 5, 7],  # the second stop id in the last slot: not penalised
+            [5, 0, 0, 0],  # a stop id value after the mask ends does not count ...
+            [3, 3, 3, 3],
+        ],
+        np.int32,
+    )
+    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]], np.float32)
+    response[3, 2] = 2  # ... (masked out)
+    reward = np.array([1.0, 1.0, -0.5, 0.25, 0.0], np.float32)
+    got = jax.jit(missing_eos_penalty, static_argnums=(3, 4))(reward, response, mask, stops, 1.5)
+    np.testing.assert_allclose(np.asarray(got), [1.0, -0.5, -0.5, 0.25 - 1.5, -1.5])
+    np.testing.assert_array_equal(np.asarray(missing_eos_penalty(reward, response, mask, stops, 0.0)), reward)
+
+
+def test_missing_eos_penalty_config() -> None:
+    from klrl.config import ConfigError, RunConfig
+
+    assert RunConfig().reward.missing_eos_penalty == 0.0
+    with pytest.raises(ConfigError, match="reward.missing_eos_penalty"):
+        RunConfig().replace(reward={"missing_eos_penalty": float("nan")})

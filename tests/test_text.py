@@ -102,7 +102,8 @@ def test_tiny_pretrained_end_to_end_saves_trained_policy(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_host_reward_sees_each_rows_prompt(tmp_path):
-    """reward.fn: the host function gets the prompt of each row (found in the pool) and the response text."""
+    """reward.fn: the host function gets the prompt of each row (by the rollout's prompt_idx) and the
+    response text."""
     from klrl.data.prompts import load_prompts
     from klrl.tasks.text import make_text_task
 
@@ -122,7 +123,7 @@ def test_host_reward_sees_each_rows_prompt(tmp_path):
     env = task.env
     response = np.array([tok.encode("hi")[:2] + [0, 0]] * 3, np.int32)
     mask = np.array([[1, 1, 0, 0]] * 3, np.float32)
-    ro = Rollout(env["prompts"][rows], env["prompt_mask"][rows], response, mask, None, None, None)
+    ro = Rollout(env["prompts"][rows], env["prompt_mask"][rows], response, mask, None, None, None, rows)
     got = np.asarray(jax.jit(task.reward.fn)(env, ro))
     text = tok.decode([int(t) for t in response[0, :2]], skip_special_tokens=True)
     want = [2.0 * (len(pool.prompts[i]) + 1000 * len(text)) for i in rows]
@@ -151,3 +152,53 @@ def test_separate_value_model_is_the_pretrained_trunk_with_a_fresh_head():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert head["kernel"].shape == (task.policy.hidden_size, 1) and HEAD_KEY not in trunk
     assert value_models(cfg.replace(model={"value_model": "head"}), task) == {}
+
+
+def test_text_evaluators_match_the_numpy_text_metrics():
+    from klrl import textmetrics as tm
+    from klrl.tasks.text import text_evaluators
+
+    rng = np.random.default_rng(0)
+    resp = rng.integers(0, 5, (6, 8)).astype(np.int32)
+    mask = (np.arange(8)[None] < rng.integers(1, 9, (6, 1))).astype(np.float32)
+    ro = Rollout(np.zeros((6, 2), np.int32), np.ones((6, 2), np.float32), resp, mask, None, None, None)
+    ev = text_evaluators(8)
+    assert ev.per_example(None, ro) == {}
+    got = jax.jit(lambda r: ev.batch(None, r, jnp.zeros(6), {}))(ro)
+    want = tm.text_metrics(resp, mask)
+    for k in ("text/distinct_1", "text/distinct_2", "text/rep_4"):
+        np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-6)
+    short = ro._replace(response=resp[:, :3], mask=mask[:, :3])
+    assert "text/rep_4" not in text_evaluators(3).batch(None, short, None, {})
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_text_run_logs_text_metrics_and_the_evaluator_lms_perplexity(tmp_path):
+    """With the reference itself as the evaluator LM (``model.eval_path`` = ``model.path``), its
+    perplexity of the samples is the reference's (``eval/ref_ppl``) at every iteration."""
+    import klrl
+
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF), "eval_path": str(GGUF)}, "task": {"name": "text"},
+         "data": {"prompt_len": 16, "limit": 8}, "sampling": {"response_len": 6},
+         "ppo": {"epochs": 1, "minibatches": 2}, "reward": {"fn": "positivity"},
+         "train": {"iterations": 2, "batch_size": 4, "quiet": True}}
+    )  # fmt: skip
+    m = klrl.run(cfg, write=False).metrics
+    np.testing.assert_allclose(m["eval/independent_ppl"], m["eval/ref_ppl"], rtol=1e-4)
+    for k in ("text/distinct_1", "text/distinct_2", "text/rep_4"):
+        assert ((m[k] >= 0) & (m[k] <= 1)).all(), (k, m[k])
+    assert (m["text/distinct_1"] > 0).all()
+
+
+def test_model_path_on_the_default_task_selects_the_text_task():
+    import argparse
+
+    from klrl.cli import config_from_args
+
+    def cfg(**kw):
+        return config_from_args(argparse.Namespace(config=None, **kw))
+
+    assert cfg(**{"model.path": str(GGUF)}).task.name == "text"
+    assert cfg(**{"model.path": str(GGUF), "task.name": "wordclass"}).task.name == "wordclass"
+    assert cfg().task.name == "testbed"

@@ -25,6 +25,8 @@ RESUME_MUTABLE = frozenset(
         "train.iterations",
         "train.quiet",
         "train.log_every",
+        "train.samples_every",
+        "train.samples_n",
         "train.out_dir",
         "train.name",
         "train.checkpoint_every",

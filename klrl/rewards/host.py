@@ -22,10 +22,12 @@ errors travel as values (the error code), not as host-side ordering.
 Errors cannot be raised through XLA, so the callback records them: a function that raises,
 returns a non-finite value, the wrong number of values or a non-number sets a nonzero code on the
 affected rows (``RAISED``, ``NOT_FINITE``, ``WRONG_COUNT``, ``WRONG_TYPE``; the score there is
-0.0) and its message goes to the reward's host-side registry. The loop calls
-``reward.check(error)`` after the step, before it keeps the new state: it raises
-:class:`RewardFunctionError` with one line, e.g. ``reward function mod:fn: returned 7 values for
-8 completions``, and the loop then saves the last good state and exits. Under several processes
+0.0) and its message goes to the reward's host-side registry. In a training run
+(``stop_after_error=True``, the text task) a failure makes every row of that call and of every
+later call an error (``ABORTED``), so the text task's reward is NaN there and the step's guard rejects
+the iteration and every later one; the loop, seeing a rejected iteration, calls ``reward.check()``:
+it raises :class:`RewardFunctionError` with one line, e.g. ``reward function mod:fn: returned 7
+values for 8 completions``, and the loop saves the last good state and ends the run. Under several processes
 each process records the errors of its own devices; ``check(error)`` with the gathered codes
 raises everywhere (with the message where it is known, the code's meaning elsewhere).
 """
@@ -51,12 +53,13 @@ from klrl.data.tokenizer import Tokenizer
 from klrl.rewards import text
 
 MAX_MESSAGES = 32
-OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE = 0, 1, 2, 3, 4
+OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE, ABORTED = 0, 1, 2, 3, 4, 5
 MEANING = {
     RAISED: "raised",
     NOT_FINITE: "returned a non-finite value",
     WRONG_COUNT: "returned the wrong number of values",
     WRONG_TYPE: "returned a value that is not a number",
+    ABORTED: "failed earlier (no later call is scored)",
 }
 
 
@@ -155,6 +158,8 @@ class HostReward:
         tokenizer: Tokenizer,
         prompts: Sequence[Any],
         columns: dict[str, Sequence[Any]] | None = None,
+        *,
+        stop_after_error: bool = False,
     ):
         if not fns:
             raise RewardLoadError("reward: no reward function given")
@@ -177,6 +182,9 @@ class HostReward:
                 raise RewardLoadError(f"reward column {k!r}: {len(v)} values for {len(self.prompts)} prompts")
         self._accepts = tuple(_accepted(f) for f in self.fns)
         self._stops = frozenset(int(s) for s in tokenizer.stop_ids)
+        # a training run's mode: once a function failed, every row of that call and of every later call
+        # is an error (ABORTED where nothing else went wrong), so no later iteration is accepted
+        self.stop_after_error = stop_after_error
         self._lock = threading.RLock()  # device shards call back from several threads: one at a time
         self.errors: list[str] = []  # the first MAX_MESSAGES problems, in the order they happened
         self.n_errors = 0
@@ -214,6 +222,12 @@ class HostReward:
         resp = np.broadcast_to(response, (*lead, r)).reshape(-1, r)
         msk = np.broadcast_to(mask, (*lead, r)).reshape(-1, r)
         m, f = idx.shape[0], len(self.fns)
+        if self.stop_after_error and self.n_errors:
+            return (
+                np.zeros(lead, np.float32),
+                np.full((*lead, f), np.nan, np.float32),
+                np.full(lead, ABORTED, np.int32),
+            )
         try:  # never raise through XLA: a bad prompt index or an undecodable id is recorded too
             bad = idx[(idx < 0) | (idx >= len(self.prompts))]
             if bad.size:
@@ -265,6 +279,8 @@ class HostReward:
                     error[i] = error[i] or NOT_FINITE
                 else:
                     values[i, j] = float(v)
+        if self.stop_after_error and (error != OK).any():
+            error[:] = np.where(error == OK, ABORTED, error)
         none = np.isnan(values).all(axis=1) & (error == OK)
         scores = np.where(error == OK, np.nansum(values * self.weights, axis=1), 0.0)
         self.n_calls += 1
@@ -324,6 +340,8 @@ def make_host_reward(
     tokenizer: Tokenizer,
     prompts: Sequence[Any],
     columns: dict[str, Sequence[Any]] | None = None,
+    *,
+    stop_after_error: bool = False,
 ) -> HostReward:
     """A :class:`HostReward` over the pool ``prompts`` (index ``prompt_idx`` into it) and ``columns``."""
-    return HostReward(fns, weights, tokenizer, prompts, columns)
+    return HostReward(fns, weights, tokenizer, prompts, columns, stop_after_error=stop_after_error)

@@ -88,6 +88,9 @@ class JaxReward:
 
     fn: RewardFn
     params: dict[str, Any] = field(default_factory=dict)
+    # host-side check the run loop calls when an iteration was rejected: raises (one line) if a host
+    # reward function failed (:meth:`klrl.rewards.host.HostReward.check`); None for in-graph rewards
+    check: Callable[[], None] | None = None
     kind = "jax"
 
 
@@ -100,6 +103,17 @@ class HostReward:
 
     fn: Callable[[list[str], list[str]], Sequence[float]]
     kind = "host"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out prompts scored with the policy at temperature 0 (:mod:`klrl.evaluate`): their pool
+    (its arrays travel in ``env`` as ``heldout_prompts``/``heldout_prompt_mask``), the reward of its
+    rows (``ro.prompt_idx`` indexes this pool) and their texts."""
+
+    prompts: TokenPool
+    reward: JaxReward
+    texts: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -126,11 +140,21 @@ class Task:
     policy_params: Any  # its pretrained parameters: the initial policy and the KL reference
     evaluators: Evaluators = field(default_factory=Evaluators)
     info: dict[str, Any] = field(default_factory=dict)  # e.g. pretraining loss, entropy rate
+    prompt_texts: Sequence[str] | None = None  # the pool's prompts as text (samples show them), if known
+    heldout: HeldOut | None = None  # held-out prompts for the temperature-0 evaluation (klrl.evaluate)
 
     @property
     def env(self) -> dict[str, Any]:
         reward_params = self.reward.params if isinstance(self.reward, JaxReward) else {}
-        return {**self.prompts.env(), **reward_params, **self.evaluators.params}
+        env = {**self.prompts.env(), **reward_params, **self.evaluators.params}
+        if self.heldout is not None:
+            h = self.heldout.prompts.env()
+            env.update(
+                heldout_prompts=h["prompts"],
+                heldout_prompt_mask=h["prompt_mask"],
+                **self.heldout.reward.params,
+            )
+        return env
 
     # convenient views of the parts
     @property
@@ -228,7 +252,8 @@ def check_reward(task: Task, batch: int, response_len: int) -> None:
     i32 = jax.ShapeDtypeStruct((b, p), jnp.int32)
     f32 = jax.ShapeDtypeStruct((b, p), jnp.float32)
     rr = jax.ShapeDtypeStruct((b, r), jnp.float32)
-    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None)
+    idx = jax.ShapeDtypeStruct((b,), jnp.int32)
+    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None, idx)
     env = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), task.env)
     out = jax.eval_shape(task.reward.fn, env, ro)
     if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:

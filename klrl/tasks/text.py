@@ -36,7 +36,7 @@ from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
 from klrl.rollout import Rollout, sequence
-from klrl.tasks.base import JaxReward, Task, TokenPool, register_task
+from klrl.tasks.base import Evaluators, HeldOut, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
 
@@ -48,7 +48,7 @@ def compute_dtype(cfg: RunConfig) -> Any:
 def check_model_paths(cfg: RunConfig) -> None:
     """Every checkpoint path the config names must exist (:class:`ConfigError` naming the field)."""
     m = cfg.model
-    for name in ("path", "value_path", "reward_path"):
+    for name in ("path", "value_path", "reward_path", "eval_path"):
         p = getattr(m, name)
         if p and not Path(p).exists():
             raise ConfigError(f"model.{name}: {p}: no such file or directory")
@@ -104,24 +104,77 @@ def model_reward(model: Any, params: Any) -> JaxReward:
     return JaxReward(reward_fn, {"reward_params": params})
 
 
-def host_text_reward(cfg: RunConfig, tok: Any, prompts: TokenPool, texts: list, columns: dict) -> JaxReward:
-    """``reward.fn`` (:func:`klrl.rewards.make_host_reward`) as a traced reward: each row's prompt index
-    is recovered by matching its tokens and mask against the pool (the first match; identical rows
-    have identical text), then the host functions score the decoded responses. A failing function
-    scores NaN, so the non-finite guard skips the iteration (its message is in the reward's registry)."""
+def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> JaxReward:
+    """``reward.fn`` (:func:`klrl.rewards.make_host_reward`) as a traced reward: the host functions
+    score the decoded responses of the pool rows ``ro.prompt_idx`` (the rollout's sampled prompt
+    indices; the dataset's other columns are passed by the same index). A failing function scores NaN
+    on every row, so the step's guard rejects the iteration; the run loop then calls the reward's
+    ``check`` (its message: :class:`klrl.rewards.RewardFunctionError`) and ends the run."""
     from klrl.rewards import make_host_reward, parse_specs
 
     specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
-    host = make_host_reward(specs, weights, tok, texts, columns)
+    host = make_host_reward(specs, weights, tok, texts, columns, stop_after_error=True)
 
     def reward_fn(env: Any, ro: Rollout) -> Array:
-        same = jnp.all(ro.prompt[:, None, :] == env["prompts"][None], axis=-1)
-        same &= jnp.all(ro.prompt_mask[:, None, :] == env["prompt_mask"][None], axis=-1)
-        idx = jnp.argmax(same, axis=-1).astype(jnp.int32)
-        scores, error = host(idx, ro.response, ro.mask)
+        if ro.prompt_idx is None:
+            raise ValueError("host text reward: the rollout carries no prompt_idx (set by the train step)")
+        scores, error = host(ro.prompt_idx, ro.response, ro.mask)
         return jnp.where(error == 0, scores, jnp.nan).astype(jnp.float32)
 
-    return JaxReward(reward_fn)
+    return JaxReward(reward_fn, check=host.check)
+
+
+def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None) -> Evaluators:
+    """The text task's metrics of each iteration's samples (over the global batch, on token ids):
+
+    * ``text/distinct_1``, ``text/distinct_2``: distinct n-grams / n-grams in the batch (Li et al.
+      2016); ``text/rep_4``: the fraction of a response's 4-grams repeating an earlier one, averaged
+      over responses (seq-rep-4, Welleck et al. 2019; logged when ``sampling.response_len >= 4``);
+      :mod:`klrl.textmetrics`;
+    * with an evaluator LM (``model.eval_path``): ``eval/independent_ppl = exp(-sum_b sum_t m_bt
+      log p_eval(y_bt | prompt, y_<t) / sum_b sum_t m_bt)`` over the batch, its token-weighted
+      perplexity of the samples (the reference's is ``eval/ref_ppl``, logged by every run).
+    """
+    from klrl.models.gpt import token_logprobs
+    from klrl.rollout import response_slice
+    from klrl.textmetrics import distinct_n_jax, rep_n_jax
+
+    def per_example(env: Any, ro: Rollout) -> dict[str, Array]:
+        if eval_model is None:
+            return {}
+        tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
+        p = ro.prompt.shape[1]
+        logits = response_slice(forward(eval_model, env["eval_lm_params"], tokens, key_mask).logits, p, r_len)
+        logp = token_logprobs(logits.astype(jnp.float32), ro.response) * ro.mask
+        return {"_eval_nll_sum": -jnp.sum(logp, axis=-1), "_eval_len": jnp.sum(ro.mask, axis=-1)}
+
+    def batch(env: Any, ro: Rollout, reward: Array, evals: dict[str, Array]) -> dict[str, Array]:
+        out = {
+            "text/distinct_1": distinct_n_jax(ro.response, ro.mask, 1),
+            "text/distinct_2": distinct_n_jax(ro.response, ro.mask, 2) if r_len >= 2 else jnp.float32(0.0),
+        }
+        if r_len >= 4:
+            out["text/rep_4"] = rep_n_jax(ro.response, ro.mask, 4)
+        if "_eval_nll_sum" in evals:
+            n = jnp.maximum(jnp.sum(evals["_eval_len"]), 1.0)
+            out["eval/independent_ppl"] = jnp.exp(jnp.sum(evals["_eval_nll_sum"]) / n)
+        return out
+
+    params = {"eval_lm_params": eval_params} if eval_model is not None else {}
+    return Evaluators(per_example=per_example, batch=batch, params=params)
+
+
+def eval_lm(cfg: RunConfig, policy: Any) -> tuple[Any, Any]:
+    """``(model, params)`` of ``model.eval_path`` (or ``(None, None)``); the policy's vocabulary."""
+    if not cfg.model.eval_path:
+        return None, None
+    model, params, _ = _load(cfg.model.eval_path, compute_dtype(cfg))
+    if model.vocab_size != policy.vocab_size:
+        raise CheckpointFormatError(
+            f"model.eval_path: {cfg.model.eval_path}: vocabulary of {model.vocab_size} tokens, the policy's "
+            f"has {policy.vocab_size} (the evaluator reads the policy's token ids)"
+        )
+    return model, params
 
 
 def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
@@ -147,19 +200,27 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     if tok is None:
         raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
     info: dict[str, Any] = {"model_path": str(cfg.model.path)}
+    held = None
     if prompts is None:
         splits = load_prompts(cfg.data, tok)
         prompts = TokenPool(jnp.asarray(splits.train.tokens), jnp.asarray(splits.train.mask, jnp.float32))
         info["prompts"] = splits.train.source
         texts, columns = splits.train.prompts, splits.train.columns
+        held = splits.eval
     else:
         texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
     if cfg.reward.fn:
-        reward = host_text_reward(cfg, tok, prompts, texts, columns)
+        reward = host_text_reward(cfg, tok, texts, columns)
         info["reward"] = cfg.reward.fn
     else:
         reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
         info["reward"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
+    heldout = None
+    if held is not None and len(held):
+        pool = TokenPool(jnp.asarray(held.tokens), jnp.asarray(held.mask, jnp.float32))
+        h_reward = host_text_reward(cfg, tok, held.prompts, held.columns) if cfg.reward.fn else reward
+        heldout = HeldOut(pool, h_reward, list(held.prompts))
+        info["heldout_prompts"] = len(held)
     if log is not None:
         log(f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
             f"reward {info['reward']}")  # fmt: skip
@@ -172,6 +233,9 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         policy=policy,
         policy_params=params,
         info=info,
+        evaluators=text_evaluators(cfg.sampling.response_len, *eval_lm(cfg, policy)),
+        prompt_texts=list(texts),
+        heldout=heldout,
     )
 
 
