@@ -1,7 +1,8 @@
-"""experiments/llm_beta.py at its smallest: a tiny random Llama GGUF (tests/data), one fixed beta and a
-PI controller (a mixed fixed/adaptive sweep), 2 iterations. Checks the files it writes and that the completions its
-recording reward kept are split per member correctly: their positivity, recomputed here from the
-stored text with the lexicon rule written out independently, equals each member's logged reward."""
+"""experiments/llm_beta.py at its smallest: a tiny random Llama GGUF (tests/data), one fixed beta and
+a PI controller (a mixed fixed/adaptive sweep), 2 iterations. Checks the files it writes and that the
+completions its recording reward kept are split per member correctly: their positivity, recomputed
+here from the stored text with the lexicon rule written out independently, equals each member's
+logged reward."""
 
 from __future__ import annotations
 
