@@ -25,6 +25,7 @@ are removed at the end (each holds 4 x 135M parameters and Adam moments).
 
 from __future__ import annotations
 
+import gc
 import gzip
 import importlib.util
 import json
@@ -178,10 +179,12 @@ def label(c: klrl.RunConfig) -> str:
 
 
 def members_of(ns, base: klrl.RunConfig) -> list[klrl.RunConfig]:
-    betas = [float(b) for b in ns.betas.split(",")]
+    betas = [float(b) for b in ns.betas.split(",") if b.strip()]
     out = [base.replace(kl={"beta": b}, ctrl={"kind": "fixed"}) for b in betas]
     if ns.target > 0:
-        b0 = ns.adaptive_beta0 if ns.adaptive_beta0 > 0 else float(np.exp(np.mean(np.log(betas))))
+        b0 = (
+            ns.adaptive_beta0 if ns.adaptive_beta0 > 0 or not betas else float(np.exp(np.mean(np.log(betas))))
+        )
         ctrl = {"kind": "pi", "target": ns.target, "kp": ns.kp, "ki": ns.ki, "unit": "seq_sum"}
         pos = len(out) if ns.adaptive_position < 0 else ns.adaptive_position
         out.insert(pos, base.replace(kl={"beta": b0}, ctrl=ctrl))
@@ -287,6 +290,8 @@ def main(argv=None) -> int:
     t_eval = time.time() - t_eval
     groups = [[m] for m in members] if ns.sequential else [members]
     end_eval, metrics, per_iter, calls_seen, train_s, dirs, steps = [], [], [], 0, 0.0, [], []
+    import jax
+
     from klrl.models.heads import detach
 
     for g, group in enumerate(groups):
@@ -313,7 +318,9 @@ def main(argv=None) -> int:
             per_iter[-1]["samples"] = rows
             trunk = detach(r.state.params["policy"])[0]
             end_eval.append(eval_policy(task, trunk, ev_tok, ev_mask, r_len, temp))
-        del results
+        del results, trunk  # sequential members: free this run's state before the next one is built
+        gc.collect()
+        jax.clear_caches()
         ck = (out if len(groups) == 1 else out / f"run-{g}") / "checkpoints"
         shutil.rmtree(ck, ignore_errors=True)
 
