@@ -258,8 +258,11 @@ def main(argv=None) -> int:
     p.add_argument("--adaptive-position", type=int, default=-1, help="its place among the members (-1: last)")
     p.add_argument("--eval-prompts", type=int, default=16, help="prompts decoded at the start and end")
     p.add_argument("--sequential", action="store_true", help="run the members one at a time (less memory)")
+    p.add_argument("--merge", default="", help="with --replay DIR: run dirs to merge into it")
     ns = p.parse_args(argv)
     if ns.replay:
+        if ns.merge:
+            merge(Path(ns.replay), [Path(d) for d in ns.merge.split(",")])
         with gzip.open(Path(ns.replay) / "progress.json.gz", "rt") as f:
             return finish(Path(ns.replay), json.load(f))
     t0, c0 = time.time(), time.process_time()
@@ -356,6 +359,30 @@ def main(argv=None) -> int:
         with gzip.open(out / "progress.json.gz", "wt") as f:  # after each group: a crash loses no member
             json.dump(state, f)
     return finish(out, state)
+
+
+def merge(out: Path, runs: list[Path]) -> None:
+    """Concatenate the members of several runs' ``progress.json.gz`` (e.g. a run that was stopped and
+    one that ran the missing members) into ``out``; wall and CPU times add, peak RSS is the largest."""
+    states = []
+    for d in runs:
+        with gzip.open(d / "progress.json.gz", "rt") as f:
+            states.append(json.load(f))
+    m = dict(states[0])
+    for k in ("labels", "metrics", "per_iter", "end_eval"):
+        m[k] = [x for st in states for x in st[k]]
+    m["dirs"] = [f"{d.name}/{x}" for d, st in zip(runs, states, strict=True) for x in st["dirs"]]
+    t = dict(states[0]["timing"])
+    for k in ("wall_s", "process_cpu_s", "train_wall_s", "reward_calls", "members_done"):
+        t[k] = sum(st["timing"][k] for st in states)
+    t["peak_rss_gb"] = max(st["timing"]["peak_rss_gb"] for st in states)
+    t["members"] = t["members_done"]
+    t["s_per_member_iteration"] = t["train_wall_s"] / max(t["iterations"] * t["members_done"], 1)
+    t["runs"] = [{"dir": d.name, **st["timing"]} for d, st in zip(runs, states, strict=True)]
+    m["timing"] = t
+    out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out / "progress.json.gz", "wt") as f:
+        json.dump(m, f)
 
 
 def finish(out: Path, state: dict[str, Any]) -> int:
