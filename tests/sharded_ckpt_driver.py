@@ -64,7 +64,7 @@ def place(state: dict, m: Mesh) -> dict:
     return jax.device_put(state, shardings(state, m))
 
 
-def same(a, b) -> bool:
+def same_bytes(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
         np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
@@ -90,6 +90,62 @@ def restore(d: Path, abstract, shard):
         mgr.close()
 
 
+def program(ref: dict, m: Mesh, iterations: int):
+    """A loop Program over the sharded state: Adam on a made-up loss of the parameters, a global-view
+    jit with the state's shardings in and out (donated), its state restored onto ``m``."""
+    from klrl.config import RunConfig
+    from klrl.loop import Program
+
+    cfg = RunConfig().replace(train={"iterations": iterations, "checkpoint_every": 2, "quiet": True})
+    sh = shardings(ref, m)
+    opt = optax.adam(1e-2)
+
+    def step(state, env):
+        def loss_fn(p):
+            return sum(jnp.mean(jnp.tanh(x) ** 2) for x in jax.tree.leaves(p))
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        upd, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        new = {**state, "params": optax.apply_updates(state["params"], upd), "opt_state": opt_state,
+               "iteration": state["iteration"] + 1}  # fmt: skip
+        return new, {"loss": loss, "reward/task": -loss}
+
+    jitted = jax.jit(step, in_shardings=(sh, None), out_shardings=(sh, None), donate_argnums=0)
+    place = lambda s: jax.device_put(s, sh)  # noqa: E731
+    return cfg, Program(configs=[cfg], stacked=False, init=lambda: place(ref), step=jitted, place=place,
+                        env=None, shardings=sh)  # fmt: skip
+
+
+def loop_resume(ref: dict, d: Path) -> dict:
+    """The loop on 8 devices: 4 iterations straight, and 2 + a resume to 4 on the same mesh (bit for
+    bit) and on 4 devices (the state restored onto the new mesh; close within fp32 rounding)."""
+    from klrl.io.resume import prepare
+    from klrl.loop import drive
+
+    eight, four = mesh((1, 2, 2, 2)), mesh((1, 1, 4, 1))
+    full, _ = drive(program(ref, eight, 4)[1], out_dir=d / "full")
+    for name in ("same", "other"):
+        drive(program(ref, eight, 2)[1], out_dir=d / name)
+    cfg, prog = program(ref, eight, 4)
+    same, _ = drive(prog, resume=prepare(cfg, d / "same"))
+    cfg, prog = program(ref, four, 4)
+    other, _ = drive(prog, resume=prepare(cfg, d / "other"))
+    rows = lambda n: (d / n / "metrics.jsonl").read_bytes()  # noqa: E731
+    loss = lambda r: np.asarray(r[0].metrics["loss"])  # noqa: E731
+    emb = other[0].state["params"]["params"]["embed_tokens"]["embedding"]
+    return {
+        "same_rows": rows("same") == rows("full"),
+        "same_state": same_bytes(full[0].state, same[0].state),
+        "other_rows": int(rows("other").count(b"\n")),
+        "other_close": bool(np.allclose(loss(other), loss(full), rtol=1e-5, atol=0)),
+        "other_state_close": all(
+            np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-7)
+            for a, b in zip(jax.tree.leaves(full[0].state), jax.tree.leaves(other[0].state), strict=True)
+        ),
+        "other_devices": len(emb.sharding.device_set),
+    }
+
+
 def main(case: str, d: Path) -> dict:
     ref = host_state()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ref)
@@ -100,7 +156,7 @@ def main(case: str, d: Path) -> dict:
         save(d, state)
         out = {"devices": len(jax.devices()), "embed_shard": list(emb.sharding.shard_shape(emb.shape))}
         return {"save": out, "restore": main("restore", d), "wrong_shape": main("wrong_shape", d),
-                "paths": main("paths", d)}  # fmt: skip
+                "paths": main("paths", d), "loop": loop_resume(ref, d / "loop")}  # fmt: skip
     if case == "restore":
         out = {}
         for name, shape in {"same": (1, 2, 2, 2), "four": (1, 1, 4, 1), "one": (1, 1, 1, 1)}.items():
@@ -113,17 +169,17 @@ def main(case: str, d: Path) -> dict:
             )
             emb = got["params"]["params"]["embed_tokens"]["embedding"]
             shards = sorted({tuple(s.data.shape) for s in emb.addressable_shards})
-            out[name] = {"equal": same(got, ref), "shardings": specs_ok, "embed_shards": shards,
+            out[name] = {"equal": same_bytes(got, ref), "shardings": specs_ok, "embed_shards": shards,
                          "n_devices": len(emb.sharding.device_set)}  # fmt: skip
         # a ShapeDtypeStruct target that carries its sharding, and a host (NumPy) restore
         four = mesh((1, 1, 4, 1))
         tgt = ckpt.target(abstract, shardings(ref, four))
         got, _ = restore(d, tgt, None)
-        out["struct_target"] = same(got, ref) and all(
+        out["struct_target"] = same_bytes(got, ref) and all(
             g.sharding == t.sharding for g, t in zip(jax.tree.leaves(got), jax.tree.leaves(tgt), strict=True)
         )
         got, _ = restore(d, abstract, None)
-        out["host"] = same(got, ref) and all(isinstance(g, np.ndarray) for g in jax.tree.leaves(got))
+        out["host"] = same_bytes(got, ref) and all(isinstance(g, np.ndarray) for g in jax.tree.leaves(got))
         return out
     if case == "paths":  # the device path (sharded, one all-reduce) and the host path agree, any mesh
         from klrl.io import digest
