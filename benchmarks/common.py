@@ -120,25 +120,35 @@ def smollm2_path() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def smollm2_workload(dtype: str = "float32", batch: int = 16, prompt_len: int = 32, response_len: int = 32):
+def smollm2_workload(
+    dtype: str = "float32",
+    batch: int = 16,
+    prompt_len: int = 32,
+    response_len: int = 32,
+    *,
+    minibatches: int = 2,
+    path: str | None = None,
+    vocab: int = 49152,
+):
     """SmolLM2-135M-Instruct policy and reference; value and reward models its trunk with a fresh
-    scalar head each (the reward frozen); ``batch`` prompts of ``prompt_len`` random token ids (no
-    padding); exactly ``response_len`` tokens; temperature 1; 1 PPO epoch x 2 minibatches; k1 KL
-    in the per-token reward."""
+    scalar head each (the reward frozen); ``batch`` prompts of ``prompt_len`` random token ids in
+    ``[0, vocab)`` (no padding); exactly ``response_len`` tokens; temperature 1; 1 PPO epoch x
+    ``minibatches`` minibatches; k1 KL in the per-token reward. ``path``: another pretrained model
+    in its place (e.g. a tiny one, to test the code path)."""
     from klrl.config import DataConfig
     from klrl.tasks.base import TokenPool
     from klrl.tasks.text import make_text_task
 
     cfg = RunConfig(
-        model=ModelConfig(value_model="separate", dtype=dtype, path=smollm2_path()),
+        model=ModelConfig(value_model="separate", dtype=dtype, path=path or smollm2_path()),
         sampling=SamplingConfig(response_len=response_len, temperature=1.0, use_eos=False),
         kl=KLConfig(placement="reward", estimator="k1"),
-        ppo=PPOConfig(epochs=1, minibatches=2),
+        ppo=PPOConfig(epochs=1, minibatches=minibatches),
         task=TaskConfig(name="text", prompt_len=prompt_len),
         data=DataConfig(prompt_len=prompt_len),
         train=TrainConfig(batch_size=batch),
     )
-    ids = jax.random.randint(jax.random.key(0), (batch, prompt_len), 0, 49152, jnp.int32)
+    ids = jax.random.randint(jax.random.key(0), (batch, prompt_len), 0, vocab, jnp.int32)
     task = make_text_task(cfg, log, prompts=TokenPool(ids, jnp.ones(ids.shape, jnp.float32)))
     return cfg, task
 

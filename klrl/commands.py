@@ -8,6 +8,7 @@
   controller), with the flags applied to every member.
 * ``klrl resume RUN_DIR [--train.iterations N ...]``: continue a run from its latest checkpoint.
 * ``klrl report RUN_DIR``: write ``report.md`` for a run or sweep directory.
+* ``klrl export RUN_DIR OUT_DIR [--step N]``: a checkpoint's policy as a model directory (:mod:`klrl.export`).
 
 Every check that needs no compiled code (the config, the paths a run writes, the task's vocabulary
 and lengths, the ``--distributed`` arguments, a damaged run directory) runs before anything is built;
@@ -36,7 +37,7 @@ from klrl.cli import (
 from klrl.config import ConfigError, RunConfig
 from klrl.schema import closest
 
-COMMANDS = ("train", "sweep", "study", "resume", "report")
+COMMANDS = ("train", "sweep", "study", "resume", "report", "export")
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
@@ -402,12 +403,14 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 def _usage() -> str:
     return (
-        "usage: klrl {train,sweep,study,resume,report} [flags]  (klrl COMMAND --help lists the flags)\n\n"
+        "usage: klrl {train,sweep,study,resume,report,export} [flags]  "
+        "(klrl COMMAND --help lists the flags)\n\n"
         "  train    one training run:             klrl train --kl.beta 0.1 --train.iterations 50\n"
         "  sweep    a grid as one program:        klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1\n"
         "  study    the default beta study:       klrl study --train.iterations 50\n"
         "  resume   continue from a checkpoint:   klrl resume runs/NAME --train.iterations 200\n"
         "  report   write report.md for a run:    klrl report runs/NAME\n"
+        "  export   a checkpoint's policy:        klrl export runs/NAME OUT_DIR [--step N]\n"
     )
 
 
@@ -420,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"expected a command: {', '.join(COMMANDS)}")
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "export":
+        from klrl.export import main as export_main
+
+        return export_main(rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)
         hint = f"; did you mean klrl {near}?" if near else ""

@@ -33,7 +33,7 @@ from klrl.host_metrics import alias_map, final_metrics, learning_rates, tokens_p
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sweep_progress
-from klrl.io.resume import Resume, check_resumable, complete_lines, replace_file
+from klrl.io.resume import Resume, complete_lines, replace_file
 from klrl.io.resume import restore as restore_resume
 from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
 from klrl.samples import due
@@ -63,6 +63,9 @@ class Program:
     # state after i updates every data.eval_every iterations and merged into row i; None: off
     evaluate: Callable[[Any, Any], Any] | None = None
     heldout_check: Callable[[], None] | None = None  # as reward_check, for the held-out rows' reward
+    # the state's shardings on this mesh (a pytree of ``Sharding`` like the state, or one): a checkpoint
+    # is restored straight onto them, from whatever mesh it was saved (None: as host arrays, then ``place``)
+    shardings: Any = None
 
 
 class _Stop(Exception):
@@ -79,39 +82,6 @@ def _member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: boo
     if len(names) != len(cfgs):
         raise ckpt.CheckpointError(f"{root}/sweep.json lists {len(names)} members, the sweep has {len(cfgs)}")
     return [root / n for n in names]
-
-
-def prepare_sweep_resume(members: list[RunConfig], sweep_dir: str | Path) -> Resume:
-    """Every check of a sweep resume that needs no compiled code; nothing on disk is changed."""
-    d = Path(sweep_dir)
-    if not (d / "sweep.json").is_file():
-        raise ckpt.CheckpointError(f"{d}: not a klrl sweep directory (no sweep.json)")
-    mgr = ckpt.manager(d, read_only=True)
-    try:
-        step = ckpt.latest_step(mgr)
-        if step is None:
-            raise ckpt.CheckpointError(f"{d}: no complete checkpoint to resume from")
-        meta = ckpt.read_meta(mgr, step)
-    finally:
-        mgr.close()
-    if meta["version"] != ckpt.version():
-        raise ckpt.CheckpointError(
-            f"{d} was written by klrl {meta['version']}; this is klrl {ckpt.version()}"
-        )
-    saved = meta.get("members") or []
-    if len(saved) != len(members):
-        raise ConfigError(f"sweep: {len(members)} members given, the sweep in {d} has {len(saved)}")
-    for s, m in zip(saved, members, strict=True):
-        check_resumable(s, m)
-    if members[0].train.iterations < step:
-        raise ConfigError(f"train.iterations: {members[0].train.iterations} is below the checkpoint's {step}")
-    for p in _member_dirs(d, members, True, existing=True):
-        n = len(complete_lines(p / "metrics.jsonl"))
-        if n < int(meta["metrics_lines"]):
-            raise ckpt.CheckpointError(
-                f"{p}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
-            )
-    return Resume(d, step, meta)
 
 
 def drive(
@@ -142,6 +112,7 @@ def drive(
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
     main = distributed.is_main()  # several processes (klrl.distributed): only process 0 writes
     abstract = prog.abstract if prog.abstract is not None else jax.eval_shape(prog.init)
+    restore_to = ckpt.target(abstract, prog.shardings)  # (shardings=None: host arrays)
     if metric:
         names = jax.eval_shape(prog.step, abstract, prog.env)[1]
         if metric not in names:
@@ -161,8 +132,8 @@ def drive(
         dirs = _member_dirs(root, cfgs, stacked, existing=True)
         # a checkpoint, or the initial state for a directory with nothing done yet (killed before
         # its first checkpoint); checksums verified (klrl.io.checkpoint)
-        state, meta = restore_resume(resume, abstract, prog.init)
-        state = prog.place(state)  # every process restored the same host values
+        state, meta = restore_resume(resume, restore_to, prog.init)
+        state = prog.place(state)  # host values (the same on every process), or already on prog.shardings
         rollbacks = int(meta.get("rollbacks", 0))
         # past this point the resume is valid: cut metrics back to the checkpoint (atomically); every
         # process reads the same first lines (a replacement is a rename), only process 0 writes
@@ -349,8 +320,8 @@ def drive(
             )
         target = min(d.step for d in decs.values())
         failed = np.asarray(distributed.to_host(state.ctrl.beta), np.float32)  # beta when the metric crossed
-        new = initial if target == 0 else ckpt.restore(mgr, abstract, target)[0]
-        old = np.asarray(new.ctrl.beta, np.float32)
+        new = initial if target == 0 else ckpt.restore(mgr, restore_to, target)[0]
+        old = np.asarray(distributed.to_host(new.ctrl.beta), np.float32)
         beta = old.copy().reshape(-1)
         for j in decs:
             beta[j] = reliability.rollback_beta(float(old.reshape(-1)[j]), float(failed.reshape(-1)[j]),

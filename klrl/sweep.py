@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
 from klrl.evaluate import make_heldout_eval
-from klrl.loop import Program, drive, prepare_sweep_resume
+from klrl.io.resume import prepare as prepare_resume
+from klrl.loop import Program, drive
 from klrl.parallel import SWEEP, make_mesh, shard_step
 from klrl.results import SUMMARY_KEYS, RunResult, Sweep
 from klrl.runner import build_task
@@ -188,7 +189,7 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
             raise ConfigError("resume: a resumed sweep writes to its sweep directory (write=True)")
         if distributed.is_main() and Path(resume).is_dir():
             guard.hold(resume)  # before reading it: a second writer is refused, not interleaved
-        plan = prepare_sweep_resume(members, resume)
+        plan = prepare_resume(members, resume)
     task = task or build_task(base, None if base.train.quiet else log)
     for m in members:
         check_task(m, task)  # lengths, top_k and vocabulary against the task, before anything compiles

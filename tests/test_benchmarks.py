@@ -56,6 +56,27 @@ def test_gpu_script_skips_without_gpu(tmp_path):
     assert out["skipped"] == "no gpu"
 
 
+def test_gpu_script_cpu_smoke(tmp_path):
+    """``gpu.py --cpu-smoke``: both workloads (the GPT one and SmolLM2's code path, with a tiny GGUF in
+    its place) in bf16, one JSON line each with the update-phase MFU and the rollout tokens/s."""
+    proc, last = _run(
+        ["benchmarks/gpu.py", "--cpu-smoke", "--iterations", "2", "--warmup", "1", "--budget-s", "1"],
+        tmp_path, 900,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["workload"] for r in rows] == ["gpu-smoke-bf16", "smollm2-smoke-bf16"] and rows[-1] == last
+    for r in rows:
+        assert r["dtype"] == "bfloat16" and r["response_length_mean"] == 8.0, r["workload"]
+        for k in ("update_mfu", "rollout_tokens_per_s", "update_flops_per_s", "iteration_s_median"):
+            assert math.isfinite(r[k]) and r[k] > 0, (r["workload"], k)
+        # the reported rate is the definition's: B * R over the rollout phase's time
+        assert math.isclose(r["rollout_tokens_per_s"], r["batch"] * 8 / r["phases_s"]["rollout"])
+        assert math.isclose(
+            r["update_mfu"], r["update_flops"] / r["phases_s"]["update"] / r["bf16_matmul_flops_per_s"]
+        )
+    assert rows[1]["vocab"] == 256 and rows[1]["flops_by_part"]["value"] > 0  # Llama family, separate value
+
+
 def test_iteration_flops_formula():
     sys.path.insert(0, str(BENCH))
     try:

@@ -217,7 +217,7 @@ BAD_RESUMES = {
     "data_emptied": ("data_emptied", [], ["unreadable"]),
     "data_deleted": ("data_deleted", [], ["unreadable"]),
     "d_deleted": ("d_deleted", [], ["unreadable"]),
-    "bitrot": ("bitrot", [], ["damaged", "SHA-256"]),
+    "bitrot": ("bitrot", [], ["damaged", "digest"]),
 }  # fmt: skip
 
 
@@ -439,6 +439,7 @@ def test_damaged_checkpoint_is_one_line_from_a_fresh_process(case, finished_run,
 
 
 def test_checksums_change_with_any_byte_shape_or_dtype():
+    """The SHA-256 record of checkpoints before the sharding-invariant digest (still verified)."""
     from klrl.io import checkpoint as ckpt
 
     rng = np.random.default_rng(0)
@@ -463,13 +464,19 @@ def test_checksums_change_with_any_byte_shape_or_dtype():
         ckpt.verify({"a": state["a"]}, ref, "here")
 
 
-def test_checkpoints_record_checksums(finished_run):
+def test_checkpoints_record_digests(finished_run):
     from klrl.io import checkpoint as ckpt
+    from klrl.io import digest
 
     mgr = ckpt.manager(finished_run, read_only=True)
     try:
-        meta = ckpt.read_meta(mgr, ckpt.latest_step(mgr))
+        step = ckpt.latest_step(mgr)
+        meta = ckpt.read_meta(mgr, step)
+        state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # (NamedTuples as dicts)
     finally:
         mgr.close()
-    assert meta["checksum"] and all(len(v) == 64 for v in meta["checksum"].values())
-    assert any("params" in k for k in meta["checksum"])
+    assert meta["digest"] == digest.DIGEST and meta["arrays"]
+    assert all(len(h) == 32 and isinstance(shape, list) for _, shape, h in meta["arrays"].values())
+    assert any("params" in k for k in meta["arrays"])
+    # the record is the restored arrays' dtype, shape and digest
+    assert meta["arrays"] == digest.digests(state)

@@ -8,9 +8,19 @@ steps. Saves are asynchronous (the state is copied to host memory first, so the
 donated device buffers can be reused at once); the last ``keep`` steps are kept.
 
 ``meta`` holds the run config, the klrl version, the iteration, the number of
-``metrics.jsonl`` lines written up to that state, the rollback count and a SHA-256 of every
-array of the state (``checksum``: ``{leaf path: hex digest}`` over the leaf's dtype, shape and
-bytes), verified after every restore: bit rot in a data file is refused, not trained on.
+``metrics.jsonl`` lines written up to that state, the rollback count and, for every array of the
+state, its dtype, shape and a 128-bit digest of its values (``arrays``: ``{leaf path: [dtype,
+shape, hex]}``, :func:`klrl.io.digest.digests`), verified after every restore: bit rot in a data
+file is refused, not trained on. (Checkpoints of earlier versions hold a SHA-256 per array
+instead, ``checksum``, still verified.)
+
+Sharded state: :func:`save` hands orbax the arrays as they are, so every process writes the shards
+it holds (no gather; orbax copies them to host memory before it returns, so the next step may
+donate the buffers), and :func:`restore` reads a checkpoint onto any target sharding (a pytree of
+``jax.ShapeDtypeStruct`` with ``.sharding``, or ``shardings=``), e.g. a state saved from 8
+devices restored onto 4 or onto 1: each process reads only the parts of its own shards.
+
+Why the digest is not a SHA-256 per array: :mod:`klrl.io.digest`.
 
 Damaged checkpoints end in :class:`CheckpointError` and nothing else: orbax runs its reads in a
 fresh asyncio loop and, when one read fails, closes that loop while the others are still in
@@ -33,6 +43,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from klrl.io.digest import DIGEST, digests, leaf_name
 
 SUBDIR = "checkpoints"
 
@@ -189,13 +201,28 @@ def _quiet_absl():
 
 
 def host_copy(state: Any) -> Any:
-    """NumPy copies of every leaf: safe from buffer donation while an async save runs."""
-    return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state))
+    """NumPy copies of every leaf (the full value on every process): safe from buffer donation."""
+    from klrl import distributed
+
+    return jax.tree.map(lambda x: np.array(x, copy=True), distributed.to_host(state))
+
+
+def check_arrays(state: Any, expected: dict[str, list], where: str) -> None:
+    """Raise :class:`CheckpointError` naming the first leaf whose digest is not ``expected``."""
+    got = digests(state)
+    if set(got) != set(expected):
+        raise CheckpointError(f"{where} does not match its digest record (other leaves)")
+    bad = [k for k in got if got[k] != [expected[k][0], list(expected[k][1]), expected[k][2]]]
+    if bad:
+        raise CheckpointError(
+            f"{where} is damaged: the digest of {len(bad)} array(s) ({bad[0]}"
+            f"{', ...' if len(bad) > 1 else ''}) differs from the one recorded at save"
+        )
 
 
 def checksums(state: Any) -> dict[str, str]:
     """``{leaf path: sha256 hex}`` of every array of ``state`` (host values), over the dtype, the
-    shape and the C-order bytes, so a changed byte, shape or dtype changes the digest."""
+    shape and the C-order bytes: the record of checkpoints before :func:`digests` (still verified)."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         x = np.ascontiguousarray(np.asarray(leaf))
@@ -206,7 +233,7 @@ def checksums(state: Any) -> dict[str, str]:
 
 
 def verify(state: Any, expected: dict[str, str], where: str) -> None:
-    """Raise :class:`CheckpointError` naming the first leaf whose digest is not ``expected``."""
+    """Raise :class:`CheckpointError` naming the first leaf whose SHA-256 is not ``expected``."""
     got = checksums(state)
     if set(got) != set(expected):
         raise CheckpointError(f"{where} does not match its checksum record (other leaves)")
@@ -219,11 +246,13 @@ def verify(state: Any, expected: dict[str, str], where: str) -> None:
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Start saving ``state`` and ``meta`` as ``step`` (returns before the write ends if async);
-    ``meta['checksum']`` gets the arrays' digests (:func:`checksums`)."""
-    host = host_copy(state)
-    meta = {**meta, "checksum": checksums(host)}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(host), meta=ocp.args.JsonSave(meta))
+    """Start saving ``state`` and ``meta`` as ``step`` (returns before the write ends if async; the
+    arrays are already copied to host memory then). Sharded arrays are written shard by shard, each
+    process its own; ``meta['arrays']`` gets every array's dtype, shape and digest (:func:`digests`).
+    Every process must call it."""
+    state = jax.tree.map(lambda x: x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x), state)
+    meta = {**meta, "digest": DIGEST, "arrays": digests(state)}
+    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
     mgr.save(int(step), args=args, force=True)
 
 
@@ -248,35 +277,92 @@ def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     return meta
 
 
-def restore(mgr: ocp.CheckpointManager, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
-    """Restore ``step`` (default: the latest complete one) onto the structure of ``abstract_state``.
+def target(abstract: Any, shardings: Any = None) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves for :func:`restore`: the shapes and dtypes of ``abstract``
+    (arrays or structs) with ``shardings`` (one ``Sharding`` for every leaf, or a pytree of them
+    like ``abstract``, ``None`` leaves allowed); ``shardings=None`` drops every sharding (restore
+    as host NumPy arrays)."""
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), abstract)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract,
+        shardings,
+        is_leaf=lambda s: s is None,
+    )
 
-    Every leaf must match the abstract state's shape and dtype, and the digests recorded at save
-    (``meta['checksum']``, :func:`verify`), else :class:`CheckpointError`.
+
+def saved_structure(mgr: ocp.CheckpointManager, step: int) -> Any:
+    """The state of ``step`` as saved, without reading it: a pytree (NamedTuples as dicts) of host
+    ``jax.ShapeDtypeStruct`` (e.g. a target for :func:`restore` where the model is not built)."""
+    try:
+        with _quiet_absl():  # (a warning that the step's own metadata file is not the state's)
+            tree = ocp.PyTreeCheckpointer().metadata(Path(mgr.directory) / str(int(step)) / "state")
+        tree = tree.item_metadata
+        tree = getattr(tree, "tree", tree)
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)), tree)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {step} in {mgr.directory} is unreadable: {_why(e)}") from e
+
+
+def _leaf_sharding(x: Any) -> Any:
+    s = getattr(x, "sharding", None)
+    return s if isinstance(s, jax.sharding.Sharding) else None
+
+
+def restore(
+    mgr: ocp.CheckpointManager, abstract_state: Any, step: int | None = None, *, shardings: Any = None
+) -> tuple[Any, dict]:
+    """Restore ``step`` (default: the latest complete one) onto ``abstract_state``'s structure.
+
+    A leaf with a ``.sharding`` (a ``jax.ShapeDtypeStruct(..., sharding=...)``, an array), or the
+    matching leaf of ``shardings`` (see :func:`target`), is restored as a ``jax.Array`` with that
+    sharding, whatever mesh it was saved from (each process reads its own shards); any other leaf
+    as a host NumPy array. Every leaf must match the shape and dtype recorded at save and its
+    digest (:func:`check_arrays`; SHA-256 for older checkpoints), else :class:`CheckpointError`.
+    All processes must call it (the digests are computed where the shards are).
     """
     step = mgr.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no complete checkpoint in {mgr.directory}")
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), target)  # host numpy
+    where = f"checkpoint {step} in {mgr.directory}"
+    want = target(abstract_state, shardings) if shardings is not None else abstract_state
+    want = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_leaf_sharding(x)), want)
+    meta = read_meta(mgr, step)
+    arrays = meta.get("arrays")
+    if isinstance(arrays, dict):  # shapes and dtypes checked before anything is read
+        flat = jax.tree_util.tree_flatten_with_path(want)[0]
+        mine = {leaf_name(p): [np.dtype(x.dtype).name, [int(n) for n in x.shape]] for p, x in flat}
+        if set(mine) != set(arrays) or any(mine[k] != list(arrays[k][:2]) for k in mine):
+            raise CheckpointError(f"{where} does not match this model's state")
+
+    def args_of(x):
+        s = _leaf_sharding(x)
+        if s is None:
+            return ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
+        return ocp.ArrayRestoreArgs(sharding=s, global_shape=x.shape, dtype=x.dtype)
+
     try:
         out = mgr.restore(
             int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=want, restore_args=jax.tree.map(args_of, want)),
+            ),
         )
     except Exception as e:
-        raise CheckpointError(f"checkpoint {step} in {mgr.directory} is unreadable: {_why(e)}") from e
+        raise CheckpointError(f"{where} is unreadable: {_why(e)}") from e
     state = out["state"]
     got_leaves = jax.tree.leaves(state)
-    want_leaves = jax.tree.leaves(target)
+    want_leaves = jax.tree.leaves(want)
     if len(got_leaves) != len(want_leaves) or any(
-        tuple(np.shape(g)) != tuple(w.shape) or np.asarray(g).dtype != w.dtype
+        tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype
         for g, w in zip(got_leaves, want_leaves, strict=False)
     ):
-        raise CheckpointError(f"checkpoint {step} in {mgr.directory} does not match this model's state")
-    meta = out["meta"]
-    if isinstance(meta, dict) and meta.get("checksum") is not None:
-        verify(state, meta["checksum"], f"checkpoint {step} in {mgr.directory}")
+        raise CheckpointError(f"{where} does not match this model's state")
+    if isinstance(arrays, dict):
+        check_arrays(state, arrays, where)
+    elif meta.get("checksum") is not None:
+        verify(state, meta["checksum"], where)
     return state, meta
 
 

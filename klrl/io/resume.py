@@ -18,6 +18,7 @@ from typing import Any
 
 from klrl.config import ConfigError, RunConfig
 from klrl.io import checkpoint as ckpt
+from klrl.io import readers
 
 # fields a resume may change: none of them changes the model, the batch or the maths of an iteration
 RESUME_MUTABLE = frozenset(
@@ -125,14 +126,24 @@ def restore(plan: Resume, abstract_state: Any, init: Callable[[], Any]) -> tuple
         mgr.close()
 
 
-def prepare(cfg: RunConfig, run_dir: str | Path) -> Resume:
-    """Every check of a resume that needs no compiled code; nothing on disk is changed."""
+def prepare(cfg: RunConfig | list[RunConfig], run_dir: str | Path) -> Resume:
+    """Every check of a resume that needs no compiled code; nothing on disk is changed.
+
+    ``cfg`` is a run's config (``run_dir`` a run directory) or a sweep's member configs (a list;
+    ``run_dir`` the sweep directory, whose member directories ``sweep.json`` lists). Checked: the
+    directory, its latest complete checkpoint and its meta (klrl version, iteration), that ``cfg``
+    may continue the saved config(s) (:func:`check_resumable`), ``train.iterations``, and that every
+    ``metrics.jsonl`` holds the lines the checkpoint counts. A run directory with nothing done yet
+    resumes fresh (see the module docstring)."""
     d = Path(run_dir)
-    if not (d / "config.json").is_file():
-        raise ckpt.CheckpointError(f"{d}: not a klrl run directory (no config.json)")
-    fresh = _fresh(cfg, d)
-    if fresh is not None:
-        return fresh
+    sweep = isinstance(cfg, list | tuple)
+    marker = "sweep.json" if sweep else "config.json"
+    if not (d / marker).is_file():
+        raise ckpt.CheckpointError(f"{d}: not a klrl {'sweep' if sweep else 'run'} directory (no {marker})")
+    if not sweep:
+        fresh = _fresh(cfg, d)
+        if fresh is not None:
+            return fresh
     mgr = ckpt.manager(d, read_only=True)
     try:
         step = ckpt.latest_step(mgr)
@@ -147,14 +158,27 @@ def prepare(cfg: RunConfig, run_dir: str | Path) -> Resume:
         )
     if int(meta["iteration"]) != step:
         raise ckpt.CheckpointError(f"checkpoint {step} in {d} records iteration {meta['iteration']}")
-    check_resumable(meta["config"], cfg)
-    if cfg.train.iterations < step:
+    members = list(cfg) if sweep else [cfg]
+    saved = (meta.get("members") or []) if sweep else [meta["config"]]
+    if len(saved) != len(members):
+        raise ConfigError(f"sweep: {len(members)} members given, the sweep in {d} has {len(saved)}")
+    for s, m in zip(saved, members, strict=True):
+        check_resumable(s, m)
+    if members[0].train.iterations < step:
         raise ConfigError(
-            f"train.iterations: {cfg.train.iterations} is below the checkpoint's iteration {step}"
+            f"train.iterations: {members[0].train.iterations} is below the checkpoint's iteration {step}"
         )
-    n = len(complete_lines(d / "metrics.jsonl"))
-    if n < int(meta["metrics_lines"]):
-        raise ckpt.CheckpointError(
-            f"{d}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
-        )
+    dirs = [d]
+    if sweep:
+        names = readers.read_sweep_members(d)
+        if len(names) != len(members):
+            msg = f"{d}/sweep.json lists {len(names)} members, the sweep has {len(members)}"
+            raise ckpt.CheckpointError(msg)
+        dirs = [d / n for n in names]
+    for p in dirs:
+        n = len(complete_lines(p / "metrics.jsonl"))
+        if n < int(meta["metrics_lines"]):
+            raise ckpt.CheckpointError(
+                f"{p}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
+            )
     return Resume(d, step, meta)

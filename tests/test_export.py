@@ -1,0 +1,153 @@
+"""``klrl export`` (issue 17): a run's policy out of a checkpoint; and ``klrl train --config
+RUN_DIR/config.json`` reproduces the run (``metrics.jsonl`` byte for byte; wall-clock rows live in
+``timing.jsonl``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import base_config  # noqa: E402  (jax_cache: a conftest fixture)
+
+DATA = Path(__file__).parent / "data"
+GGUF = DATA / "tiny_gguf" / "tiny.gguf"
+
+
+def _klrl(argv: list[str], capsys) -> tuple[int, str, str]:
+    from klrl.commands import main
+
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def _equal_trees(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.astype(np.float32).tobytes() == y.astype(np.float32).tobytes()
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tiny_task, cache_dir, jax_cache, tmp_path_factory):
+    import klrl
+
+    d = tmp_path_factory.mktemp("export") / "run"
+    cfg = base_config(cache_dir, iterations=2, checkpoint_every=1)
+    return klrl.run(cfg, task=tiny_task, run_dir=d)
+
+
+def test_train_config_of_a_run_reproduces_it(gpt_run, tmp_path, capsys):
+    d = gpt_run.dir
+    status, _, err = _klrl(
+        ["train", "--config", str(d / "config.json"), "--train.out_dir", str(tmp_path)], capsys
+    )
+    assert status == 0, err
+    (again,) = [p for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file()]
+    first = (d / "metrics.jsonl").read_bytes()
+    assert first.count(b"\n") == 2 and b"iteration_s" not in first  # (timing rows: timing.jsonl)
+    assert (again / "metrics.jsonl").read_bytes() == first
+
+
+def test_export_gpt_policy(gpt_run, tmp_path, capsys):
+    from klrl.export import FORMAT, load_gpt
+    from klrl.io import checkpoint as ckpt
+    from klrl.models.heads import detach
+
+    out = tmp_path / "policy"
+    status, stdout, err = _klrl(["export", str(gpt_run.dir), str(out)], capsys)
+    assert status == 0, err
+    assert "iteration 2" in stdout and "GPT" in stdout and stdout.count("\n") == 1
+    doc, params = load_gpt(out)
+    assert doc["format"] == FORMAT and doc["iteration"] == 2
+    assert doc["model"] == gpt_run.config.to_dict()["model"] and doc["run_config"] == gpt_run.config.to_dict()
+    _equal_trees(params, detach(jax.device_get(gpt_run.state.params["policy"]))[0])  # value head dropped
+    # --step: an earlier checkpoint, read independently of klrl.export
+    status, stdout, err = _klrl(["export", str(gpt_run.dir), str(tmp_path / "one"), "--step", "1"], capsys)
+    assert status == 0 and "iteration 1" in stdout, err
+    mgr = ckpt.manager(gpt_run.dir, read_only=True)
+    try:
+        state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, 1), 1)
+    finally:
+        mgr.close()
+    _equal_trees(load_gpt(tmp_path / "one")[1], detach(state["params"]["policy"])[0])
+
+
+def test_export_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, capsys):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    cases = {
+        "no_run": ([str(tmp_path / "nowhere"), str(tmp_path / "o1")], "not a klrl run directory"),
+        "no_step": ([str(gpt_run.dir), str(tmp_path / "o2"), "--step", "7"], "no checkpoint 7"),
+        "busy_out": ([str(gpt_run.dir), str(busy)], "not an empty directory"),
+        "no_args": ([str(gpt_run.dir)], "OUT_DIR"),
+    }
+    for name, (args, words) in cases.items():
+        status, _, err = _klrl(["export", *args], capsys)
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and lines[0].startswith("error:"), (name, err)
+        assert words in lines[0], (name, lines[0])
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_export_sweep_member(tiny_task, cache_dir, jax_cache, tmp_path, capsys):
+    from klrl.export import load_gpt
+    from klrl.models.heads import detach
+    from klrl.sweep import sweep
+
+    base = base_config(cache_dir, iterations=2)
+    members = [base.replace(kl={"beta": b}) for b in (0.1, 1.0)]
+    results = sweep(members, task=tiny_task, out_dir=tmp_path / "sweep")
+    member = results[1].dir
+    status, _, err = _klrl(["export", str(member.parent), str(tmp_path / "x")], capsys)
+    assert status == 2 and "export one member" in err
+    status, stdout, err = _klrl(["export", str(member), str(tmp_path / "m1")], capsys)
+    assert status == 0, err
+    _equal_trees(load_gpt(tmp_path / "m1")[1], detach(jax.device_get(results[1].state.params["policy"]))[0])
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_export_pretrained_policy_as_hf_directory(tmp_path, capsys):
+    import klrl
+    from klrl.config import RunConfig
+    from klrl.io import checkpoint as ckpt
+    from klrl.models import from_pretrained
+    from klrl.models.heads import detach
+
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"path": str(GGUF)},
+            "task": {"name": "text"},
+            "data": {"prompt_len": 16, "limit": 8},
+            "sampling": {"response_len": 4},
+            "ppo": {"epochs": 1, "minibatches": 2},
+            "optim": {"lr": 1e-3},
+            "train": {"iterations": 2, "batch_size": 4, "out_dir": str(tmp_path), "name": "r", "quiet": True,
+                      "checkpoint_every": 1},
+        }
+    )  # fmt: skip
+    result = klrl.run(cfg)
+    status, stdout, err = _klrl(["export", str(result.dir), str(tmp_path / "hf")], capsys)
+    assert status == 0, err
+    assert "HF directory" in stdout
+    # the latest checkpoint is the final state: the same files as the run's own policy/ directory
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "hf" / f).read_bytes() == (result.dir / "policy" / f).read_bytes(), f
+    status, _, err = _klrl(["export", str(result.dir), str(tmp_path / "hf1"), "--step", "1"], capsys)
+    assert status == 0, err
+    _, got, _ = from_pretrained(tmp_path / "hf1")
+    mgr = ckpt.manager(result.dir, read_only=True)
+    try:
+        state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, 1), 1)
+    finally:
+        mgr.close()
+    _equal_trees(got, detach(state["params"]["policy"])[0])
