@@ -69,6 +69,16 @@ def matmul_rate(n: int = 1024, dtype: Any = jnp.float32, reps: int = 10) -> floa
     return 2.0 * n**3 / median_time(f, a, b, n=reps, warmup=2)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; '' where unreadable) and its core count."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    except OSError:
+        return ""
+    return f"{names[0]} x {len(names)}" if names else ""
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -373,6 +383,10 @@ def measure(
         "achieved_flops_per_s": achieved,
         "matmul_flops_per_s": peak_flops,
         "flop_utilisation": achieved / peak_flops,
+        "model_remat": getattr(cfg.model, "remat", "none"),
+        "model_logits": getattr(cfg.model, "logits", "full"),
+        "logits_path": "chunked" if getattr(train.context, "chunked", False) else "full",
+        "cpu": cpu_model(),
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,

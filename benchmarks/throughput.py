@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="default", choices=common.WORKLOADS)
     ap.add_argument("--iterations", type=int, default=10, help="timed iterations (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations after compiling")
+    ap.add_argument("--remat", default=None, choices=("none", "block", "full"), help="set model.remat")
+    ap.add_argument("--logits", default=None, choices=("auto", "full", "chunked"), help="set model.logits")
     args = ap.parse_args(argv)
 
     common.log("measuring the fp32 1024x1024 matmul rate")
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cfg, task = common.build_workload(args.workload)
     task_s = time.perf_counter() - t0
+    model = {k: v for k, v in (("remat", args.remat), ("logits", args.logits)) if v is not None}
+    cfg = cfg.replace(model=model) if model else cfg
     result = common.measure(
         args.workload, cfg, task, iterations=args.iterations, warmup=args.warmup, peak_flops=rate
     )

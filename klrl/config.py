@@ -67,6 +67,18 @@ class ModelConfig:
         "", "task text: an independent evaluator LM (HF directory or .gguf, the policy's tokenizer) whose "
         "perplexity of the samples is logged as eval/independent_ppl ('' = none)",
     )  # fmt: skip
+    remat: str = _f(
+        "none",
+        "rematerialisation in the PPO update: none, block (each block keeps only its matmul outputs) "
+        "or full (each block keeps only its input; klrl.models.remat)",
+    )
+    logits: str = _f(
+        "auto",
+        "logit-derived quantities (token log-probs, entropy, exact KL): full ([B, T, V] logits), chunked "
+        "(the LM head applied to model.logits_chunk positions at a time; no [B, T, V] buffer) or auto "
+        "(chunked for vocabularies of 32768 or more; klrl.chunked)",
+    )
+    logits_chunk: int = _f(128, "model.logits=chunked: positions per chunk ([chunk, V] logits at a time)")
 
     def __post_init__(self) -> None:
         _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
@@ -80,6 +92,9 @@ class ModelConfig:
             v = getattr(self, name)
             _check(v.strip() == v, f"model.{name}", "must not have surrounding spaces")
         _check(not self.value_path or self.path, "model.value_path", "needs model.path")
+        _choice(self.remat, "model.remat", ("none", "block", "full"))
+        _choice(self.logits, "model.logits", ("auto", "full", "chunked"))
+        _check(self.logits_chunk >= 1, "model.logits_chunk", "must be >= 1")
 
 
 @section("sampling")
@@ -117,6 +132,11 @@ class KLConfig:
     )
     ref_mix: float = _f(
         1.0, "reference update weight alpha: ref <- (1 - alpha) ref + alpha policy (1 = copy)"
+    )
+    exact_metric: bool = _f(
+        True,
+        "log kl/exact_* (the exact full-vocabulary KL); false saves its cost: [B, R, V] logits kept by the "
+        "rollout (model.logits=full) or one more LM-head product over the responses (chunked)",
     )
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ class Rollout(NamedTuple):
     value: Array | None  # [B, R] V(s_t) from a trunk value head, else None
     logits: Array | None  # [B, R, V] tempered policy logits (for exact KL), else None
     prompt_idx: Array | None = None  # [B] int32 rows of the prompt pool sampled (set by the train step)
+    hidden: Array | None = None  # [B, R, D] final hidden states that gave each token's logits, else None
 
 
 def sequence(prompt: Array, prompt_mask: Array, response: Array, mask: Array) -> tuple[Array, Array]:
@@ -110,8 +111,13 @@ def generate(
     unroll: int = 1,
     *,
     value_head: ValueHead | None = None,
+    keep_hidden: bool = False,
 ) -> Rollout:
     """Sample ``cfg.response_len`` tokens for each prompt with a KV cache.
+
+    ``keep_logits``: return the tempered logits ``[B, R, V]``; ``keep_hidden``: the final hidden
+    states ``[B, R, D]`` they came from instead (what :mod:`klrl.chunked` reads for a large
+    vocabulary: the logits are a function of them through the LM head).
 
     ``stop_ids``: one id or a tuple; any of them ends a response. ``value_head``: a head on the
     policy trunk (``params`` then carries its parameters, :func:`klrl.models.heads.attach`), whose
@@ -138,38 +144,39 @@ def generate(
     out = model.apply(params, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
     cache = out.cache
     logits = out.logits[:, -1]
+    hid = out.hidden[:, -1] if keep_hidden else None
     v0 = values(out)
     value = v0[:, -1] if v0 is not None else jnp.zeros((b,), jnp.float32)
     done = jnp.zeros((b,), bool)
 
-    def sample_step(logits, value, done, t):
+    def sample_step(logits, hid, value, done, t):
         step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
         tok, logp, scaled = _sample(logits, step_keys, cfg.temperature, cfg.top_k)
         valid = ~done
         tok = jnp.where(valid, tok, pad_id)
         new_done = done | (valid & is_stop(tok, stops)) if cfg.use_eos else done
-        ys = (tok, valid.astype(jnp.float32), logp, value, scaled if keep_logits else None)
+        ys = (tok, valid.astype(jnp.float32), logp, value, scaled if keep_logits else None, hid)
         return new_done, tok, ys
 
     def body(carry, t):
-        cache, logits, value, done = carry
-        done, tok, ys = sample_step(logits, value, done, t)
+        cache, logits, hid, value, done = carry
+        done, tok, ys = sample_step(logits, hid, value, done, t)
         slot = p + t
         mask_t = jax.lax.dynamic_slice_in_dim(full_mask, slot, 1, axis=1)  # [B, 1, S]
         pos_t = jax.lax.dynamic_slice_in_dim(positions, slot, 1, axis=1)
         o = model.apply(params, tok[:, None], pos_t, mask_t, cache, slot)
         vo = values(o)
         v = vo[:, 0] if vo is not None else value
-        return (o.cache, o.logits[:, 0], v, done), ys
+        return (o.cache, o.logits[:, 0], o.hidden[:, 0] if keep_hidden else None, v, done), ys
 
-    (cache, logits, value, done), ys = jax.lax.scan(
-        body, (cache, logits, value, done), jnp.arange(r - 1), unroll=unroll
+    (cache, logits, hid, value, done), ys = jax.lax.scan(
+        body, (cache, logits, hid, value, done), jnp.arange(r - 1), unroll=unroll
     )
-    _, _, last = sample_step(logits, value, done, r - 1)
+    _, _, last = sample_step(logits, hid, value, done, r - 1)
     stacked = jax.tree.map(
         lambda a, x: jnp.concatenate([jnp.moveaxis(a, 0, 1), x[:, None]], axis=1), ys, last
     )
-    tok, valid, logp, val, lg = stacked
+    tok, valid, logp, val, lg, hs = stacked
     return Rollout(
         prompt=prompt,
         prompt_mask=prompt_mask.astype(jnp.float32),
@@ -178,4 +185,5 @@ def generate(
         logp=logp * valid,
         value=val * valid if value_head is not None else None,
         logits=lg,
+        hidden=hs,
     )

@@ -36,9 +36,10 @@ PREFIX = "_samples/"
 NUMBERS = ("reward", "kl_seq_sum", "kl_exact_seq_sum", "ref_logprob", "length")
 
 
-def sample_rows(n: int, ro: Any, task_reward: jax.Array, k1: jax.Array, exact: jax.Array,
+def sample_rows(n: int, ro: Any, task_reward: jax.Array, k1: jax.Array, exact: jax.Array | None,
                 ref_logp: jax.Array) -> dict[str, jax.Array]:  # fmt: skip
-    """The first ``n`` rows of the global batch (gathered over ``'data'``) as ``_samples/*`` outputs."""
+    """The first ``n`` rows of the global batch (gathered over ``'data'``) as ``_samples/*`` outputs
+    (``exact`` None, with ``kl.exact_metric`` off: ``kl_exact_seq_sum`` is NaN)."""
     m = ro.mask
     rows = {
         "prompt": ro.prompt.astype(jnp.int32),
@@ -50,7 +51,7 @@ def sample_rows(n: int, ro: Any, task_reward: jax.Array, k1: jax.Array, exact: j
         ),
         "reward": task_reward.astype(jnp.float32),
         "kl_seq_sum": kl_lib.seq_sum(k1, m),
-        "kl_exact_seq_sum": kl_lib.seq_sum(exact, m),
+        "kl_exact_seq_sum": kl_lib.seq_sum(exact, m) if exact is not None else jnp.full(m.shape[:1], jnp.nan),
         "ref_logprob": jnp.sum(ref_logp * m, axis=-1),
         "length": jnp.sum(m, axis=-1),
     }

@@ -45,6 +45,7 @@ from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.samples import sample_rows
 from klrl.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.tasks.base import JaxReward, Task, check_task
+from klrl.train_heads import policy_out, policy_terms, score_terms, value_out
 from klrl.train_parts import (
     Advantages,
     Batch,
@@ -87,24 +88,6 @@ def coefs(ctx: Context, state: TrainState) -> tuple[Array, Array]:
     return state.other_coef, state.ctrl.beta
 
 
-def policy_out(ctx: Context, pol_params: Any, tokens: Array, key_mask: Array) -> tuple[Array, Array | None]:
-    """Tempered response logits ``[B, R, V]`` and (with a head on the trunk) values ``[B, R]``."""
-    trunk, head = detach(pol_params) if ctx.head else (pol_params, None)
-    out = forward(ctx.models.policy, trunk, tokens, key_mask)
-    logits = response_slice(out.logits, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
-    value = None
-    if ctx.head:
-        value = response_slice(ctx.models.value_head.apply(head, out.hidden), ctx.p_len, ctx.r_len)
-    return logits, value
-
-
-def value_out(ctx: Context, value_params: Any, tokens: Array, key_mask: Array) -> Array:
-    """Values ``[B, R]`` of the separate value model."""
-    trunk, head = detach(value_params)
-    hidden = forward(ctx.models.value, trunk, tokens, key_mask, logits=False).hidden
-    return response_slice(ctx.models.value_head.apply(head, hidden), ctx.p_len, ctx.r_len)
-
-
 # ---- the stages ------------------------------------------------------------------------------------
 
 
@@ -123,17 +106,27 @@ def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
     ro = generate(
         ctx.models.policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
         ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
+        keep_hidden=ctx.keep_hidden,
     )  # fmt: skip
     return ro._replace(prompt_idx=p_idx.astype(jnp.int32))
 
 
 def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:
-    """Reference log-probs (and logits), old values, task reward (less ``reward.missing_eos_penalty``
-    for a response without a stop token) and evaluations."""
+    """Reference log-probs (and logits, or on the chunked path the exact KL from hidden states), old
+    values, task reward (less ``reward.missing_eos_penalty`` for a response without a stop token) and
+    evaluations."""
     mask = ro.mask
     tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
-    ref = forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits
-    ref_logits = response_slice(ref, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
+    ref_hidden = exact = full = None
+    if ctx.chunked:  # no [B, R, V] logits (klrl.chunked)
+        ref_h = forward(ctx.models.policy, state.ref_params, tokens, key_mask, logits=False).hidden
+        ref_h = response_slice(ref_h, ctx.p_len, ctx.r_len)
+        ref_logits, (ref_logp, exact, full) = None, score_terms(ctx, state, ro, ref_h)
+        ref_hidden = ref_h if ctx.full_in_loss else None
+    else:
+        ref = forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits
+        ref_logits = response_slice(ref, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
+        ref_logp = token_logprobs(ref_logits, ro.response) * mask
     if ctx.separate:
         old_value = value_out(ctx, state.params["value"], tokens, key_mask) * mask
     elif ctx.head:
@@ -150,10 +143,13 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
         tokens=tokens,
         key_mask=key_mask,
         ref_logits=ref_logits,
-        ref_logp=token_logprobs(ref_logits, ro.response) * mask,
+        ref_logp=ref_logp,
         value=old_value,
         task_reward=task_reward,
         evals=evaluate(env, ro) if evaluate is not None else {},
+        ref_hidden=ref_hidden,
+        exact=exact,
+        full_kl=full,
     )
 
 
@@ -164,6 +160,8 @@ def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) ->
     beta_r, _ = coefs(ctx, state)
 
     def estimate(name):
+        if ctx.chunked and kl_lib.ESTIMATORS.meta(name)["inputs"] == "logits":
+            return sc.full_kl  # the exact KL under kl.clamp, from hidden states (score_phase)
         return kl_lib.estimate(name, ro.logp, sc.ref_logp, mask, ro.logits, sc.ref_logits, kl_cfg.clamp)
 
     kl_reward = estimate(kl_cfg.estimator)
@@ -177,32 +175,42 @@ def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) ->
     batch = Batch(
         tokens=sc.tokens, key_mask=sc.key_mask, response=ro.response, mask=mask, logp=ro.logp,
         ref_logp=sc.ref_logp, adv=advantages, ret=returns, value=sc.value,
-        ref_logits=sc.ref_logits if full_in_loss else None,
+        ref_logits=sc.ref_logits if full_in_loss else None, ref_hidden=sc.ref_hidden,
     )  # fmt: skip
+    exact = None  # kl.exact_metric off (and no `full` estimator)
+    if ctx.exact_kl:
+        exact = sc.exact if ctx.chunked else kl_lib.full_kl(ro.logits, sc.ref_logits, mask)
     return Advantages(
         batch=batch,
         rewards=rewards,
         kl_reward=kl_reward,
         kl_ctrl=estimate(ctx.cfg.ctrl.estimator),
         k1=estimate("k1"),
-        exact=kl_lib.full_kl(ro.logits, sc.ref_logits, mask),
+        exact=exact,
     )
 
 
-def ppo_loss(ctx: Context, params: Any, mb: Batch, n_tok: Array, n_seq: Array, beta_l: Array):
+def ppo_loss(
+    ctx: Context, params: Any, mb: Batch, n_tok: Array, n_seq: Array, beta_l: Array, *, ref_params: Any = None
+):
     """PPO loss of one (per-device) minibatch ``mb``, normalised by ``n_tok`` tokens and ``n_seq``
-    sequences (this device's share of the global minibatch's), and its statistics.
+    sequences (this device's share of the global minibatch's), and its statistics. ``ref_params``:
+    the reference, read only on the chunked path by a ``full`` loss estimator (its LM head).
 
     ``loss = sum_t m_t (pg_t - ent_coef H_t) / n_tok + vf_coef sum_t m_t vl_t / n_tok
     + beta_l * KL_term``, ``KL_term = sum_t m_t kl_t / n_tok`` (``token_mean``) or
     ``sum_b token_mean_b(kl) / n_seq`` (``seq_mean``).
     """
     ppo, kl_cfg = ctx.cfg.ppo, ctx.cfg.kl
-    logits, value = policy_out(ctx, params["policy"], mb.tokens, mb.key_mask)
+    if ctx.chunked:  # logit terms from hidden states, chunk by chunk (klrl.chunked)
+        logits, (logp, ent_c, value, full_kl) = None, policy_terms(ctx, params["policy"], mb, ref_params)
+    else:
+        logits, value = policy_out(ctx, params["policy"], mb.tokens, mb.key_mask)
     m = mb.mask
-    logp = token_logprobs(logits, mb.response)
+    if not ctx.chunked:
+        logp = token_logprobs(logits, mb.response)
     pg, clipped = losses.clipped_surrogate(logp, mb.logp, mb.adv, ppo.clip)
-    ent = entropy(logits)
+    ent = ent_c if ctx.chunked else entropy(logits)
     # normalise by the per-device share of the global minibatch so that pmean is the global mean
     loss = losses.masked_sum(pg - ppo.ent_coef * ent, m) / n_tok
     stats = {
@@ -213,15 +221,18 @@ def ppo_loss(ctx: Context, params: Any, mb: Batch, n_tok: Array, n_seq: Array, b
     }
     if ctx.critic:
         if ctx.separate:
-            value = value_out(ctx, params["value"], mb.tokens, mb.key_mask)
+            value = value_out(ctx, params["value"], mb.tokens, mb.key_mask, ctx.update_value)
         vl, vclip = losses.clipped_value_loss(value, mb.value, mb.ret, ppo.vf_clip)
         loss = loss + ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
         stats["loss/value"] = losses.masked_sum(vl, m) / n_tok
         stats["value/clipfrac"] = losses.masked_sum(vclip, m) / n_tok
-    if ctx.kl_in_loss:
+    if ctx.kl_in_loss and ctx.chunked and ctx.full_in_loss:
+        kl_t = full_kl
+    elif ctx.kl_in_loss:
         kl_t = kl_lib.estimate(
             kl_cfg.loss_estimator, logp, mb.ref_logp, m, logits, mb.ref_logits, kl_cfg.clamp
         )
+    if ctx.kl_in_loss:
         if kl_cfg.loss_agg == "token_mean":
             kl_term = losses.masked_sum(kl_t, m) / n_tok
         else:
@@ -240,7 +251,7 @@ def update_phase(ctx: Context, state: TrainState, batch: Batch) -> tuple[Any, An
     _, beta_l = coefs(ctx, state)
     dev = jax.lax.axis_index(DATA)
     batch = gather(batch)  # every device sees the global batch
-    grad_fn = jax.grad(partial(ppo_loss, ctx), has_aux=True)
+    grad_fn = jax.grad(partial(ppo_loss, ctx, ref_params=state.ref_params), has_aux=True)
 
     def minibatch_step(carry, idx):
         params, opt_state = carry

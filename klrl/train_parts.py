@@ -20,12 +20,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from klrl import kl as kl_lib
 from klrl import losses
 from klrl.advantages import needs_critic
+from klrl.chunked import use_chunks
 from klrl.config import RunConfig
 from klrl.control import KINDS, Controller, ControllerState
 from klrl.models.base import CausalLM
 from klrl.models.heads import ValueHead, attach
 from klrl.models.registry import get_family
+from klrl.models.remat import with_remat
 from klrl.parallel import average, gather, total
+from klrl.registry import ESTIMATORS
 from klrl.tasks.base import Task
 
 Array = jax.Array
@@ -47,11 +50,15 @@ class Scores(NamedTuple):
 
     tokens: Array  # [B, P + R] prompt + response
     key_mask: Array  # [B, P + R]
-    ref_logits: Array  # [B, R, V] tempered reference logits
+    ref_logits: Array | None  # [B, R, V] tempered reference logits (model.logits=full), else None
     ref_logp: Array  # [B, R] reference log-probs of the sampled tokens (0 where masked)
     value: Array  # [B, R] old values (zeros without a critic)
     task_reward: Array  # [B] float32
     evals: dict[str, Array]  # per-example evaluations {name: [B]}
+    # model.logits=chunked (klrl.chunked): no [B, R, V] logits; what is read of them instead
+    ref_hidden: Array | None = None  # [B, R, D] reference hidden states (a logits KL in the loss)
+    exact: Array | None = None  # [B, R] exact full-vocabulary KL(pi || pi_ref), no clamp
+    full_kl: Array | None = None  # [B, R] the same under kl.clamp (what the estimator `full` gives)
 
 
 class Batch(NamedTuple):
@@ -67,6 +74,7 @@ class Batch(NamedTuple):
     ret: Array  # [B, R] value targets
     value: Array  # [B, R] old values
     ref_logits: Array | None  # [B, R, V] only for a logits-based KL estimator in the loss
+    ref_hidden: Array | None = None  # [B, R, D] instead of ref_logits on the chunked path
 
 
 class Advantages(NamedTuple):
@@ -77,7 +85,7 @@ class Advantages(NamedTuple):
     kl_reward: Array  # [B, R] per-token KL of kl.estimator
     kl_ctrl: Array  # [B, R] per-token KL of ctrl.estimator (what the controller sees)
     k1: Array  # [B, R]
-    exact: Array  # [B, R] exact per-position KL from the full logits
+    exact: Array | None  # [B, R] exact per-position KL from the full logits (None: kl.exact_metric off)
 
 
 class Phases(NamedTuple):
@@ -179,7 +187,6 @@ class Context:
     controller: Controller
     optimizer: optax.GradientTransformation
     n_dev: int
-    keep_logits: bool = True  # exact KL is a metric of every run; small vocabularies make it cheap
     log_target: bool = False  # log ``ctrl/target``: some run of this program has an adaptive controller
     samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.samples)
 
@@ -223,6 +230,49 @@ class Context:
     @property
     def drives_reward(self) -> bool:
         return self.cfg.ctrl.drives == "reward"
+
+    # the logits' path (klrl.chunked) and rematerialisation (klrl.models.remat)
+    @property
+    def chunked(self) -> bool:
+        """Logit-derived terms from hidden states in chunks (``model.logits``; auto: V >= 32768)."""
+        return use_chunks(self.cfg.model.logits, self.models.policy.vocab_size)
+
+    @property
+    def full_estimators(self) -> bool:
+        """Some KL estimator that is used reads the full logits (``full``)."""
+        kl, c = self.cfg.kl, self.cfg.ctrl
+        names = [kl.estimator, c.estimator] + ([kl.loss_estimator] if self.kl_in_loss else [])
+        return any(ESTIMATORS.meta(n)["inputs"] == "logits" for n in names)
+
+    @property
+    def full_in_loss(self) -> bool:
+        """The KL term of the loss reads the full logits (a ``full`` ``kl.loss_estimator``)."""
+        return self.kl_in_loss and ESTIMATORS.meta(self.cfg.kl.loss_estimator)["inputs"] == "logits"
+
+    @property
+    def exact_kl(self) -> bool:
+        """The exact full-vocabulary KL is computed (for the metric or an estimator)."""
+        return self.cfg.kl.exact_metric or self.full_estimators
+
+    @property
+    def keep_logits(self) -> bool:
+        """The rollout keeps its ``[B, R, V]`` tempered logits (the full path's exact KL)."""
+        return self.exact_kl and not self.chunked
+
+    @property
+    def keep_hidden(self) -> bool:
+        """The rollout keeps its ``[B, R, D]`` hidden states (the chunked path's exact KL)."""
+        return self.exact_kl and self.chunked
+
+    @property
+    def update_policy(self) -> CausalLM:
+        """The policy as the update differentiates it (``model.remat``)."""
+        return with_remat(self.models.policy, self.cfg.model.remat)
+
+    @property
+    def update_value(self) -> CausalLM | None:
+        """The separate value trunk as the update differentiates it (``model.remat``)."""
+        return None if self.models.value is None else with_remat(self.models.value, self.cfg.model.remat)
 
 
 # ---- init -------------------------------------------------------------------------------------------
@@ -321,8 +371,6 @@ def iteration_metrics(
         "kl/beta_x_k1_seq_sum": beta_r * k1_seq,
         f"kl/reward_{est}_seq_sum": seq_mean(kl_lib.seq_sum(kl_reward, mask)),
         f"kl/reward_{est}_token_mean": seq_mean(kl_lib.token_mean(kl_reward, mask)),
-        "kl/exact_seq_sum": seq_mean(kl_lib.seq_sum(exact, mask)),
-        "kl/exact_token_mean": seq_mean(kl_lib.token_mean(exact, mask)),
         f"ctrl/kl_observed_{c_cfg.unit}": kl_seen,
         "ctrl/beta": driven if ctx.drives_reward else other,
         "ctrl/loss_coef": other if ctx.drives_reward else driven,
@@ -335,12 +383,15 @@ def iteration_metrics(
         **{k: seq_mean(v) for k, v in sc.evals.items() if not k.startswith("_")},
         **stats,
     }
+    if exact is not None:  # kl.exact_metric (or a `full` estimator)
+        metrics["kl/exact_seq_sum"] = seq_mean(kl_lib.seq_sum(exact, mask))
+        metrics["kl/exact_token_mean"] = seq_mean(kl_lib.token_mean(exact, mask))
     if ctx.log_target:
         p = state.ctrl.params
         metrics["ctrl/target"] = jnp.where(p.kind == KINDS.index("fixed"), jnp.nan, p.target)
     batch_eval = ctx.task.batch_eval_fn
     if batch_eval is not None:
-        tokens_only = ro._replace(logits=None, value=None)  # batch metrics read tokens, not [B, R, V] logits
+        tokens_only = ro._replace(logits=None, value=None, hidden=None)  # batch metrics read tokens only
         metrics.update(batch_eval(env, gather(tokens_only), gather(sc.task_reward), gather(sc.evals)))
     metrics["guard/skipped"] = (~ok).astype(jnp.float32)
     metrics["guard/consecutive_skips"] = out.skipped.astype(jnp.float32)

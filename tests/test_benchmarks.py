@@ -50,6 +50,12 @@ def test_throughput_smoke(tmp_path):
     assert out["response_length_mean"] == 16.0  # use_eos=False: every response is full length
 
 
+def test_phase_cpu_smoke(tmp_path):
+    _, out = _run(["benchmarks/phase_cpu.py", "--workload", "peer-small", "--calls", "1"], tmp_path, 600)
+    assert set(out["cpu_s"]) == {"rollout", "scoring", "advantages", "update"}
+    assert all(v > 0 for v in out["cpu_s"].values()) and out["cpu_sum_s"] > 0
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU path")
 def test_gpu_script_skips_without_gpu(tmp_path):
     _, out = _run(["benchmarks/gpu.py"], tmp_path, 120)

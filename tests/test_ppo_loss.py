@@ -6,6 +6,8 @@ hidden states come from the model; everything after them is recomputed in NumPy.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,7 +58,7 @@ def _kl(name, logp, ref_logp, logits, ref_logits):
     return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
-def reference(cfg, logits_full, value_full, mb, n_tok, n_seq, beta_l):
+def reference(cfg, logits_full, value_full, mb, n_tok, n_seq, beta_l, ref_logits=None):
     """Every term in NumPy (float64), from the model's full-sequence logits and values."""
     ppo, klc = cfg.ppo, cfg.kl
     m = np.asarray(mb.mask, np.float64)
@@ -75,7 +77,7 @@ def reference(cfg, logits_full, value_full, mb, n_tok, n_seq, beta_l):
         vl = 0.5 * np.maximum((v - ret) ** 2, (vc - ret) ** 2)
         loss += ppo.vf_coef * (vl * m).sum() / n_tok
     if klc.placement in ("loss", "reward+loss"):
-        ref_logits = None if mb.ref_logits is None else np.asarray(mb.ref_logits, np.float64)
+        ref_logits = None if ref_logits is None else np.asarray(ref_logits, np.float64)
         k = _kl(klc.loss_estimator, logp, np.asarray(mb.ref_logp, np.float64), logits, ref_logits) * m
         if klc.loss_agg == "token_mean":
             term = k.sum() / n_tok
@@ -98,6 +100,14 @@ CASES = {
     "grpo_k2_seq": dict(ppo=GRPO, kl={"loss_estimator": "k2", "loss_agg": "seq_mean"}),
     "rloo_abs_token_reward_only": dict(ppo=RLOO, kl={"loss_estimator": "abs", "placement": "reward"}),
     "gae_head_k1_token": dict(ppo=GAE, kl={"loss_estimator": "k1", "placement": "reward+loss"}),
+    # model.logits=chunked (klrl.chunked): the same loss from hidden states, 7 positions at a time
+    "chunked_gae_separate_full_seq": dict(
+        ppo=GAE, model={"value_model": "separate", "logits": "chunked", "logits_chunk": 7},
+        kl={"loss_estimator": "full", "loss_agg": "seq_mean"},
+    ),
+    "chunked_gae_head_k3_token": dict(
+        ppo=GAE, model={"logits": "chunked", "logits_chunk": 7}, kl={"loss_estimator": "k3"}
+    ),
 }  # fmt: skip
 
 
@@ -119,15 +129,22 @@ def test_ppo_loss_matches_numpy(case):
     mask = (np.arange(R)[None] < np.array([5, 3, 1, 0, 4, 5, 2, 5])[:, None]).astype(np.float32)
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     full = task.policy_params
-    ref_logits = forward(task.policy, full, jnp.asarray(tokens), jnp.ones((B, P + R))).logits
-    ref_logits = np.asarray(ref_logits)[:, P - 1 : P + R - 1] / TEMP + 0.3 * f32(B, R, V)
+    # the reference's hidden states (perturbed) and its tempered logits from them
+    ref_hidden = forward(task.policy, full, jnp.asarray(tokens), jnp.ones((B, P + R))).hidden
+    ref_hidden = jnp.asarray(
+        np.asarray(ref_hidden)[:, P - 1 : P + R - 1] + 0.3 * f32(B, R, cfg.model.d_model)
+    )
+    ref_logits = task.policy.head(full, ref_hidden) / TEMP
     needs_logits = cfg.kl.loss_estimator == "full" and cfg.kl.placement != "reward"
+    chunked = cfg.model.logits == "chunked"
+    assert train.context.chunked == chunked
     mb = Batch(
         tokens=jnp.asarray(tokens), key_mask=jnp.ones((B, P + R), jnp.float32),
         response=jnp.asarray(tokens[:, P:]), mask=jnp.asarray(mask),
         logp=jnp.asarray(-2.0 + 0.3 * f32(B, R)), ref_logp=jnp.asarray(-2.0 + 0.3 * f32(B, R)),
         adv=jnp.asarray(f32(B, R)), ret=jnp.asarray(f32(B, R)), value=jnp.asarray(0.1 * f32(B, R)),
-        ref_logits=jnp.asarray(ref_logits) if needs_logits else None,
+        ref_logits=ref_logits if needs_logits and not chunked else None,
+        ref_hidden=ref_hidden if needs_logits and chunked else None,
     )  # fmt: skip
     params = jax.tree.map(
         lambda x: x + 0.02 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), state.params
@@ -137,7 +154,7 @@ def test_ppo_loss_matches_numpy(case):
         B / 2.0,
         0.37,
     )  # any normalisers: they must be used as given
-    loss, stats = jax.jit(train.loss)(params, mb, n_tok, n_seq, beta_l)
+    loss, stats = jax.jit(partial(train.loss, ref_params=full))(params, mb, n_tok, n_seq, beta_l)
 
     # the model's outputs for the reference (policy logits; values from the head it sits on)
     ctx = train.context
@@ -151,7 +168,9 @@ def test_ppo_loss_matches_numpy(case):
         value_full = ctx.models.value_head.apply(
             vh, forward(ctx.models.value, vt, mb.tokens, mb.key_mask).hidden
         )
-    want = reference(cfg, out.logits, value_full, mb, n_tok, n_seq, beta_l)
+    want = reference(
+        cfg, out.logits, value_full, mb, n_tok, n_seq, beta_l, ref_logits if needs_logits else None
+    )
     np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-6)
     assert float(stats["loss/total"]) == float(loss)
     assert ("loss/value" in stats) is (value_full is not None)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 from klrl.config import ModelConfig
 from klrl.models.base import LMOutput, PartitionRules, causal_mask, positions_from_mask
 from klrl.models.registry import register_family
+from klrl.models.remat import check_mode, remat_block
 
 Array = jax.Array
 NEG_INF = -1e9
@@ -73,6 +74,7 @@ class GPTModule(nn.Module):
     vocab_size: int
     max_len: int
     lm_head: bool = True
+    remat: str = "none"  # klrl.models.remat.REMAT_MODES
 
     @nn.compact
     def __call__(
@@ -94,9 +96,10 @@ class GPTModule(nn.Module):
         wpe = nn.Embed(self.max_len, cfg.d_model, name="wpe")
         x = (wte(tokens) + wpe(positions)).astype(dtype)
         new_cache = []
+        block = remat_block(Block, self.remat, prevent_cse=True)  # a Python loop: keep the barriers
         for i in range(cfg.n_layers):
             layer_cache = None if cache is None else cache[i]
-            x, nc = Block(cfg.d_model, cfg.n_heads, cfg.mlp_ratio, dtype, name=f"h{i}")(
+            x, nc = block(cfg.d_model, cfg.n_heads, cfg.mlp_ratio, dtype, name=f"h{i}")(
                 x, mask, layer_cache, index
             )
             new_cache.append(nc)
@@ -120,10 +123,13 @@ class GPT:
     vocab_size: int
     max_len: int
     lm_head: bool = True
+    remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
     module: GPTModule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "module", GPTModule(self.cfg, self.vocab_size, self.max_len, self.lm_head))
+        object.__setattr__(self, "remat", check_mode(self.remat))
+        module = GPTModule(self.cfg, self.vocab_size, self.max_len, self.lm_head, self.remat)
+        object.__setattr__(self, "module", module)
 
     @property
     def hidden_size(self) -> int:
@@ -146,6 +152,17 @@ class GPT:
         logits: bool = True,
     ) -> LMOutput:
         return self.module.apply({"params": params}, tokens, positions, mask, cache, index, logits)
+
+    def head(self, params: Any, hidden: Array) -> Array:
+        """The LM head alone: final hidden states ``[..., D]`` (after ``ln_f``) -> float32 logits
+        ``[..., V]``, the same product as :meth:`apply` (tied: ``wte.attend``, in the promoted dtype
+        of the hidden states and the float32 embedding; untied: ``lm`` in the compute dtype)."""
+        if self.cfg.tie_embeddings:
+            e = params["wte"]["embedding"]
+            dt = jnp.promote_types(hidden.dtype, e.dtype)
+            return jnp.dot(hidden.astype(dt), e.astype(dt).T).astype(jnp.float32)
+        dt = jnp.bfloat16 if self.cfg.dtype == "bfloat16" else jnp.float32
+        return jnp.dot(hidden.astype(dt), params["lm"]["kernel"].astype(dt)).astype(jnp.float32)
 
     def init_cache(self, batch: int, length: int) -> Cache:
         """An empty cache of ``length`` slots: per layer ``(k, v)``, each ``[B, H, S, Dh]``."""

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
 from klrl.models.base import LMOutput
+from klrl.models.remat import check_mode, remat_block
 
 Array = jax.Array
 _INIT = nn.initializers.normal(0.02)
@@ -124,7 +125,7 @@ class Block(nn.Module):
 class GPT2Module(nn.Module):
     c: GPT2Config
     dtype: Any
-    remat: bool = False
+    remat: str = "none"  # klrl.models.remat.REMAT_MODES
 
     @nn.compact
     def __call__(self, tokens, positions, mask, cache=None, index=None, logits=True):
@@ -132,7 +133,7 @@ class GPT2Module(nn.Module):
         wte = nn.Embed(c.vocab_size, c.n_embd, dtype=self.dtype, embedding_init=_INIT, name="wte")
         wpe = nn.Embed(c.n_positions, c.n_embd, dtype=self.dtype, embedding_init=_INIT, name="wpe")
         x = wte(tokens) + wpe(positions)
-        block = nn.remat(Block) if self.remat else Block
+        block = remat_block(Block, self.remat)
         layers = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -159,7 +160,10 @@ class GPT2:
 
     config: GPT2Config
     dtype: Any = jnp.float32
-    remat: bool = False
+    remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
+
+    def __post_init__(self):
+        object.__setattr__(self, "remat", check_mode(self.remat))
 
     @property
     def module(self) -> GPT2Module:
@@ -183,6 +187,16 @@ class GPT2:
 
     def apply(self, params, tokens, positions, mask, cache=None, index=None, *, logits=True) -> LMOutput:
         return self.module.apply(params, tokens, positions, mask, cache, index, logits)
+
+    def head(self, params, hidden: Array) -> Array:
+        """The LM head alone: final hidden states ``[..., D]`` (after ``ln_f``) -> float32 logits
+        ``[..., V]``, the same product as :meth:`apply` (``x @ wte^T`` tied, else ``x @ lm_head``)."""
+        p = params["params"]
+        if self.config.tie_word_embeddings:
+            w = p["wte"]["embedding"].astype(self.dtype).T
+        else:
+            w = p["lm_head"]["kernel"].astype(self.dtype)
+        return jnp.dot(hidden.astype(self.dtype), w).astype(jnp.float32)
 
     def init_cache(self, batch: int, length: int):
         c = self.config
