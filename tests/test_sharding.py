@@ -41,7 +41,7 @@ def runs(tiny_cfg, tiny_task, tmp_path_factory):
     """The 8-device single process and the 2 x 4-device job, started together."""
     d = tmp_path_factory.mktemp("sharding")
     cfg = tiny_cfg.replace(
-        ctrl={"kind": "dual", "lr": 1.0, "target": 0.5, "estimator": "full"}, kl={"beta": 0.1}
+        ctrl={"kind": "dual", "lr": 0.1, "target": 0.01, "estimator": "full"}, kl={"beta": 0.1}
     )
     (d / "cfg.json").write_text(json.dumps(cfg.to_dict()))
     base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parent))
