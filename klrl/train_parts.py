@@ -9,7 +9,7 @@ dict (slash names, KL unit in the name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import jax
@@ -272,7 +272,11 @@ def state_shardings(ctx: Context, mesh: Any, sweep: bool = False) -> Any:
     rules = tuple(ctx.models.policy.partition_rules())
     if ctx.models.value is not None:
         rules += tuple(ctx.models.value.partition_rules())
-    abstract = jax.eval_shape(lambda: initial_state(ctx, 0))
+    # the models' parameters as arguments: they may be abstract (jax.ShapeDtypeStruct)
+    abstract = jax.eval_shape(
+        lambda p, v: initial_state(replace(ctx, policy_params=p, value_params=v), 0),
+        ctx.policy_params, ctx.value_params,
+    )  # fmt: skip
     specs = param_specs(rules, abstract, mesh)
     if sweep:
         specs = jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), specs)
