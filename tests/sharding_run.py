@@ -53,6 +53,9 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
     task = make_task(cfg)
     out = {}
     for job in jobs.split(";"):
+        if job == "sweep":
+            out.update(sweep_check(cfg, task))
+            continue
         if job.startswith("update:"):
             out.update(update_check(cfg.replace(ppo={"shuffle": job.split(":")[1]}), task, job))
             continue
@@ -80,6 +83,31 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
         out[f"{job}/spec/wte"] = str(jax.tree.leaves(s.params["policy"])[-1].sharding.spec)
     if proc_id == 0:
         np.savez(out_path, **out)
+
+
+def sweep_check(cfg, task) -> dict:
+    """A sweep of 2 seeds on 2 sweep groups x (data 1, fsdp 2, tensor 2): each member sharded over
+    its group; member 0 is the run of ``gpt:1,1,1``."""
+    import jax
+
+    from klrl.sweep import grid, make_sweep, sweep
+
+    base = cfg.replace(train={"devices": 0, "mesh": "1,2,2"})
+    members = grid(base, {"train.seed": [cfg.train.seed, cfg.train.seed + 1]})
+    runs = sweep(members, task=task, write=False, sweep_devices=2)
+    out = {}
+    for i in range(3):
+        for k, v in runs[0].metrics.items():
+            out[f"sweep/metric/{i}/{k}"] = np.asarray(v[i])
+    init, _, mesh = make_sweep(members, task, 2)
+    state = init()
+    kernel = state.params["policy"]["h0"]["qkv"]["kernel"]
+    out["sweep/mesh"] = str(dict(mesh.shape))
+    out["sweep/spec"] = str(kernel.sharding.spec)
+    out["sweep/shard_shape"] = np.asarray(kernel.addressable_shards[0].data.shape)
+    out["sweep/shape"] = np.asarray(kernel.shape)
+    del jax
+    return out
 
 
 def update_check(cfg, task, job: str) -> dict:

@@ -27,7 +27,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 600
 RTOL = 1e-4
-SINGLE_JOBS = "gpt:1,1,1;gpt:2,2,2;llama:1,1,1;llama:2,2,2;update:global;update:shard"
+SINGLE_JOBS = "gpt:1,1,1;gpt:2,2,2;llama:1,1,1;llama:2,2,2;update:global;update:shard;sweep"
 
 
 def _free_port() -> int:
@@ -149,3 +149,21 @@ def test_update_phase_matches_python_loop(runs, mode):
         not np.allclose(single[f"{job}/param/{k}"], single[f"update:{other}/param/{k}"], rtol=1e-6)
         for k in keys
     )
+
+
+def test_sweep_members_sharded_over_their_device_groups(runs):
+    """``--sweep-devices 2`` with ``train.mesh=1,2,2``: members on 2 groups of 4 devices, each
+    member's parameters over its group's fsdp x tensor; member 0 is the 1-device run."""
+    single, _ = runs
+    assert str(single["sweep/spec"]) == "PartitionSpec('sweep', 'fsdp', 'tensor')", single["sweep/spec"]
+    shape, shard = single["sweep/shape"], single["sweep/shard_shape"]
+    assert shard[0] == shape[0] // 2 and shard[1] == shape[1] // 2 and shard[2] == shape[2] // 2, (
+        shape,
+        shard,
+    )
+    metrics = sorted({k.split("/", 3)[3] for k in single if k.startswith("gpt:1,1,1/metric/0/")})
+    assert metrics
+    for i in range(3):
+        for k in metrics:
+            a, b = float(single[f"sweep/metric/{i}/{k}"]), float(single[f"gpt:1,1,1/metric/{i}/{k}"])
+            assert abs(a - b) <= RTOL * max(abs(b), 1.0), f"iteration {i} {k}: sweep member {a} vs run {b}"
