@@ -3,7 +3,7 @@
 JAX's multi-controller model: every process runs the same script, calls
 :func:`initialize` before anything touches a device, and from then on
 ``jax.devices()`` lists the devices of *all* processes, so
-:func:`klrl.parallel.make_mesh` builds its ``(sweep, data)`` mesh over the whole
+:func:`klrl.parallel.make_mesh` builds its ``(sweep, data, fsdp, tensor)`` mesh over the whole
 slice and the one jitted step runs across processes (gradients and statistics
 are averaged by the same named-axis collectives as on one host).
 

@@ -7,8 +7,8 @@ The mesh has four named axes, ``(sweep, data, fsdp, tensor)``:
   device's share of the batch, named-axis collectives for gradients and statistics);
 * ``fsdp`` and ``tensor``: parameters, the reference, the optimiser state and the value model
   sharded by each model family's :meth:`~klrl.models.base.CausalLM.partition_rules`
-  (:func:`param_specs`), the computation partitioned by XLA's SPMD partitioner (GSPMD/Shardy)
-  from those placements and the constraints of :func:`constrain`.
+  (:func:`param_specs`), the computation partitioned by XLA's SPMD partitioner (Shardy) from
+  those placements.
 
 :func:`shard_step` is ``jax.jit`` with ``NamedSharding`` in/out shardings around a ``shard_map``
 that is manual over ``(sweep, data)`` only (``axis_names``): the per-device view of the batch and
@@ -124,16 +124,6 @@ def sharded_bytes(tree: Any) -> int:
 
 
 # ---- the step ------------------------------------------------------------------------------------
-
-
-def constrain(x: Any, spec: P) -> Any:
-    """``with_sharding_constraint`` over the compiler-partitioned axes (``fsdp``/``tensor``),
-    for use inside the step's body; a no-op where the mesh has none of them bigger than 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    names = {n for part in spec if part is not None for n in (part if isinstance(part, tuple) else (part,))}
-    if mesh.empty or not any(mesh.shape.get(n, 1) > 1 for n in names):
-        return x
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, fit_spec(spec, a.shape, mesh)), x)
 
 
 def _alone(axis_name: str) -> bool:

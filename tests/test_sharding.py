@@ -25,9 +25,11 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT = 600
+TIMEOUT = 1500  # wall seconds on a loaded shared machine; ~4 min of CPU on an idle one
 RTOL = 1e-4
-SINGLE_JOBS = "gpt:1,1,1;gpt:2,2,2;llama:1,1,1;llama:2,2,2;update:global;update:shard;sweep"
+# two 8-device processes (compiles are mostly single-threaded: they overlap on 2 cores)
+JOBS_A = "gpt:1,1,1;gpt:2,2,2;sweep"
+JOBS_B = "llama:1,1,1;llama:2,2,2;update:global;update:shard"
 
 
 def _free_port() -> int:
@@ -50,7 +52,8 @@ def runs(tiny_cfg, tiny_task, tmp_path_factory):
     port = _free_port()
     script, c = str(HERE / "sharding_run.py"), str(d / "cfg.json")
     specs = {
-        "single": ([c, str(d / "single.npz"), SINGLE_JOBS], 8),
+        "single-a": ([c, str(d / "a.npz"), JOBS_A], 8),
+        "single-b": ([c, str(d / "b.npz"), JOBS_B], 8),
         "p0": ([c, str(d / "multi.npz"), "gpt:2,2,2", "2", "0", str(port)], 4),
         "p1": ([c, str(d / "multi.npz"), "gpt:2,2,2", "2", "1", str(port)], 4),
     }
@@ -77,7 +80,7 @@ def runs(tiny_cfg, tiny_task, tmp_path_factory):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    return dict(np.load(d / "single.npz")), dict(np.load(d / "multi.npz"))
+    return {**np.load(d / "a.npz"), **np.load(d / "b.npz")}, dict(np.load(d / "multi.npz"))
 
 
 def _same_run(out: dict, a: str, b: str, other: dict | None = None, rtol: float = RTOL) -> float:
@@ -167,3 +170,44 @@ def test_sweep_members_sharded_over_their_device_groups(runs):
         for k in metrics:
             a, b = float(single[f"sweep/metric/{i}/{k}"]), float(single[f"gpt:1,1,1/metric/{i}/{k}"])
             assert abs(a - b) <= RTOL * max(abs(b), 1.0), f"iteration {i} {k}: sweep member {a} vs run {b}"
+
+
+class _Mesh:
+    shape = {"sweep": 1, "data": 2, "fsdp": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize(
+    "spec,shape,want",
+    [
+        (("tensor", "fsdp"), (160, 32), ("tensor", "fsdp")),
+        (("tensor", "fsdp"), (147, 32), (None, "fsdp")),  # 147 rows do not split in 2: replicated
+        ((None, "fsdp", "tensor"), (30, 576, 192), (None, "fsdp", "tensor")),  # SmolLM2 k_proj: 3 x 64
+        ((None, "fsdp", "tensor"), (30, 576, 9), (None, "fsdp")),  # 9 heads on tensor 2: replicated
+        (("fsdp", "tensor"), (6,), ("fsdp",)),  # a rule longer than the array is cut
+        (("sweep", "fsdp"), (4, 8), (None, "fsdp")),  # an axis of size 1 is dropped
+        ((("fsdp", "tensor"),), (8,), (("fsdp", "tensor"),)),  # two axes on one dimension: 4 | 8
+        ((("fsdp", "tensor"),), (6,), ()),
+    ],
+)
+def test_fit_spec(spec, shape, want):
+    from jax.sharding import PartitionSpec as P
+
+    from klrl.parallel import fit_spec
+
+    assert fit_spec(P(*spec), shape, _Mesh()) == P(*want)
+
+
+@pytest.mark.parametrize("bad", ["2,2", "0,1,1", "-1,-1,1", "a,1,1", "-2,1,1"])
+def test_train_mesh_is_checked(bad):
+    from klrl.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="train.mesh"):
+        RunConfig().replace(train={"mesh": bad})
+
+
+def test_mesh_from_config_on_one_device():
+    from klrl.config import RunConfig
+    from klrl.parallel import mesh_from_config
+
+    mesh = mesh_from_config(RunConfig().replace(train={"mesh": "-1,1,1"}).train)
+    assert dict(mesh.shape) == {"sweep": 1, "data": 1, "fsdp": 1, "tensor": 1}
