@@ -80,7 +80,8 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
         for name, tree in (("param", s.params), ("opt", s.opt_state)):
             for path, leaf in jax.tree_util.tree_leaves_with_path(D.to_host(tree)):
                 out[f"{job}/{name}/{jax.tree_util.keystr(path)}"] = leaf
-        out[f"{job}/spec/wte"] = str(jax.tree.leaves(s.params["policy"])[-1].sharding.spec)
+        biggest = max(jax.tree.leaves(s.params["policy"]), key=lambda x: x.size)
+        out[f"{job}/spec/biggest"] = str(biggest.sharding.spec)
     if proc_id == 0:
         np.savez(out_path, **out)
 
