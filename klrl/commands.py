@@ -277,7 +277,12 @@ def _check_device_count(cfg: RunConfig) -> None:
     if cfg.train.devices > n:
         fail(f"train.devices: asked for {cfg.train.devices} devices, {n} available")
     try:
-        check_devices(cfg, cfg.train.devices or n)
+        if cfg.train.mesh:  # the data axis of train.mesh (its sizes against the devices there are)
+            from klrl.parallel import mesh_from_config
+
+            check_devices(cfg, mesh_from_config(cfg.train).shape["data"])
+        else:
+            check_devices(cfg, cfg.train.devices or n)
     except ConfigError as e:
         fail(str(e))
 

@@ -35,6 +35,17 @@ def _check(cond: bool, name: str, rule: str) -> None:
         raise ConfigError(f"{name}: {rule}")
 
 
+def parse_mesh(spec: str) -> tuple[int, int, int]:
+    """``train.mesh``: ``'data,fsdp,tensor'`` sizes, e.g. ``'-1,2,2'`` (``-1``: the devices left)."""
+    try:
+        sizes = tuple(int(p) for p in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"train.mesh: expected three integers data,fsdp,tensor (got {spec!r})") from None
+    ok = len(sizes) == 3 and all(s >= 1 or s == -1 for s in sizes) and sizes.count(-1) <= 1
+    _check(ok, "train.mesh", f"expected data,fsdp,tensor sizes >= 1, at most one -1 (got {spec!r})")
+    return sizes  # type: ignore[return-value]
+
+
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, f"must be one of {', '.join(choices)} (got {value!r})")
 
@@ -212,6 +223,11 @@ class PPOConfig:
 
     epochs: int = _f(4, "PPO epochs over each batch")
     minibatches: int = _f(4, "minibatches per epoch (must divide the batch)")
+    shuffle: str = _f(
+        "global",
+        "minibatch shuffling: global (over the whole batch, the same maths on any device count) "
+        "or shard (within each data shard: no rows move between devices)",
+    )
     clip: float = _f(0.2, "policy ratio clip range")
     vf_clip: float = _f(0.2, "value clip range")
     vf_coef: float = _f(0.1, "value loss coefficient")
@@ -226,6 +242,7 @@ class PPOConfig:
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
         _check(self.minibatches >= 1, "ppo.minibatches", "must be >= 1")
+        _choice(self.shuffle, "ppo.shuffle", ("global", "shard"))
         _check(self.clip > 0, "ppo.clip", "must be > 0")
         _check(self.vf_clip > 0, "ppo.vf_clip", "must be > 0")
         _check(self.vf_coef >= 0, "ppo.vf_coef", "must be >= 0")
@@ -322,6 +339,10 @@ class TrainConfig:
     batch_size: int = _f(64, "global batch: sequences sampled per iteration (prompts x group_size)")
     seed: int = _f(0, "seed of the run (parameters of a fresh value model, sampling, minibatch order)")
     devices: int = _f(0, "devices on the 'data' mesh axis (0 = all local devices)")
+    mesh: str = _f(
+        "",
+        "mesh axis sizes data,fsdp,tensor, e.g. -1,2,2 (-1: the devices left; '' = train.devices x 1 x 1)",
+    )
     out_dir: str = _f("runs", "parent directory of new run directories")
     name: str = _f("", "run directory name ('' = timestamp)")
     log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
@@ -361,6 +382,8 @@ class TrainConfig:
         _check(not bad_name, "train.name", f"must be a single directory name (got {self.name!r})")
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         _check(self.devices >= 0, "train.devices", "must be >= 0")
+        if self.mesh:
+            parse_mesh(self.mesh)
         _check(self.log_every >= 1, "train.log_every", "must be >= 1")
         _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
         _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")

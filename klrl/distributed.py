@@ -3,7 +3,7 @@
 JAX's multi-controller model: every process runs the same script, calls
 :func:`initialize` before anything touches a device, and from then on
 ``jax.devices()`` lists the devices of *all* processes, so
-:func:`klrl.parallel.make_mesh` builds its ``(sweep, data)`` mesh over the whole
+:func:`klrl.parallel.make_mesh` builds its ``(sweep, data, fsdp, tensor)`` mesh over the whole
 slice and the one jitted step runs across processes (gradients and statistics
 are averaged by the same named-axis collectives as on one host).
 
@@ -90,23 +90,26 @@ def is_main() -> bool:
 
 
 def put(tree: Any, sharding: Any) -> Any:
-    """``tree`` laid out with ``sharding`` (one sharding for every leaf), from host-local values.
+    """``tree`` laid out with ``sharding`` (one sharding for every leaf, or a pytree of shardings
+    like ``tree``, e.g. :attr:`klrl.train.Train.state_shardings`), from host-local values.
 
     With one process this is ``jax.device_put``. With several, every process holds the
     same full value of each leaf (klrl derives everything from seeds) and supplies the
     shards of its own devices (``jax.make_array_from_callback``): no communication and no
-    check that the processes agree. Leaves that already carry ``sharding`` are kept.
+    check that the processes agree. Leaves that already carry their sharding are kept.
     """
     if not is_multiprocess():
         return jax.device_put(tree, sharding)
 
-    def leaf(x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.sharding == sharding:
+    def leaf(x: Any, sh: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding == sh:
             return x
         host = to_host(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.make_array_from_callback(host.shape, sh, lambda index: host[index])
 
-    return jax.tree.map(leaf, tree)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: leaf(x, sharding), tree)
+    return jax.tree.map(leaf, tree, sharding)
 
 
 def replicate(tree: Any, mesh: Any) -> Any:

@@ -15,7 +15,7 @@ from klrl.config import ConfigError, RunConfig, check_devices, check_task
 from klrl.evaluate import make_heldout_eval
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import ROLLED_BACK, Program, drive
-from klrl.parallel import make_mesh
+from klrl.parallel import mesh_from_config
 from klrl.registry import TASKS
 from klrl.results import SUMMARY_KEYS, RunResult, columns, load_run, load_sweep
 from klrl.tasks.base import Task
@@ -84,7 +84,7 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         plan = prepare_resume(cfg, resume)
     if tc.rollback_metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
-    mesh = make_mesh(tc.devices)
+    mesh = mesh_from_config(tc)
     check_devices(cfg, mesh.shape["data"])
     task = task or build_task(cfg, log if not tc.quiet else None)
     check_task(cfg, task)  # lengths, top_k and vocabulary against the task, before anything compiles
@@ -102,7 +102,8 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         stacked=False,
         init=lambda: train.init(tc.seed),
         step=train.step,
-        place=lambda s: distributed.replicate(s, mesh),
+        place=lambda s: distributed.put(s, train.state_shardings),
+        shardings=train.state_shardings,  # a checkpoint is restored straight onto this mesh
         env=env,
         task_info=task.info,
         reward_check=getattr(task.reward, "check", None),

@@ -23,19 +23,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from klrl import distributed, reliability
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
 from klrl.evaluate import make_heldout_eval
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import Program, drive
-from klrl.parallel import SWEEP, make_mesh, shard_step
+from klrl.parallel import mesh_from_config, shard_step
 from klrl.results import SUMMARY_KEYS, RunResult, Sweep
 from klrl.runner import build_task
 from klrl.tasks.base import Task
 from klrl.train import make_train, set_learning_rate
+from klrl.train_parts import state_shardings
 
 # fields a member may change; all else must match the first member
 SWEEPABLE = {
@@ -125,10 +124,12 @@ def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1, s
     n = len(members)
     if n % n_sweep_devices:
         raise ConfigError(f"sweep: {n} members do not split over {n_sweep_devices} sweep device groups")
-    mesh = make_mesh(base.train.devices, n_sweep_devices)
+    mesh = mesh_from_config(base.train, n_sweep_devices)
     check_devices(base, mesh.shape["data"])
     adaptive = any(m.ctrl.kind != "fixed" for m in members)  # ctrl/target: NaN for fixed members
     trains = [make_train(m, task, mesh, log_target=adaptive, samples=samples) for m in members]
+    # members' leading axis over 'sweep'; each member's parameters over its group's fsdp/tensor
+    split = state_shardings(trains[0].context, mesh, sweep=True)
 
     def init() -> Any:
         states = []
@@ -136,14 +137,13 @@ def make_sweep(members: list[RunConfig], task: Task, n_sweep_devices: int = 1, s
             s = distributed.to_host(t.init(m.train.seed))
             states.append(s._replace(opt_state=set_learning_rate(s.opt_state, m.optim.lr)))
         stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
-        return distributed.put(stacked, NamedSharding(mesh, P(SWEEP)))
+        return distributed.put(stacked, split)
 
-    inner = shard_step(jax.vmap(trains[0].shard_step, in_axes=(0, None)), mesh, sweep=True)
-    # Pin the outputs to the sharding ``init`` gives: left to itself XLA reports some of them as
-    # replicated when the sweep axis has size 1 (equivalent, but a different jit cache key: the
+    # The outputs are pinned to the sharding ``init`` gives: left to itself XLA reports some of them
+    # as replicated when the sweep axis has size 1 (equivalent, but a different jit cache key: the
     # second call would compile the program again).
-    split = NamedSharding(mesh, P(SWEEP))
-    step = jax.jit(inner, donate_argnums=(0,), out_shardings=(split, split))
+    inner = jax.vmap(trains[0].shard_step, in_axes=(0, None))
+    step = shard_step(inner, mesh, sweep=True, state_shardings=split)
     return init, step, mesh
 
 
@@ -197,8 +197,9 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
     init, step, mesh = make_sweep(members, task, sweep_devices, samples=n_samples)
     evaluate = make_heldout_eval(make_train(base, task, mesh), stacked=True)
     env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
-    split = NamedSharding(mesh, P(SWEEP))
-    one = jax.eval_shape(lambda: make_train(base, task, mesh).init(base.train.seed))
+    base_train = make_train(base, task, mesh)
+    split = state_shardings(base_train.context, mesh, sweep=True)
+    one = jax.eval_shape(lambda: base_train.init(base.train.seed))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(members), *x.shape), x.dtype), one)
     prog = Program(
         configs=list(members),

@@ -17,9 +17,11 @@ is passed in, the value trunk and heads are built by :func:`build_models`.
 beta lives in ``state.ctrl.beta`` (float32) and is only ever used as an array.
 
 Device invariance: every example's prompt and sampling key come from its *global* index, and
-minibatches are drawn from the *global* batch (the scored batch is all-gathered, each device takes
-its slice of every global minibatch), so a run on 1 or N devices does the same maths up to
-reduction order.
+with ``ppo.shuffle=global`` minibatches are drawn from the *global* batch (each device fetches its
+slice of every global minibatch from the rows' owners, never the whole batch), so a run on 1 or N
+devices does the same maths up to reduction order; ``ppo.shuffle=shard`` draws them within each
+device's shard (no rows move). On a mesh with ``fsdp``/``tensor`` axes (:mod:`klrl.parallel`) the
+state is sharded by the models' partition rules and XLA partitions the body over those axes.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from klrl.control import ControllerState, from_config
 from klrl.models.base import CausalLM, forward
 from klrl.models.gpt import entropy, token_logprobs
 from klrl.models.heads import ValueHead, detach
-from klrl.parallel import DATA, average, gather, make_mesh, shard_step, total
+from klrl.parallel import DATA, average, mesh_from_config, shard_step, take_rows, total
 from klrl.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.samples import sample_rows
 from klrl.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
@@ -61,6 +63,7 @@ from klrl.train_parts import (
     iteration_metrics,
     make_optimizer,
     set_learning_rate,
+    state_shardings,
     where,
 )
 
@@ -243,19 +246,37 @@ def ppo_loss(
     return loss, stats
 
 
+def minibatch_rows(ctx: Context, key: Array, dev: Array) -> Array:
+    """Global row indices ``[n_mb, m]`` (``m = mb_glob / n_dev``) of this device's share of every
+    minibatch of one epoch. ``ppo.shuffle=global``: ``perm = permutation(key, B)``, minibatch ``j``
+    is ``perm[j mb_glob : (j + 1) mb_glob]``, device ``d`` takes its ``d``-th slice (the same maths
+    on any device count). ``shard``: device ``d`` permutes its own rows,
+    ``d B_loc + permutation(fold_in(key, d), B_loc)``, and takes them ``m`` at a time."""
+    n_dev, n_mb, m = ctx.n_dev, ctx.cfg.ppo.minibatches, ctx.mb_glob // ctx.n_dev
+    if ctx.cfg.ppo.shuffle == "shard":
+        own = jax.random.permutation(jax.random.fold_in(key, dev), ctx.b_loc)
+        return dev * ctx.b_loc + own.reshape(n_mb, m)
+    return jax.random.permutation(key, ctx.b_glob).reshape(n_mb, n_dev, m)[:, dev]
+
+
 def update_phase(ctx: Context, state: TrainState, batch: Batch) -> tuple[Any, Any, dict[str, Array]]:
-    """PPO epochs x minibatches (nested ``lax.scan``) over the global batch (``batch`` is this
-    device's share; it is all-gathered first). Returns (params, opt_state, mean stats)."""
-    n_dev, n_mb, mb_glob = ctx.n_dev, ctx.cfg.ppo.minibatches, ctx.mb_glob
+    """PPO epochs x minibatches (nested ``lax.scan``); ``batch`` is this device's share and stays
+    sharded: each minibatch's rows are fetched from their owners (:func:`klrl.parallel.take_rows`,
+    ``ppo.shuffle=global``) or read locally (``shard``); gradients are averaged over ``data``.
+    Returns (params, opt_state, mean stats)."""
+    n_dev, mb_glob = ctx.n_dev, ctx.mb_glob
     k_perm = iteration_keys(state)[2]
     _, beta_l = coefs(ctx, state)
     dev = jax.lax.axis_index(DATA)
-    batch = gather(batch)  # every device sees the global batch
+    local = ctx.cfg.ppo.shuffle == "shard"
     grad_fn = jax.grad(partial(ppo_loss, ctx, ref_params=state.ref_params), has_aux=True)
 
     def minibatch_step(carry, idx):
         params, opt_state = carry
-        mb = jax.tree.map(lambda x: x[idx], batch)
+        if local:
+            mb = jax.tree.map(lambda x: x[idx - dev * ctx.b_loc], batch)
+        else:
+            mb = take_rows(batch, idx)
         n_tok = total(jnp.sum(mb.mask)) / n_dev
         grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev, beta_l)
         grads, stats = average((grads, stats))
@@ -264,8 +285,7 @@ def update_phase(ctx: Context, state: TrainState, batch: Batch) -> tuple[Any, An
         return (optax.apply_updates(params, updates), opt_state), stats
 
     def epoch_step(carry, k):
-        perm = jax.random.permutation(k, ctx.b_glob).reshape(n_mb, n_dev, mb_glob // n_dev)[:, dev]
-        return jax.lax.scan(minibatch_step, carry, perm)
+        return jax.lax.scan(minibatch_step, carry, minibatch_rows(ctx, k, dev))
 
     epoch_keys = jax.random.split(k_perm, ctx.cfg.ppo.epochs)
     (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state), epoch_keys)
@@ -356,7 +376,7 @@ def make_train(
     ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
     as ``_samples/*`` arrays (:func:`klrl.samples.sample_rows`; the run loop decodes and writes them).
     """
-    mesh = make_mesh(cfg.train.devices) if mesh is None else mesh
+    mesh = mesh_from_config(cfg.train) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
     models = build_models(cfg, policy)
@@ -384,9 +404,10 @@ def make_train(
         partial(rollout_phase, ctx), partial(score_phase, ctx), partial(advantage_phase, ctx),
         partial(update_phase, ctx), partial(control_phase, ctx),
     )  # fmt: skip
+    shardings = state_shardings(ctx, mesh)
     return Train(
         init=partial(init_state, ctx, mesh),
-        step=shard_step(one, mesh),
+        step=shard_step(one, mesh, state_shardings=shardings),
         shard_step=one,
         loss=partial(ppo_loss, ctx),
         policy=policy,
@@ -394,4 +415,5 @@ def make_train(
         mesh=mesh,
         phases=phases,
         context=ctx,
+        state_shardings=shardings,
     )

@@ -9,7 +9,7 @@ dict (slash names, KL unit in the name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import jax
@@ -27,7 +27,7 @@ from klrl.models.base import CausalLM
 from klrl.models.heads import ValueHead, attach
 from klrl.models.registry import get_family
 from klrl.models.remat import with_remat
-from klrl.parallel import average, gather, total
+from klrl.parallel import SWEEP, average, gather, param_specs, total
 from klrl.registry import ESTIMATORS
 from klrl.tasks.base import Task
 
@@ -109,6 +109,7 @@ class Train(NamedTuple):
     mesh: Any
     phases: Phases
     context: Any = None  # the frozen klrl.train.Context every stage reads
+    state_shardings: Any = None  # NamedSharding pytree of the TrainState on ``mesh`` (step's in/out)
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
@@ -278,9 +279,7 @@ class Context:
 # ---- init -------------------------------------------------------------------------------------------
 
 
-def init_state(
-    ctx: Context, mesh: Any, seed: int | Array = 0, beta: float | Array | None = None
-) -> TrainState:
+def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | None = None) -> TrainState:
     """The train state of ``seed``: policy = a copy of the reference (plus a fresh value head),
     a fresh separate value model, the optimiser and the controller at ``beta`` (default ``kl.beta``)."""
     # raw uint32 keys: plain arrays that checkpoint, vmap and compare like any other leaf
@@ -301,7 +300,7 @@ def init_state(
     params = {"policy": pol, "value": value}
     b_r = kl_cfg.beta if beta is None else beta
     driven, other = (b_r, kl_cfg.loss_coef) if ctx.drives_reward else (kl_cfg.loss_coef, b_r)
-    state = TrainState(
+    return TrainState(
         params=params,
         ref_params=jax.tree.map(jnp.copy, ctx.policy_params),
         opt_state=ctx.optimizer.init(params),
@@ -311,8 +310,36 @@ def init_state(
         iteration=jnp.zeros((), jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
     )
-    # replicated on the mesh, as ``step`` returns it: otherwise the second call recompiles
-    return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+
+
+def state_shardings(ctx: Context, mesh: Any, sweep: bool = False) -> Any:
+    """The :class:`NamedSharding` pytree of the train state on ``mesh``: parameters, reference,
+    optimiser moments and the separate value model placed on ``fsdp``/``tensor`` by the families'
+    :meth:`~klrl.models.base.CausalLM.partition_rules` (first match on the leaf's path; policy
+    rules, then the value model's), fitted to the mesh (:func:`klrl.parallel.fit_spec`: a
+    dimension an axis does not divide stays replicated); everything else replicated. With
+    ``sweep`` every leaf has the members' leading axis on ``'sweep'``. On a mesh with
+    ``fsdp = tensor = 1`` every leaf is replicated (or split over ``sweep``) as before."""
+    rules = tuple(ctx.models.policy.partition_rules())
+    if ctx.models.value is not None:
+        rules += tuple(ctx.models.value.partition_rules())
+    # the models' parameters as arguments: they may be abstract (jax.ShapeDtypeStruct)
+    abstract = jax.eval_shape(
+        lambda p, v: initial_state(replace(ctx, policy_params=p, value_params=v), 0),
+        ctx.policy_params, ctx.value_params,
+    )  # fmt: skip
+    specs = param_specs(rules, abstract, mesh)
+    if sweep:
+        specs = jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), specs)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def init_state(
+    ctx: Context, mesh: Any, seed: int | Array = 0, beta: float | Array | None = None
+) -> TrainState:
+    """:func:`initial_state` placed on ``mesh`` as ``step`` takes and returns it
+    (:func:`state_shardings`): otherwise the second call recompiles."""
+    return jax.device_put(initial_state(ctx, seed, beta), state_shardings(ctx, mesh))
 
 
 def iteration_metrics(
