@@ -285,7 +285,7 @@ def target(abstract: Any, shardings: Any = None) -> Any:
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), abstract)
     return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        lambda x, s: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         abstract,
         shardings,
         is_leaf=lambda s: s is None,
