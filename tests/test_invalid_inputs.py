@@ -43,6 +43,8 @@ FREE_STRINGS = {
     "model.path",
     "model.value_path",
     "model.reward_path",
+    "model.eval_path",  # (a path: tested in RANGES)
+    "train.mesh",  # (three integers: tested in RANGES)
     "data.path",
     "data.field",
     "data.split",
@@ -146,6 +148,7 @@ RANGES = [
     ("train.out_dir", ""), ("kl.ref_mix", "0"), ("ctrl.step_clip", "1"), ("ppo.gamma", "1.01"),
     ("optim.b2", "1"), ("train.rollback_threshold", "1"), ("diag.window", "3"),
     ("train.batch_size", "0"), ("train.devices", "4096"), ("ppo.minibatches", "3"), ("model.d_model", "30"),
+    ("model.eval_path", "bogus"), ("train.mesh", "bogus"), ("train.mesh", "2,0,1"), ("train.mesh", "-1,-1,1"),
 ]  # fmt: skip
 
 
