@@ -127,3 +127,15 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
 def lines(path: Path) -> list[bytes]:
     data = path.read_bytes() if path.exists() else b""
     return [x + b"\n" for x in data.split(b"\n")[:-1]]
+
+
+def one_line_error(capsys, fn, argv) -> str:
+    """Run ``fn(argv)`` (a command-line entry point) expecting a user error: exit status 2 and
+    exactly one line on stderr, which is returned."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
@@ -108,16 +109,6 @@ def _klrl_run_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _error(capsys, fn, argv) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        fn(argv)
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.fixture
@@ -225,13 +216,13 @@ def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
     ],
 )
 def test_errors_that_teach(argv, want, capsys) -> None:
-    line = _error(capsys, _klrl_run_module().main, argv)
+    line = one_line_error(capsys, _klrl_run_module().main, argv)
     assert want in line, line
 
 
 def test_negative_and_nonfinite_values_reach_the_field(capsys) -> None:
     # argparse would take '-inf' for a flag; the value reaches the field and its rule
-    line = _error(capsys, _klrl_run_module().main, ["--ppo.ent_coef", "-inf"])
+    line = one_line_error(capsys, _klrl_run_module().main, ["--ppo.ent_coef", "-inf"])
     assert line == "error: ppo.ent_coef: must be a finite number (got -inf)"
-    line = _error(capsys, _klrl_run_module().main, ["--kl.beta", "-1e-3"])
+    line = one_line_error(capsys, _klrl_run_module().main, ["--kl.beta", "-1e-3"])
     assert line.startswith("error: kl.beta: must be >= 0")

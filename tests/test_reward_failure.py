@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import one_line_error
 
 from klrl.commands import legacy_main
 
@@ -70,13 +71,7 @@ def _latest_step(run: Path) -> int:
 
 
 def _fails(capsys, argv) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        legacy_main(argv)
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
+    return one_line_error(capsys, legacy_main, argv)
 
 
 def _check_failed_run(tmp_path: Path, line: str, fn: str, run: Path) -> None:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import one_line_error
 
 from klrl.commands import legacy_main
 from klrl.config import DataConfig, ModelConfig, RunConfig
@@ -23,13 +24,7 @@ GGUF = DATA / "tiny_gguf" / "tiny.gguf"
 
 
 def _error(capsys, argv) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        legacy_main(argv)
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
+    return one_line_error(capsys, legacy_main, argv)
 
 
 def test_missing_model_path_is_one_line(capsys, tmp_path):
