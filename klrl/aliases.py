@@ -62,6 +62,7 @@ KLRL_METRICS: frozenset[str] = frozenset(
         "grad/norm",
         "guard/skipped",
         "guard/consecutive_skips",
+        "guard/minibatches_applied",
     }  # fmt: skip
     | {f"kl/reward_{e}_{u}" for e in ESTIMATORS for u in UNITS}
     | {f"ctrl/kl_observed_{u}" for u in UNITS}

@@ -259,20 +259,30 @@ def minibatch_rows(ctx: Context, key: Array, dev: Array) -> Array:
     return jax.random.permutation(key, ctx.b_glob).reshape(n_mb, n_dev, m)[:, dev]
 
 
-def update_phase(ctx: Context, state: TrainState, batch: Batch) -> tuple[Any, Any, dict[str, Array]]:
+def update_phase(
+    ctx: Context, state: TrainState, batch: Batch, go: Array | None = None
+) -> tuple[Any, Any, dict[str, Array]]:
     """PPO epochs x minibatches (nested ``lax.scan``); ``batch`` is this device's share and stays
     sharded: each minibatch's rows are fetched from their owners (:func:`klrl.parallel.take_rows`,
     ``ppo.shuffle=global``) or read locally (``shard``); gradients are averaged over ``data``.
-    Returns (params, opt_state, mean stats)."""
+
+    The in-place half of the non-finite guard: a minibatch's update is applied only while ``go``
+    (default True: the rollout and scores were finite) holds and every minibatch so far, this one
+    included, had finite loss statistics, gradients and updates; from the first non-finite one on,
+    the parameters and optimiser state stay as they are. Skipped updates are a ``where`` on the
+    scan's carry, so no copy of the parameters and Adam moments is kept for a rollback (on SmolLM2
+    that copy was 3 GiB of the step's peak). Returns (params, opt_state, mean stats); the stats hold
+    ``guard/minibatches_applied`` (the fraction of the iteration's minibatch updates applied)."""
     n_dev, mb_glob = ctx.n_dev, ctx.mb_glob
     k_perm = iteration_keys(state)[2]
     _, beta_l = coefs(ctx, state)
     dev = jax.lax.axis_index(DATA)
     local = ctx.cfg.ppo.shuffle == "shard"
+    go = jnp.array(True) if go is None else go
     grad_fn = jax.grad(partial(ppo_loss, ctx, ref_params=state.ref_params), has_aux=True)
 
     def minibatch_step(carry, idx):
-        params, opt_state = carry
+        params, opt_state, fine = carry
         if local:
             mb = jax.tree.map(lambda x: x[idx - dev * ctx.b_loc], batch)
         else:
@@ -281,14 +291,19 @@ def update_phase(ctx: Context, state: TrainState, batch: Batch) -> tuple[Any, An
         grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev, beta_l)
         grads, stats = average((grads, stats))
         stats["grad/norm"] = optax.tree.norm(grads)
-        updates, opt_state = ctx.optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), stats
+        updates, new_opt = ctx.optimizer.update(grads, opt_state, params)
+        fine = fine & (jax.lax.pmin(all_finite((grads, updates, stats)).astype(jnp.int32), DATA) > 0)
+        apply = go & fine
+        stats["guard/minibatches_applied"] = apply.astype(jnp.float32)
+        params = where(apply, optax.apply_updates(params, updates), params)
+        return (params, where(apply, new_opt, opt_state), fine), stats
 
     def epoch_step(carry, k):
         return jax.lax.scan(minibatch_step, carry, minibatch_rows(ctx, k, dev))
 
     epoch_keys = jax.random.split(k_perm, ctx.cfg.ppo.epochs)
-    (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state), epoch_keys)
+    init = (state.params, state.opt_state, jnp.array(True))
+    (params, opt_state, _), stats = jax.lax.scan(epoch_step, init, epoch_keys)
     return params, opt_state, jax.tree.map(jnp.mean, stats)
 
 
@@ -313,15 +328,25 @@ def refresh_reference(ctx: Context, state: TrainState, policy: Any) -> Any:
 
 
 def guard(ctx: Context, state: TrainState, new: TrainState, ok: Array) -> TrainState:
-    """The non-finite guard: ``new`` if ``ok``, else the old state with one more consecutive skip.
-    Once ``train.max_consecutive_skips`` skips are counted the step is a no-op, so the run loop
-    (which sees the metrics one step late) stops after exactly that many."""
-    kept = state._replace(iteration=state.iteration + 1, skipped=state.skipped + 1)
-    out = where(ok, new, kept)
+    """The non-finite guard's bookkeeping: ``new`` if ``ok``, else the old controller, reference and
+    coefficients with one more consecutive skip. The parameters and optimiser state are ``new``'s
+    either way: :func:`update_phase` already left them untouched from the first non-finite
+    minibatch on (and entirely when the rollout or scores were non-finite or the skip limit was
+    reached). Once ``train.max_consecutive_skips`` skips are counted the step is a no-op (the
+    iteration counter stops too), so the run loop (which sees the metrics one step late) stops
+    after exactly that many."""
+
+    def small(s: TrainState) -> tuple:
+        return s.ref_params, s.ctrl, s.other_coef, s.iteration, s.skipped
+
+    kept = (state.ref_params, state.ctrl, state.other_coef, state.iteration + 1, state.skipped + 1)
+    out = where(ok, small(new), kept)
     limit = ctx.cfg.train.max_consecutive_skips
     if limit > 0:
-        out = where(state.skipped >= limit, state, out)
-    return out
+        out = where(state.skipped >= limit, small(state), out)
+    ref_params, ctrl, other_coef, iteration, skipped = out
+    return new._replace(ref_params=ref_params, ctrl=ctrl, other_coef=other_coef, iteration=iteration,
+                        skipped=skipped)  # fmt: skip
 
 
 def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
@@ -329,11 +354,14 @@ def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict
     ro = rollout_phase(ctx, state, env)
     sc = score_phase(ctx, state, env, ro)
     ad = advantage_phase(ctx, state, ro, sc)
-    params, opt_state, stats = update_phase(ctx, state, ad.batch)
     ctrl, kl_seen = control_phase(ctx, state, ad.kl_ctrl, ro.mask)
-    ref_params = refresh_reference(ctx, state, params["policy"])
-    ok = all_finite((params, sc.task_reward, ad.kl_reward, kl_seen, stats))
+    ok = all_finite((sc.task_reward, ad.kl_reward, ad.batch, kl_seen))
     ok = jax.lax.pmin(ok.astype(jnp.int32), DATA) > 0
+    limit = ctx.cfg.train.max_consecutive_skips
+    go = ok & (state.skipped < limit) if limit > 0 else ok
+    params, opt_state, stats = update_phase(ctx, state, ad.batch, go)
+    ok = ok & (stats["guard/minibatches_applied"] == 1.0)
+    ref_params = refresh_reference(ctx, state, params["policy"])
     new = TrainState(params, ref_params, opt_state, ctrl, state.other_coef, state.rng,
                      state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
     out = guard(ctx, state, new, ok)

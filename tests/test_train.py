@@ -288,3 +288,59 @@ def test_ctrl_target_is_nan_for_fixed_members(bench: Bench) -> None:
         _, m = train.step(s, bench.env(0.0))
         got = float(m["ctrl/target"])
         assert np.isnan(got) if want is None else got == want, (ctrl_cfg.kind, got)
+
+
+def test_update_stops_at_the_first_nonfinite_minibatch(tiny_cfg, tiny_task) -> None:
+    """The in-place guard of the update phase against a Python loop: with a NaN advantage in one
+    row, the minibatch updates before the one holding that row are applied (Adam by hand through
+    optax, rows as ``ppo.shuffle=global`` documents them), none from it on; an all-NaN batch or
+    ``go=False`` leaves the parameters and Adam state bit for bit as they were."""
+    import optax
+
+    from klrl.train import Batch
+
+    cfg = tiny_cfg.replace(ppo={"epochs": 2, "minibatches": 2})
+    tr = make_train(cfg, tiny_task)
+    ctx, state = tr.context, tr.init(3)
+    rng = np.random.default_rng(0)
+    b, p, r = ctx.b_glob, ctx.p_len, ctx.r_len
+    f = lambda: rng.standard_normal((b, r)).astype(np.float32)  # noqa: E731
+    tokens = rng.integers(0, 147, (b, p + r)).astype(np.int32)
+    batch = Batch(
+        tokens=tokens, key_mask=np.ones((b, p + r), np.float32), response=tokens[:, p:],
+        mask=np.ones((b, r), np.float32), logp=-np.abs(f()), ref_logp=-np.abs(f()), adv=f(), ret=f(),
+        value=f(), ref_logits=None,
+    )  # fmt: skip
+    update = jax.jit(
+        jax.shard_map(
+            tr.phases.update, mesh=tr.mesh, in_specs=(P(), P("data"), P()), out_specs=P(),
+            axis_names={"data"}, check_vma=False,
+        )
+    )  # fmt: skip
+    # which minibatch (in order over epochs) first holds row `bad`: ppo.shuffle=global's rows
+    k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)[2]
+    order = [np.asarray(jax.random.permutation(k, b)).reshape(2, -1) for k in jax.random.split(k_perm, 2)]
+    rows = [mb for epoch in order for mb in epoch]
+    grad = jax.jit(jax.grad(tr.loss, has_aux=True))
+    beta_l = state.other_coef if ctx.drives_reward else state.ctrl.beta
+    for bad in range(b):
+        first = next(j for j, mb in enumerate(rows) if bad in mb)
+        if first > 0:
+            break
+    adv = batch.adv.copy()
+    adv[bad, 0] = np.nan
+    params, opt_state, stats = update(state, batch._replace(adv=adv), jnp.array(True))
+    assert float(stats["guard/minibatches_applied"]) == first / 4
+    want, opt = state.params, state.opt_state
+    for mb in rows[:first]:
+        idx = np.sort(mb)
+        x = jax.tree.map(lambda a, i=idx: a[i], batch)
+        g, _ = grad(want, x, jnp.float32(float(x.mask.sum())), jnp.float32(len(mb)), beta_l)
+        upd, opt = ctx.optimizer.update(g, opt, want)
+        want = optax.apply_updates(want, upd)
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=2e-5, atol=1e-6), params, want)
+    # nothing applied: bit for bit
+    for go, adv_all in ((True, np.full_like(adv, np.nan)), (False, batch.adv)):
+        params, opt_state, stats = update(state, batch._replace(adv=adv_all), jnp.array(go))
+        assert float(stats["guard/minibatches_applied"]) == 0.0
+        jax.tree.map(np.testing.assert_array_equal, (params, opt_state), (state.params, state.opt_state))
