@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations after compiling")
     ap.add_argument("--remat", default=None, choices=("none", "block", "full"), help="set model.remat")
     ap.add_argument("--logits", default=None, choices=("auto", "full", "chunked"), help="set model.logits")
+    ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (less memory)")
     args = ap.parse_args(argv)
 
     common.log("measuring the fp32 1024x1024 matmul rate")
@@ -41,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     model = {k: v for k, v in (("remat", args.remat), ("logits", args.logits)) if v is not None}
     cfg = cfg.replace(model=model) if model else cfg
     result = common.measure(
-        args.workload, cfg, task, iterations=args.iterations, warmup=args.warmup, peak_flops=rate
+        args.workload,
+        cfg,
+        task,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        peak_flops=rate,
+        phases=not args.no_phases,
     )
     result["task_build_s"] = task_s
     print(json.dumps(result), flush=True)
