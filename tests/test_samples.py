@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from klrl.io.samples import SamplesWriter, read_samples
+from klrl.io.samples import SamplesWriter, read_samples, trim_samples
 
 
 def test_write_and_read(tmp_path) -> None:
@@ -48,6 +48,28 @@ def test_write_and_read(tmp_path) -> None:
 def test_length_mismatch_names_the_field(tmp_path) -> None:
     with SamplesWriter(tmp_path) as w, pytest.raises(ValueError, match="samples: reward has 1 values for 2"):
         w.write(0, ["a", "b"], ["x", "y"], [1.0])
+
+
+def test_trim_keeps_earlier_iterations_and_moves_the_rest(tmp_path) -> None:
+    """The rollback's cut: rows of iterations >= 2 move (in order) to the side file, a torn last line
+    is dropped, and a writer still open on the file appends at the new end."""
+    path, side = tmp_path / "samples.jsonl", tmp_path / "samples.rolled_back.jsonl"
+    w = SamplesWriter(tmp_path)
+    for it in range(4):
+        w.write(it, [f"p{it}a", f"p{it}b"], [f"c{it}a", f"c{it}b"], [float(it), -float(it)])
+    lines = path.read_bytes().splitlines(keepends=True)
+    with open(path, "a") as f:
+        f.write('{"iteration": 4, "prompt": "tor')  # a crash mid-write
+    assert trim_samples(path, 2, side) == 4
+    assert path.read_bytes() == b"".join(lines[:4])
+    assert side.read_bytes() == b"".join(lines[4:])
+    w.write(2, ["again"], ["c"], [9.0])  # the iteration replayed after the rollback
+    w.close()
+    assert [(r["iteration"], r["prompt"]) for r in read_samples(path)] == [
+        (0, "p0a"), (0, "p0b"), (1, "p1a"), (1, "p1b"), (2, "again")
+    ]  # fmt: skip
+    assert trim_samples(path, 0) == 5 and path.read_bytes() == b""  # back to the initial state
+    assert trim_samples(tmp_path / "none.jsonl", 0) == 0
 
 
 # ---- klrl.samples: rows out of the step, decoded on the host -------------------------------------
