@@ -138,3 +138,25 @@ def test_reward_model_run_is_standardised_on_reference_samples_and_resumes_bit_f
     klrl.run(cfg, resume=d)
     for p, b in before.items():
         assert (d / p).read_bytes() == b, p  # iteration 1 replayed exactly (rows and samples)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_the_held_out_reward_is_standardised_with_the_same_gain_and_bias(tmp_path) -> None:
+    from klrl.rollout import Rollout
+    from klrl.tasks.text import make_text_task
+
+    cfg = _text_cfg(tmp_path).replace(data={"eval_fraction": 0.25})
+    raw = make_text_task(cfg)
+    task = S.standardize_task(raw)
+    assert task.heldout is not None and S.KEY in task.env
+    env = {**task.env, S.KEY: jnp.array([2.0, 1.0], jnp.float32)}
+    pool = raw.heldout.prompts
+    rng = np.random.default_rng(0)
+    ro = Rollout(jnp.asarray(pool.prompts[:3]), jnp.asarray(pool.mask[:3]),
+                 jnp.asarray(rng.integers(0, 200, (3, 4)), jnp.int32), jnp.ones((3, 4)), None, None, None,
+                 jnp.arange(3, dtype=jnp.int32))  # fmt: skip
+    both = jax.jit(lambda e0, e, ro: (raw.heldout.reward.fn(e0, ro), task.heldout.reward.fn(e, ro),
+                                      task.reward.fn(e, ro)))  # fmt: skip
+    want, held, train_r = (np.asarray(x) for x in both(raw.env, env, ro))
+    np.testing.assert_allclose(held, 2 * want + 1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(train_r, 2 * want + 1, rtol=1e-5, atol=1e-6)
