@@ -447,9 +447,15 @@ class RewardConfig:
         0.0,
         "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty)",
     )
+    standardize: bool = _f(
+        False, "standardise the task reward (the reward model's score) to mean 0, std 1 over responses of "
+        "the reference policy, once at the start (gain and bias in task.json; klrl.rewards.standardize)",
+    )  # fmt: skip
+    standardize_samples: int = _f(256, "reference responses sampled for reward.standardize's mean and std")
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.missing_eos_penalty), "reward.missing_eos_penalty", "must be finite")
+        _check(self.standardize_samples >= 2, "reward.standardize_samples", "must be >= 2 (a std needs two)")
         fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
         _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
         if self.weights.strip():

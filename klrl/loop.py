@@ -35,10 +35,12 @@ from klrl.io import readers
 from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sweep_progress
 from klrl.io.resume import Resume, complete_lines, replace_file
 from klrl.io.resume import restore as restore_resume
+from klrl.io.samples import trim_samples
 from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
 from klrl.samples import due
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
+SAMPLES_ROLLED_BACK = "samples.rolled_back.jsonl"
 
 
 @dataclass
@@ -344,6 +346,8 @@ def drive(
                     f.flush()
                     os.fsync(f.fileno())
                 os.truncate(path, sum(map(len, lines[:target])))  # the writer appends (O_APPEND) from here
+                # samples.jsonl alike: its rows of the undone iterations move to samples.rolled_back.jsonl
+                trim_samples(d / "samples.jsonl", target, d / SAMPLES_ROLLED_BACK)
             del rows[j][target:], traces[j][target:]
         rollbacks += 1
         for j, d in decs.items():

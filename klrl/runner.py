@@ -18,6 +18,7 @@ from klrl.loop import ROLLED_BACK, Program, drive
 from klrl.parallel import mesh_from_config
 from klrl.registry import TASKS
 from klrl.results import SUMMARY_KEYS, RunResult, columns, load_run, load_sweep
+from klrl.rewards.standardize import reward_norm_env
 from klrl.tasks.base import Task
 from klrl.train import make_train
 
@@ -88,6 +89,12 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
     check_devices(cfg, mesh.shape["data"])
     task = task or build_task(cfg, log if not tc.quiet else None)
     check_task(cfg, task)  # lengths, top_k and vocabulary against the task, before anything compiles
+    if cfg.reward.standardize:  # the reward reads env['reward_norm'] (klrl.rewards.standardize)
+        from klrl.rewards.standardize import standardize_task, standardized
+
+        task = standardize_task(task)
+        if models.get("reward") is not None:
+            models = {**models, "reward": standardized(models["reward"])}
     if cfg.model.path and "value" not in models:
         from klrl.tasks.text import value_models
 
@@ -96,7 +103,9 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
     train = make_train(cfg, task, mesh, samples=n_samples, **models)
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     evaluate = make_heldout_eval(train)
-    env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
+    env, norm_info = reward_norm_env(train, task.env, seed=tc.seed, resume=plan,
+                                     log=(log or True) if not tc.quiet else None)  # fmt: skip
+    env = distributed.replicate(env, mesh) if distributed.is_multiprocess() else env
     prog = Program(
         configs=[cfg],
         stacked=False,
@@ -105,7 +114,7 @@ def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=
         place=lambda s: distributed.put(s, train.state_shardings),
         shardings=train.state_shardings,  # a checkpoint is restored straight onto this mesh
         env=env,
-        task_info=task.info,
+        task_info={**task.info, **norm_info},
         reward_check=getattr(task.reward, "check", None),
         tokenizer=task.tokenizer,
         prompt_texts=task.prompt_texts,

@@ -31,6 +31,7 @@ from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import Program, drive
 from klrl.parallel import mesh_from_config, shard_step
 from klrl.results import SUMMARY_KEYS, RunResult, Sweep
+from klrl.rewards.standardize import reward_norm_env, standardize_task
 from klrl.runner import build_task
 from klrl.tasks.base import Task
 from klrl.train import make_train, set_learning_rate
@@ -193,11 +194,16 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
     task = task or build_task(base, None if base.train.quiet else log)
     for m in members:
         check_task(m, task)  # lengths, top_k and vocabulary against the task, before anything compiles
+    if base.reward.standardize:  # the reward reads env['reward_norm'] (klrl.rewards.standardize)
+        task = standardize_task(task)
     n_samples = base.train.samples_n if write and base.train.samples_every > 0 else 0
     init, step, mesh = make_sweep(members, task, sweep_devices, samples=n_samples)
     evaluate = make_heldout_eval(make_train(base, task, mesh), stacked=True)
-    env = distributed.replicate(task.env, mesh) if distributed.is_multiprocess() else task.env
     base_train = make_train(base, task, mesh)
+    # one gain and bias for every member (the env is shared): from the first member's seed
+    env, norm_info = reward_norm_env(base_train, task.env, seed=base.train.seed, resume=plan,
+                                     log=None if base.train.quiet else (log or True))  # fmt: skip
+    env = distributed.replicate(env, mesh) if distributed.is_multiprocess() else env
     split = state_shardings(base_train.context, mesh, sweep=True)
     one = jax.eval_shape(lambda: base_train.init(base.train.seed))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(members), *x.shape), x.dtype), one)
@@ -208,7 +214,7 @@ def _sweep(members, task, out_dir, write, sweep_devices, log, resume, report, gu
         step=step,
         place=lambda s: distributed.put(jax.tree.map(np.asarray, s), split),
         env=env,
-        task_info=task.info,
+        task_info={**task.info, **norm_info},
         abstract=abstract,
         reward_check=getattr(task.reward, "check", None),
         tokenizer=task.tokenizer,

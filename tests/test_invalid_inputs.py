@@ -149,6 +149,7 @@ RANGES = [
     ("optim.b2", "1"), ("train.rollback_threshold", "1"), ("diag.window", "3"),
     ("train.batch_size", "0"), ("train.devices", "4096"), ("ppo.minibatches", "3"), ("model.d_model", "30"),
     ("model.eval_path", "bogus"), ("train.mesh", "bogus"), ("train.mesh", "2,0,1"), ("train.mesh", "-1,-1,1"),
+    ("reward.standardize_samples", "1"), ("reward.standardize_samples", "0"),
 ]  # fmt: skip
 
 

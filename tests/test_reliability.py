@@ -322,10 +322,11 @@ def plain_run(tiny_task, cache_dir, jax_cache, tmp_path_factory):
     """A run without rollback: its metric trace and metrics lines are the reference."""
     import klrl
 
-    cfg = base_config(cache_dir, iterations=14, keep_checkpoints=20).replace(optim={"lr": 3e-3})
+    cfg = base_config(cache_dir, iterations=14, keep_checkpoints=20, samples_every=1, samples_n=2)
+    cfg = cfg.replace(optim={"lr": 3e-3})
     d = tmp_path_factory.mktemp("plain") / "run"
     result = klrl.run(cfg, task=tiny_task, run_dir=d)
-    return cfg, result, lines(d / "metrics.jsonl")
+    return cfg, result, lines(d / "metrics.jsonl"), lines(d / "samples.jsonl")
 
 
 @pytest.mark.parametrize("every", [2, 0])  # 0: no checkpoint before the crossing -> the initial state
@@ -334,7 +335,7 @@ def test_rollback_restores_the_right_checkpoint_and_doubles_beta(every, plain_ru
     from klrl.reliability import RunStopped
 
     metric = "reward/task"
-    cfg, plain, plain_lines = plain_run
+    cfg, plain, plain_lines, plain_samples = plain_run
     cfg = cfg.replace(train={"checkpoint_every": every})
     trace, n = list(plain.metrics[metric]), cfg.train.iterations
     # a threshold whose first crossing is a new running maximum at t >= 3
@@ -370,6 +371,15 @@ def test_rollback_restores_the_right_checkpoint_and_doubles_beta(every, plain_ru
     # the abandoned iterations are kept, in order, in metrics.rolled_back.jsonl
     dropped = lines(d / "metrics.rolled_back.jsonl")
     assert dropped[: t + 1 - s] == plain_lines[s : t + 1]
+    # samples.jsonl is cut back the same way: no row of an undone iteration stays in it (each iteration
+    # once, in order, samples_n rows); the undone rows are kept, in order, in samples.rolled_back.jsonl
+    n_s = cfg.train.samples_n
+    got = lines(d / "samples.jsonl")
+    its = [json.loads(x)["iteration"] for x in got]
+    assert its == [i for i in range(len(rows)) for _ in range(n_s)]
+    assert got[: s * n_s] == plain_samples[: s * n_s]
+    undone = lines(d / "samples.rolled_back.jsonl")
+    assert undone[: (t + 1 - s) * n_s] == plain_samples[s * n_s : (t + 1) * n_s]
 
 
 def test_unknown_rollback_metric_is_a_config_error(tiny_task, cache_dir, jax_cache, tmp_path):

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from klrl.io.samples import SamplesWriter, read_samples
+from klrl.io.samples import SamplesWriter, read_samples, trim_samples
 
 
 def test_write_and_read(tmp_path) -> None:
@@ -48,6 +48,28 @@ def test_write_and_read(tmp_path) -> None:
 def test_length_mismatch_names_the_field(tmp_path) -> None:
     with SamplesWriter(tmp_path) as w, pytest.raises(ValueError, match="samples: reward has 1 values for 2"):
         w.write(0, ["a", "b"], ["x", "y"], [1.0])
+
+
+def test_trim_keeps_earlier_iterations_and_moves_the_rest(tmp_path) -> None:
+    """The rollback's cut: rows of iterations >= 2 move (in order) to the side file, a torn last line
+    is dropped, and a writer still open on the file appends at the new end."""
+    path, side = tmp_path / "samples.jsonl", tmp_path / "samples.rolled_back.jsonl"
+    w = SamplesWriter(tmp_path)
+    for it in range(4):
+        w.write(it, [f"p{it}a", f"p{it}b"], [f"c{it}a", f"c{it}b"], [float(it), -float(it)])
+    lines = path.read_bytes().splitlines(keepends=True)
+    with open(path, "a") as f:
+        f.write('{"iteration": 4, "prompt": "tor')  # a crash mid-write
+    assert trim_samples(path, 2, side) == 4
+    assert path.read_bytes() == b"".join(lines[:4])
+    assert side.read_bytes() == b"".join(lines[4:])
+    w.write(2, ["again"], ["c"], [9.0])  # the iteration replayed after the rollback
+    w.close()
+    assert [(r["iteration"], r["prompt"]) for r in read_samples(path)] == [
+        (0, "p0a"), (0, "p0b"), (1, "p1a"), (1, "p1b"), (2, "again")
+    ]  # fmt: skip
+    assert trim_samples(path, 0) == 5 and path.read_bytes() == b""  # back to the initial state
+    assert trim_samples(tmp_path / "none.jsonl", 0) == 0
 
 
 # ---- klrl.samples: rows out of the step, decoded on the host -------------------------------------
@@ -145,14 +167,29 @@ def test_run_writes_samples_consistent_with_its_metrics(tiny_cfg, tiny_task, tmp
 
 
 def test_sweep_writes_samples_per_member(tiny_cfg, tiny_task, tmp_path) -> None:
+    """Samples per member; with reward.standardize (klrl.rewards.standardize) every member's reward is
+    gain * raw + bias with the sweep's one gain and bias (task.json), raw = wordclass's positive
+    words / length of the sample's own tokens, and the members' iteration-0 samples are the same."""
     import klrl
 
-    base = tiny_cfg.replace(train={"iterations": 2, "samples_n": 2, "out_dir": str(tmp_path), "name": "sw"})
+    base = tiny_cfg.replace(
+        train={"iterations": 2, "samples_n": 6, "out_dir": str(tmp_path), "name": "sw"},
+        reward={"standardize": True, "standardize_samples": 64},
+    )
     members = [base.replace(kl={"beta": b}) for b in (0.01, 1.0)]
     res = klrl.sweep(members, task=tiny_task)
     root = res[0].dir.parent
     frame = klrl.samples(root)
     assert sorted(set(frame["member"])) == sorted(r.dir.name for r in res)
-    assert len(frame) == 2 * 2 * 2  # members x iterations (first, last) x samples_n
+    assert len(frame) == 2 * 2 * 6  # members x iterations (first, last) x samples_n
+    norm = json.loads((root / "task.json").read_text())["reward_norm"]
+    gain, bias = np.float32(norm["gain"]), np.float32(norm["bias"])
+    assert norm["samples"] == 64 and np.isfinite(gain) and gain > 0
+    k = (frame["reward"].to_numpy(np.float64) - bias) / gain * frame["length"].to_numpy(np.float64)
+    np.testing.assert_allclose(k, np.round(k), atol=2e-3)  # an integer count of positive words...
+    assert (np.round(k) >= 0).all() and (np.round(k) <= frame["length"]).all() and np.round(k).max() > 0
+    first = [frame[(frame["member"] == r.dir.name) & (frame["iteration"] == 0)] for r in res]
+    assert first[0]["completion"].tolist() == first[1]["completion"].tolist()
+    assert first[0]["reward"].tolist() == first[1]["reward"].tolist()  # one env: the same reward
     report = klrl.write_report(root, plots=False).read_text()
     assert report.count("Samples:") == 2

@@ -94,3 +94,32 @@ def read_samples(path: str | os.PathLike, iteration: int | None = None) -> list[
             if iteration is None or row.get("iteration") == iteration:
                 rows.append(row)
     return rows
+
+
+def trim_samples(path: str | os.PathLike, before: int, moved_to: str | os.PathLike | None = None) -> int:
+    """Cut ``samples.jsonl`` back to its rows of iterations ``< before`` (the quality rollback's
+    restored step), in place: rows are appended in iteration order, so the kept rows are a prefix and
+    the file is truncated to it (a :class:`SamplesWriter` still open on it, in append mode, goes on
+    writing at the new end). The dropped complete lines are appended to ``moved_to`` (if given) first,
+    so nothing written is lost; a torn last line is dropped. Returns the number of rows moved."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [x + b"\n" for x in path.read_bytes().split(b"\n")[:-1]]
+    keep = 0
+    for line in lines:
+        try:
+            it = int(json.loads(line).get("iteration", 0))
+        except (ValueError, AttributeError):
+            break
+        if it >= before:
+            break
+        keep += 1
+    dropped = lines[keep:]
+    if moved_to is not None and dropped:
+        with open(moved_to, "ab") as f:
+            f.write(b"".join(dropped))
+            f.flush()
+            os.fsync(f.fileno())
+    os.truncate(path, sum(map(len, lines[:keep])))
+    return len(dropped)
