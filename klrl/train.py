@@ -271,7 +271,7 @@ def update_phase(
     included, had finite loss statistics, gradients and updates; from the first non-finite one on,
     the parameters and optimiser state stay as they are. Skipped updates are a ``where`` on the
     scan's carry, so no copy of the parameters and Adam moments is kept for a rollback (on SmolLM2
-    that copy was 3 GiB of the step's peak). Returns (params, opt_state, mean stats); the stats hold
+    that copy was 2.7 GiB of the step's temporaries). Returns (params, opt_state, mean stats); the stats hold
     ``guard/minibatches_applied`` (the fraction of the iteration's minibatch updates applied)."""
     n_dev, mb_glob = ctx.n_dev, ctx.mb_glob
     k_perm = iteration_keys(state)[2]
