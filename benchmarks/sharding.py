@@ -9,9 +9,10 @@ here unless already given). Progress goes to stderr; one JSON object on the last
 * ``workload``: for each mesh ``(data, fsdp, tensor)`` of ``--meshes`` (default (1,1,1), (8,1,1),
   (2,4,1), (2,2,2), (1,8,1)), the per-device bytes of the train state's parameters, optimiser state
   and reference (the arrays' addressable shards, :func:`klrl.parallel.sharded_bytes`), the
-  compiled step's ``memory_analysis()`` (arguments, outputs, temporaries: per device) and the
-  median step time. On fake CPU devices all 8 "devices" share the host's cores: the step time is
-  only indicative (it shows the collectives' and partitioning's overhead, not a speed-up).
+  compiled step's ``memory_analysis()`` (arguments, outputs, temporaries: per device), its
+  ``cost_analysis()`` FLOPs per device and the median step time (wall and process CPU). On fake
+  CPU devices all 8 "devices" share the host's cores: the step time is only indicative (it shows
+  the collectives' and partitioning's overhead, not a speed-up).
 * ``large``: Llama-3.2-1B and (without ``--quick``) Llama-3.1-8B shapes, compiled from
   ``jax.ShapeDtypeStruct`` inputs carrying the state's shardings (nothing allocated), the same bytes
   from ``memory_analysis()``, next to ``benchmarks/scaling_model.py``'s ``memory_per_device``
@@ -58,12 +59,17 @@ def log(msg: str) -> None:
 
 
 def memory(compiled) -> dict[str, int]:
+    """Per-device bytes of ``memory_analysis()`` and the FLOPs of ``cost_analysis()`` (per device:
+    what falls when the rows are split over ``data`` x ``fsdp``)."""
     ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
     return {
         "arguments": int(ma.argument_size_in_bytes),
         "outputs": int(ma.output_size_in_bytes),
         "temporaries": int(ma.temp_size_in_bytes),
         "aliased": int(ma.alias_size_in_bytes),
+        "flops_per_device": float(cost.get("flops", float("nan"))),
     }
 
 
