@@ -26,7 +26,7 @@ from klrl.config import ModelConfig
 from klrl.models.base import LMOutput, PartitionRules, causal_mask, positions_from_mask
 from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
-from klrl.parallel import split_rows
+from klrl.models.sharding import split_rows
 
 Array = jax.Array
 NEG_INF = -1e9

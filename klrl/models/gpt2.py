@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from klrl.models.attention import attention, empty_cache, write_cache
 from klrl.models.base import LMOutput
 from klrl.models.remat import check_mode, remat_block
-from klrl.parallel import split_rows
+from klrl.models.sharding import split_rows
 
 Array = jax.Array
 _INIT = nn.initializers.normal(0.02)

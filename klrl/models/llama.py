@@ -39,7 +39,7 @@ from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's con
     config_to_hf,
 )
 from klrl.models.remat import check_mode, remat_block
-from klrl.parallel import split_rows
+from klrl.models.sharding import split_rows
 
 Array = jax.Array
 _INIT = nn.initializers.normal(0.02)
