@@ -63,6 +63,11 @@ class ModelConfig:
         "head", "value function: 'head' (scalar head on the policy trunk) or 'separate' model"
     )
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+    ref_dtype: str = _f(
+        "float32",
+        "storage dtype of the frozen KL reference's parameters in the train state: float32 or bfloat16 "
+        "(half the bytes; its forward runs in model.dtype from the rounded weights)",
+    )
     path: str = _f(
         "", "pretrained policy and reference: an HF model directory or a .gguf file ('' = klrl GPT above)"
     )
@@ -99,6 +104,7 @@ class ModelConfig:
         _check(self.mlp_ratio >= 1, "model.mlp_ratio", "must be >= 1")
         _choice(self.value_model, "model.value_model", ("head", "separate"))
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        _choice(self.ref_dtype, "model.ref_dtype", ("float32", "bfloat16"))
         for name in ("path", "value_path", "reward_path"):
             v = getattr(self, name)
             _check(v.strip() == v, f"model.{name}", "must not have surrounding spaces")

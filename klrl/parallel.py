@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from klrl.config import ConfigError, parse_mesh
+from klrl.models.sharding import split_rows  # noqa: F401  (re-exported: the models' row constraint)
 
 SWEEP = "sweep"
 DATA = "data"

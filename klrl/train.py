@@ -317,14 +317,17 @@ def control_phase(
 
 
 def refresh_reference(ctx: Context, state: TrainState, policy: Any) -> Any:
-    """Every ``kl.ref_update_every`` iterations, ``ref <- (1 - ref_mix) ref + ref_mix policy``."""
+    """Every ``kl.ref_update_every`` iterations, ``ref <- (1 - ref_mix) ref + ref_mix policy`` (mixed
+    in float32, stored back in the reference's dtype, ``model.ref_dtype``)."""
     kl_cfg = ctx.cfg.kl
     if kl_cfg.ref_update_every <= 0:
         return state.ref_params
     refresh = (state.iteration + 1) % kl_cfg.ref_update_every == 0
     mix = jnp.where(refresh, kl_cfg.ref_mix, 0.0)
     trunk = detach(policy)[0] if ctx.head else policy
-    return jax.tree.map(lambda r, p: (1 - mix) * r + mix * p, state.ref_params, trunk)
+    return jax.tree.map(
+        lambda r, p: ((1 - mix) * r.astype(p.dtype) + mix * p).astype(r.dtype), state.ref_params, trunk
+    )
 
 
 def guard(ctx: Context, state: TrainState, new: TrainState, ok: Array) -> TrainState:

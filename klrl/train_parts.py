@@ -279,6 +279,14 @@ class Context:
 # ---- init -------------------------------------------------------------------------------------------
 
 
+def as_ref_dtype(ctx: Context, tree: Any) -> Any:
+    """``tree``'s floating leaves in the reference's storage dtype (``model.ref_dtype``), as new
+    buffers (the step donates the state)."""
+    dt = jnp.bfloat16 if ctx.cfg.model.ref_dtype == "bfloat16" else jnp.float32
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+    return jax.tree.map(lambda x: x.astype(dt) if floating(x) and x.dtype != dt else jnp.copy(x), tree)
+
+
 def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | None = None) -> TrainState:
     """The train state of ``seed``: policy = a copy of the reference (plus a fresh value head),
     a fresh separate value model, the optimiser and the controller at ``beta`` (default ``kl.beta``)."""
@@ -302,7 +310,7 @@ def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | Non
     driven, other = (b_r, kl_cfg.loss_coef) if ctx.drives_reward else (kl_cfg.loss_coef, b_r)
     return TrainState(
         params=params,
-        ref_params=jax.tree.map(jnp.copy, ctx.policy_params),
+        ref_params=as_ref_dtype(ctx, ctx.policy_params),
         opt_state=ctx.optimizer.init(params),
         ctrl=jax.tree.map(jnp.copy, ctx.controller.init(jnp.asarray(driven, jnp.float32))),  # own buffers
         other_coef=jnp.asarray(other, jnp.float32),

@@ -71,8 +71,11 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
         s = tr.init(cfg.train.seed)
         out[f"{job}/bytes/params"] = sharded_bytes(s.params)
         out[f"{job}/bytes/opt_state"] = sharded_bytes(s.opt_state)
+        step = tr.step.lower(s, env).compile()
+        cost = step.cost_analysis()
+        out[f"{job}/flops_per_device"] = float((cost[0] if isinstance(cost, list) else cost)["flops"])
         for i in range(3):
-            s, m = tr.step(s, env)
+            s, m = step(s, env)
             m = D.to_host(m)
             out[f"{job}/beta/{i}"] = D.to_host(s.ctrl.beta)
             for k, v in m.items():

@@ -73,12 +73,16 @@ def assert_trees_equal(a, b) -> None:
 
 @pytest.mark.parametrize("kind", ["fixed", "pi"])
 def test_resume_is_bit_exact(kind, tiny_task, cache_dir, jax_cache, tmp_path):
+    """``pi`` also stores the reference in bfloat16 (``model.ref_dtype``) and refreshes it every 2
+    iterations: its dtype and values round-trip through the checkpoint."""
     import klrl
     from klrl.io import checkpoint as ckpt
 
     n = 3
     ctrl = {"kind": kind, "target": 0.05, "kp": 0.5, "ki": 0.5} if kind == "pi" else {"kind": kind}
     cfg = base_config(cache_dir, iterations=2 * n).replace(ctrl=ctrl)
+    if kind == "pi":
+        cfg = cfg.replace(model={"ref_dtype": "bfloat16"}, kl={"ref_update_every": 2, "ref_mix": 0.5})
     straight = klrl.run(cfg, task=tiny_task, run_dir=tmp_path / "straight")
     half = klrl.run(cfg.replace(train={"iterations": n}), task=tiny_task, run_dir=tmp_path / "split")
     assert half.info["iteration"] == n
@@ -101,7 +105,8 @@ def test_resume_is_bit_exact(kind, tiny_task, cache_dir, jax_cache, tmp_path):
 
     assert metrics.read_bytes() == (tmp_path / "straight" / "metrics.jsonl").read_bytes()
     assert_trees_equal(resumed.state, straight.state)
-    if kind == "pi":  # the integral term is part of what was restored, and it moved
+    if kind == "pi":  # the integral term is part of what was restored, and it moved; the bf16 reference too
+        assert {x.dtype for x in jax.tree.leaves(state.ref_params)} == {np.dtype(jax.numpy.bfloat16)}
         assert float(straight.state.ctrl.integral) != 0.0
         assert float(straight.state.ctrl.beta) != cfg.kl.beta
     for k, v in straight.metrics.items():

@@ -26,6 +26,7 @@ from klrl.config import ModelConfig
 from klrl.models.base import LMOutput, PartitionRules, causal_mask, positions_from_mask
 from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
+from klrl.models.sharding import split_rows
 
 Array = jax.Array
 NEG_INF = -1e9
@@ -94,7 +95,7 @@ class GPTModule(nn.Module):
         dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
         wte = nn.Embed(self.vocab_size, cfg.d_model, name="wte")
         wpe = nn.Embed(self.max_len, cfg.d_model, name="wpe")
-        x = (wte(tokens) + wpe(positions)).astype(dtype)
+        x = split_rows((wte(tokens) + wpe(positions)).astype(dtype))  # rows on fsdp (klrl.parallel)
         new_cache = []
         block = remat_block(Block, self.remat, prevent_cse=True)  # a Python loop: keep the barriers
         for i in range(cfg.n_layers):
@@ -102,6 +103,7 @@ class GPTModule(nn.Module):
             x, nc = block(cfg.d_model, cfg.n_heads, cfg.mlp_ratio, dtype, name=f"h{i}")(
                 x, mask, layer_cache, index
             )
+            x = split_rows(x)
             new_cache.append(nc)
         x = nn.LayerNorm(dtype=dtype, name="ln_f")(x)
         out = None

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from klrl.models.attention import attention, empty_cache, write_cache
 from klrl.models.base import LMOutput
 from klrl.models.remat import check_mode, remat_block
+from klrl.models.sharding import split_rows
 
 Array = jax.Array
 _INIT = nn.initializers.normal(0.02)
@@ -119,7 +120,7 @@ class Block(nn.Module):
         x = x + dense(d, "c_proj")(a)
         y = _ACTS[c.activation_function](dense(c.inner, "c_fc")(norm("ln_2")(x)))
         x = x + dense(d, "mlp_c_proj")(y)
-        return (x, cache, layer + 1), None
+        return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.parallel)
 
 
 class GPT2Module(nn.Module):
@@ -132,7 +133,7 @@ class GPT2Module(nn.Module):
         c = self.c
         wte = nn.Embed(c.vocab_size, c.n_embd, dtype=self.dtype, embedding_init=_INIT, name="wte")
         wpe = nn.Embed(c.n_positions, c.n_embd, dtype=self.dtype, embedding_init=_INIT, name="wpe")
-        x = wte(tokens) + wpe(positions)
+        x = split_rows(wte(tokens) + wpe(positions))
         block = remat_block(Block, self.remat)
         layers = nn.scan(
             block,

@@ -39,6 +39,7 @@ from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's con
     config_to_hf,
 )
 from klrl.models.remat import check_mode, remat_block
+from klrl.models.sharding import split_rows
 
 Array = jax.Array
 _INIT = nn.initializers.normal(0.02)
@@ -118,7 +119,7 @@ class Block(nn.Module):
         g = dense(c.intermediate_size, c.mlp_bias, "gate_proj")(y)
         u = dense(c.intermediate_size, c.mlp_bias, "up_proj")(y)
         x = x + dense(c.hidden_size, c.mlp_bias, "down_proj")(nn.silu(g) * u)
-        return (x, cache, layer + 1), None
+        return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.parallel)
 
 
 class LlamaModule(nn.Module):
@@ -132,7 +133,7 @@ class LlamaModule(nn.Module):
         embed = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, embedding_init=_INIT, name="embed_tokens"
         )
-        x = embed(tokens)
+        x = split_rows(embed(tokens))
         cos, sin = rope_tables(inv_frequencies(c), positions)
         block = remat_block(Block, self.remat)
         layers = nn.scan(
