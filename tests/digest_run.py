@@ -46,6 +46,7 @@ ADDED = (
     "eval/oracle_zero_prob_token_frac",
     "train/samples",  # host-side rows of the loop (issue 17), not values of the step
     "optim/lr",
+    "guard/minibatches_applied",  # the in-place guard (session 5): 1.0 on every finite iteration
 )
 
 
