@@ -31,7 +31,7 @@ def rss_gib() -> float:
 
 
 def peak_gib() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 3)
+    return round(common.peak_rss_mb() / 1024, 3)
 
 
 def tree_gib(tree) -> float:

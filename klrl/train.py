@@ -358,7 +358,9 @@ def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict
     sc = score_phase(ctx, state, env, ro)
     ad = advantage_phase(ctx, state, ro, sc)
     ctrl, kl_seen = control_phase(ctx, state, ad.kl_ctrl, ro.mask)
-    ok = all_finite((sc.task_reward, ad.kl_reward, ad.batch, kl_seen))
+    # the rollout's per-row numbers (not the [B, R, V] logits: a NaN there reaches the loss, which
+    # update_phase checks per minibatch)
+    ok = all_finite((sc.task_reward, ad.kl_reward, ad.batch.adv, ad.batch.ret, kl_seen))
     ok = jax.lax.pmin(ok.astype(jnp.int32), DATA) > 0
     limit = ctx.cfg.train.max_consecutive_skips
     go = ok & (state.skipped < limit) if limit > 0 else ok
