@@ -35,6 +35,7 @@ from klrl.cli import (
     parse,
 )
 from klrl.config import ConfigError, RunConfig
+from klrl.launch import check_device_count, check_reward_fns, run_one, run_sweep
 from klrl.schema import closest
 
 COMMANDS = ("train", "sweep", "study", "resume", "report", "export")
@@ -230,7 +231,7 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
             check_task(m, builtin_task_shape(m))
     except ConfigError as e:
         fail(str(e))
-    _check_reward_fns(cfg)
+    check_reward_fns(cfg)
     for w in config_warnings(cfg):  # after every check: an error is the only line on stderr
         print(f"warning: {w}", file=sys.stderr)
     if distributed:
@@ -241,133 +242,16 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         except ValueError as e:
             fail(f"--distributed: {e}")
     if members is None:
-        _check_device_count(cfg)
+        check_device_count(cfg)
     try:
         if members is not None:
             resume = ns.resume if resume_sweep else None
-            return _run_sweep(members, axes, cfg, ns.sweep_devices, resume)
-        return _run_one(cfg, ns.resume if mode == "resume" else None)
+            return run_sweep(members, axes, cfg, ns.sweep_devices, resume)
+        return run_one(cfg, ns.resume if mode == "resume" else None)
     except OSError as e:
         if e.errno in _USER_ERRNOS:
             fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
         raise
-
-
-def _check_reward_fns(cfg: RunConfig) -> None:
-    """Every ``reward.fn`` entry loads (a built-in name, ``module:function`` or ``file.py:function``)."""
-    if not cfg.reward.fn.strip():
-        return
-    from klrl.rewards import RewardLoadError
-    from klrl.rewards.host import load_reward_fn, parse_specs
-
-    try:
-        for spec in parse_specs(cfg.reward.fn, cfg.reward.weights)[0]:
-            load_reward_fn(spec)
-    except RewardLoadError as e:
-        fail(f"reward.fn: {e}")
-
-
-def _check_device_count(cfg: RunConfig) -> None:
-    """``train.devices`` against the devices there are (after ``--distributed``: all processes')."""
-    import jax
-
-    from klrl.config import check_devices
-
-    n = jax.device_count()
-    if cfg.train.devices > n:
-        fail(f"train.devices: asked for {cfg.train.devices} devices, {n} available")
-    try:
-        if cfg.train.mesh:  # the data axis of train.mesh (its sizes against the devices there are)
-            from klrl.parallel import mesh_from_config
-
-            check_devices(cfg, mesh_from_config(cfg.train).shape["data"])
-        else:
-            check_devices(cfg, cfg.train.devices or n)
-    except ConfigError as e:
-        fail(str(e))
-
-
-def _guarded(call: Any) -> Any:
-    """``call()`` (a run or a sweep): the user's input or environment failing (a bad value, a damaged,
-    locked or foreign checkpoint, a full disk, a bad model file, prompt file or reward function) is
-    one line and exit 2 (also a host reward function failing during the run, after the last good state
-    is checkpointed), the run stopping itself (guard, rollback limit) one line and exit 1; None
-    after Ctrl-C."""
-    from klrl.data.prompts import PromptDataError
-    from klrl.io.checkpoint import CheckpointError
-    from klrl.io.readers import RunDirError
-    from klrl.models.hf import CheckpointFormatError
-    from klrl.reliability import RunStopped
-    from klrl.rewards import RewardFunctionError, RewardLoadError
-
-    try:
-        return call()
-    except (ConfigError, CheckpointError, RunDirError, CheckpointFormatError, PromptDataError,
-            RewardLoadError, RewardFunctionError) as e:  # fmt: skip
-        fail(str(e))
-    except RunStopped as e:
-        fail(str(e), 1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return None
-
-
-def _run_sweep(
-    members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int, resume: str | None
-) -> int:
-    import jax
-
-    from klrl.report import maybe_write_report
-    from klrl.sweep import summary_table, sweep
-
-    results = _guarded(
-        lambda: sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
-    )
-    if results is None:
-        return 130
-    stopped = results[0].info.get("stopped")
-    if jax.process_index() == 0:
-        from klrl.diagnosis import final_regime
-
-        print(summary_table(results, list(axes)))
-        for i, r in enumerate(results):
-            print(f"member {i:02d}: diagnosis {final_regime(r.metrics, r.config.diag)}")
-        if results[0].dir is not None:
-            print(f"sweep directory: {results[0].dir.parent}")
-        done = results[0].info["iteration"] - results[0].info["start_iteration"]
-        print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x {done} iterations")
-        if stopped:
-            root = results[0].dir.parent if results[0].dir is not None else None
-            print(f"stopped by {stopped} at iteration {results[0].info['iteration']} (checkpoint saved); "
-                  f"continue with: klrl resume {root}")  # fmt: skip
-    if stopped:
-        return 130 if stopped == "SIGINT" else 0
-    return 0
-
-
-def _run_one(cfg: RunConfig, resume: str | None) -> int:
-    import klrl
-    from klrl.distributed import is_main
-    from klrl.report import maybe_write_report
-
-    result = _guarded(lambda: klrl.run(cfg, resume=resume, report=maybe_write_report))
-    if result is None:
-        return 130
-    stopped = result.info.get("stopped")
-    if is_main():  # several processes (--distributed): one summary, from the process that writes
-        s = result.summary()
-        print(f"run directory: {result.dir}")
-        print(f"{'metric':<22}{'start':>12}{'end':>12}")
-        for k, v in s.items():
-            print(f"{k:<22}{v['start']:>12.4g}{v['end']:>12.4g}")
-        done = result.info["iteration"] - result.info["start_iteration"]
-        print(f"train time {result.info['train_s']:.1f}s for {done} iterations")
-        if stopped:
-            print(f"stopped by {stopped} at iteration {result.info['iteration']} (checkpoint saved); "
-                  f"continue with: klrl resume {result.dir}")  # fmt: skip
-    if stopped:
-        return 130 if stopped == "SIGINT" else 0
-    return 0
 
 
 # ---- entry points ----------------------------------------------------------------------------------

@@ -57,3 +57,33 @@ def with_aliases(metrics: dict[str, float], names: dict[str, str]) -> dict[str, 
     """``metrics`` plus the same values under their aliases (an alias that is a klrl name is skipped)."""
     extra = {a: metrics[k] for k, a in names.items() if k in metrics and a not in metrics}
     return {**metrics, **extra}
+
+
+def latest(rows: list[list[dict[str, Any]]], stacked: bool) -> dict[str, Any]:
+    """The newest row's metrics (``iteration`` left out): ``{name: float}`` for a run,
+    ``{name: [members]}`` for a sweep (NaN where a member's row lacks the name)."""
+    if stacked:
+        return {k: np.array([r[-1].get(k, np.nan) for r in rows]) for k in rows[0][-1] if k != "iteration"}
+    return {k: v for k, v in rows[0][-1].items() if k != "iteration"}
+
+
+def member_row(
+    m: dict[str, Any], j: int | None, iteration: int, batch_size: int, lrs: Any
+) -> dict[str, float]:
+    """One member's row of the step's host metrics ``m`` (``j``: its index on the member axis; None: a
+    single run), with the host-side metrics (the compiled step is unchanged): ``train/samples``
+    (prompts seen after ``iteration + 1`` iterations) and ``optim/lr`` (``lrs``: per member, or None)."""
+    row = {k: float(v if j is None else v[j]) for k, v in m.items()}
+    row["train/samples"] = float((iteration + 1) * batch_size)
+    if lrs is not None:
+        row["optim/lr"] = float(lrs[0 if j is None else j])
+    return row
+
+
+def timings(row: dict[str, float], batch_size: int, seconds: float) -> dict[str, float]:
+    """The wall-time metrics of an iteration that took ``seconds``: ``train/iteration_s`` and, where
+    the row has ``response/length``, ``perf/tokens_per_s``."""
+    out = {"train/iteration_s": seconds}
+    if "response/length" in row:
+        out["perf/tokens_per_s"] = tokens_per_s(row["response/length"], batch_size, seconds)
+    return out

@@ -14,13 +14,10 @@ Metrics are fetched one step late (the host writes iteration ``i`` while the dev
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,62 +25,41 @@ import jax
 import numpy as np
 
 from klrl import distributed, reliability
-from klrl.config import ConfigError, RunConfig
-from klrl.host_metrics import alias_map, final_metrics, learning_rates, tokens_per_s, with_aliases
+from klrl.config import ConfigError
+from klrl.host_metrics import alias_map, latest, learning_rates, member_row, timings, with_aliases
 from klrl.io import checkpoint as ckpt
-from klrl.io import readers
-from klrl.io.logging import MetricsWriter, Progress, hparams_of, new_run_dir, sweep_progress
-from klrl.io.resume import Resume, complete_lines, replace_file
+from klrl.io.logging import MetricsWriter, Progress, new_run_dir, sweep_progress
+from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
-from klrl.io.samples import trim_samples
-from klrl.results import RunResult, columns, member_names, sweep_axes, varying_fields
+from klrl.loop_files import (
+    ROLLED_BACK,
+    SAMPLES_ROLLED_BACK,
+    create_dirs,
+    cut_to_checkpoint,
+    member_dirs,
+    move_rolled_back,
+    results,
+    rollback_bases,
+)
+from klrl.loop_stops import (
+    base_message,
+    give_up_message,
+    restamp,
+    reward_error,
+    reward_failure,
+    rollback_message,
+    skips_message,
+)
+from klrl.program import Program
+from klrl.results import RunResult, varying_fields
 from klrl.samples import due
 
-ROLLED_BACK = "metrics.rolled_back.jsonl"
-SAMPLES_ROLLED_BACK = "samples.rolled_back.jsonl"
-
-
-@dataclass
-class Program:
-    """What the loop drives: ``step(state, env) -> (state, metrics)`` over ``len(configs)`` members
-    (``stacked``: the state and metrics have a leading member axis)."""
-
-    configs: list[RunConfig]
-    stacked: bool
-    init: Callable[[], Any]  # the initial state, placed as ``step`` returns it
-    step: Callable[[Any, Any], tuple[Any, Any]]
-    place: Callable[[Any], Any]  # a host state (restored checkpoint) -> placed like ``init``'s
-    env: Any
-    task_info: dict[str, Any] = field(default_factory=dict)
-    abstract: Any = None  # shapes and dtypes of the state (default: ``jax.eval_shape(init)``)
-    # raises klrl.rewards.RewardFunctionError if a host reward function failed (called when an
-    # iteration was rejected by the guard); None: the reward cannot fail that way
-    reward_check: Callable[[], None] | None = None
-    tokenizer: Any = None  # decodes the step's ``_samples/*`` rows (klrl.samples)
-    prompt_texts: Any = None  # the prompt pool as text, if the task has it
-    # (state, env) -> {name: scalar (or [members])}: the held-out evaluation (klrl.evaluate), run on the
-    # state after i updates every data.eval_every iterations and merged into row i; None: off
-    evaluate: Callable[[Any, Any], Any] | None = None
-    heldout_check: Callable[[], None] | None = None  # as reward_check, for the held-out rows' reward
-    # the state's shardings on this mesh (a pytree of ``Sharding`` like the state, or one): a checkpoint
-    # is restored straight onto them, from whatever mesh it was saved (None: as host arrays, then ``place``)
-    shardings: Any = None
+__all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
+_member_dirs = member_dirs  # (the name before klrl.loop_files)
 
 
 class _Stop(Exception):
     pass
-
-
-def _member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: bool = False) -> list[Path]:
-    """A run's directory, or a sweep's member directories: after the swept values
-    (:func:`klrl.results.member_names`) for a new sweep, those ``sweep.json`` lists for an
-    ``existing`` one (older sweeps: ``member-XX``)."""
-    if not stacked:
-        return [root]
-    names = readers.read_sweep_members(root) if existing else member_names(cfgs)
-    if len(names) != len(cfgs):
-        raise ckpt.CheckpointError(f"{root}/sweep.json lists {len(names)} members, the sweep has {len(cfgs)}")
-    return [root / n for n in names]
 
 
 def drive(
@@ -131,7 +107,7 @@ def drive(
     alias_names = set(aliases.values())
     if resume is not None:
         root = resume.dir
-        dirs = _member_dirs(root, cfgs, stacked, existing=True)
+        dirs = member_dirs(root, cfgs, stacked, existing=True)
         # a checkpoint, or the initial state for a directory with nothing done yet (killed before
         # its first checkpoint); checksums verified (klrl.io.checkpoint)
         state, meta = restore_resume(resume, restore_to, prog.init)
@@ -140,44 +116,21 @@ def drive(
         # past this point the resume is valid: cut metrics back to the checkpoint (atomically); every
         # process reads the same first lines (a replacement is a rename), only process 0 writes
         n_lines = int(meta["metrics_lines"])
-        for j, d in enumerate(dirs):
-            lines = complete_lines(d / "metrics.jsonl")
-            rows[j] = [json.loads(line) for line in lines[:n_lines]]
-            rows[j] = [{k: v for k, v in r.items() if k not in alias_names} for r in rows[j]]
-            if main:
-                if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
-                    replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
-                replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
-                if (d / "samples.jsonl").is_file():  # samples of iterations after the checkpoint: rewritten
-                    kept = [x for x in complete_lines(d / "samples.jsonl")
-                            if json.loads(x).get("iteration", 0) < n_lines]  # fmt: skip
-                    replace_file(d / "samples.jsonl", b"".join(kept))
-                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
-                dropped = len(lines) - n_lines
-                msg = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
-                writers[-1].event(resume.step, "resume", msg)
-                if not tc.quiet and j == 0:
-                    log(f"{root}: {msg}")
+        rows, writers, msg = cut_to_checkpoint(resume, n_lines, cfgs, dirs, swept, alias_names, main)
+        if main and not tc.quiet:
+            log(f"{root}: {msg}")
     else:
         if write and main:
             root = Path(out_dir) if out_dir is not None else new_run_dir(cfgs[0])
             root.mkdir(parents=True, exist_ok=True)
             if guard is not None:
                 guard.hold(root)  # one writer per run directory, before anything is written into it
-            dirs = _member_dirs(root, cfgs, stacked)
-            for j, d in enumerate(dirs):
-                d.mkdir(exist_ok=True)
-                (d / "config.json").write_text(json.dumps(cfgs[j].to_dict(), indent=1))
-                writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
-            if stacked:
-                index = {"members": [d.name for d in dirs], "axes": sweep_axes(cfgs)}
-                (root / "sweep.json").write_text(json.dumps(index, indent=1, default=str))
-            (root / "task.json").write_text(json.dumps(prog.task_info, indent=1, default=str))
+            writers = create_dirs(root, cfgs, stacked, swept, prog.task_info)
         if write:  # every process saves checkpoints (orbax coordinates them) into process 0's directory
             root = distributed.agree_path(root)
         state = prog.init()
     if root is not None:
-        dirs = _member_dirs(root, cfgs, stacked, existing=stacked and resume is not None)
+        dirs = member_dirs(root, cfgs, stacked, existing=stacked and resume is not None)
     else:
         dirs = [None] * n_m
     # the state a rollback to step 0 restores (a host copy: ``init`` cannot be re-run once ``step``
@@ -187,11 +140,7 @@ def drive(
     traces = [[float(r.get(metric, math.nan)) for r in rows[j]] for j in range(n_m)] if metric else []
     bases: list[float | None] = [None] * n_m  # the rollback metric at iteration 0 (the threshold's reference)
     if metric and resume is not None:
-        saved = resume.meta.get("rollback_base") or {}
-        values = saved.get("values", [saved.get("value")])
-        for j in range(n_m):
-            ok = saved.get("metric") == metric and j < len(values)
-            bases[j] = values[j] if ok else (traces[j][0] if traces[j] else None)
+        bases = rollback_bases(resume.meta, metric, traces)
 
     quiet = tc.quiet or not main
     t0 = time.time()
@@ -230,26 +179,16 @@ def drive(
         dt = None if clock["last"] is None else now - clock["last"]
         clock["last"] = now
         for j in range(n_m):
-            mj = {k: float(v[j] if stacked else v) for k, v in m.items()}
-            # host-side metrics (the compiled step is unchanged): deterministic ones in the rows
-            mj["train/samples"] = float((it + 1) * cfgs[j].train.batch_size)
-            if lrs is not None:
-                mj["optim/lr"] = float(lrs[j])
+            mj = member_row(m, j if stacked else None, it, cfgs[j].train.batch_size, lrs)
             rows[j].append({"iteration": it, **mj})
             if writers and dt is not None and dt > 0:
-                timing = {"train/iteration_s": dt}
-                if "response/length" in mj:
-                    timing["perf/tokens_per_s"] = tokens_per_s(
-                        mj["response/length"], cfgs[j].train.batch_size, dt
-                    )
-                writers[j].write_timing(it, timing)
+                writers[j].write_timing(it, timings(mj, cfgs[j].train.batch_size, dt))
             if metric:
                 traces[j].append(mj.get(metric, math.nan))
                 if bases[j] is None:
                     bases[j] = traces[j][0]
-                    if not (math.isfinite(bases[j]) and bases[j] > 0):
-                        msg = f"quality rollback off: {metric} = {bases[j]} at iteration 0 is not a positive"
-                        msg += " number"
+                    msg = base_message(metric, bases[j])
+                    if msg is not None:
                         msg = msg if not stacked else f"member {j:02d}: {msg}"
                         log(msg)
                         if writers:
@@ -257,17 +196,7 @@ def drive(
             if writers:  # the aliases only in metrics.jsonl and the event file, not in the rows
                 writers[j].write(it, with_aliases(mj, aliases) if aliases else mj)
         if on_step is not None and main:
-            if stacked:
-                on_step(
-                    it,
-                    {
-                        k: np.array([r[-1].get(k, np.nan) for r in rows])
-                        for k in rows[0][-1]
-                        if k != "iteration"
-                    },
-                )
-            else:
-                on_step(it, {k: v for k, v in rows[0][-1].items() if k != "iteration"})
+            on_step(it, latest(rows, stacked))
         if stacked:
             means, text = sweep_progress(m)
             progress.update(it, means, extra=text)
@@ -315,20 +244,14 @@ def drive(
         who = (lambda j: f"member {j:02d}: ") if stacked else (lambda j: "")
         j0, d0 = next(iter(decs.items()))
         if rollbacks >= tc.max_rollbacks:
-            raise _Stop(
-                f"{who(j0)}{metric} = {d0.value:.4g} at iteration {d0.crossing} is {d0.ratio:.3f}x its "
-                f"start, past train.rollback_threshold {tc.rollback_threshold}, after {rollbacks} rollbacks "
-                f"(train.max_rollbacks); newest good checkpoint: {d0.step}"
-            )
+            raise _Stop(give_up_message(who(j0), metric, d0, tc.rollback_threshold, rollbacks))
         target = min(d.step for d in decs.values())
         failed = np.asarray(distributed.to_host(state.ctrl.beta), np.float32)  # beta when the metric crossed
         new = initial if target == 0 else ckpt.restore(mgr, restore_to, target)[0]
         old = np.asarray(distributed.to_host(new.ctrl.beta), np.float32)
-        beta = old.copy().reshape(-1)
-        for j in decs:
-            beta[j] = reliability.rollback_beta(float(old.reshape(-1)[j]), float(failed.reshape(-1)[j]),
-                                                tc.rollback_factor)  # fmt: skip
-        new = new._replace(ctrl=new.ctrl._replace(beta=beta.reshape(old.shape).astype(np.float32)))
+        new_beta = reliability.rollback_betas(old, failed, list(decs), tc.rollback_factor)
+        new = new._replace(ctrl=new.ctrl._replace(beta=new_beta))
+        beta = new_beta.reshape(-1)
         state = prog.place(new)
         lrs = learning_rates(new, n_m)
         clock["last"] = None  # the next row follows a restore: not timed
@@ -336,27 +259,14 @@ def drive(
             if s > target:
                 mgr.delete(s)
         last_saved = target if target > 0 else -1
-        # metrics after the restored state move to metrics.rolled_back.jsonl (appended, never lost)
-        for j, d in enumerate(dirs):
-            path = d / "metrics.jsonl"
-            lines = complete_lines(path)
-            if main:
-                with open(d / ROLLED_BACK, "ab") as f:
-                    f.write(b"".join(lines[target:]))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.truncate(path, sum(map(len, lines[:target])))  # the writer appends (O_APPEND) from here
-                # samples.jsonl alike: its rows of the undone iterations move to samples.rolled_back.jsonl
-                trim_samples(d / "samples.jsonl", target, d / SAMPLES_ROLLED_BACK)
+        # metrics (and samples) after the restored state move to *.rolled_back.jsonl (never lost)
+        move_rolled_back(dirs, target, main)
+        for j in range(n_m):
             del rows[j][target:], traces[j][target:]
         rollbacks += 1
         for j, d in decs.items():
-            msg = (
-                f"rollback {rollbacks}/{tc.max_rollbacks}: {who(j)}{metric} = {d.value:.4g} at iteration "
-                f"{d.crossing} is {d.ratio:.3f}x its start (threshold {tc.rollback_threshold}); restored "
-                f"{'the initial state' if target == 0 else f'checkpoint {target}'}, "
-                f"beta {float(old.reshape(-1)[j]):.4g} -> {float(beta[j]):.4g}"
-            )
+            msg = rollback_message(rollbacks, tc.max_rollbacks, who(j), metric, d, tc.rollback_threshold,
+                                   target, float(old.reshape(-1)[j]), float(beta[j]))  # fmt: skip
             if writers:
                 writers[j].event(d.crossing, "rollback", msg)
             log(msg)
@@ -371,33 +281,15 @@ def drive(
         if prog.reward_check is None:
             return None
         skipped = np.asarray(distributed.to_host(m["guard/skipped"])).reshape(-1)
-        if not (skipped > 0).any():
-            return None
-        from klrl.rewards.host import RewardFunctionError
-
-        try:
-            prog.reward_check()
-        except RewardFunctionError as e:
+        e = reward_failure(prog.reward_check, skipped)
+        if e is not None:
             rejected_at[0] = skipped
-            return e
-        return None
+        return e
 
     def accepted_none(it: int) -> bool:
         # several sweep device groups call the reward concurrently: a group scored before the failure
         # may have accepted this iteration; then only an older checkpoint is good for every member
         return bool((rejected_at.get(0, np.ones(1)) > 0).all())
-
-    def restamp(st: Any, n: int) -> Any:
-        """``st`` (the last good parameters after rejected iterations) as the state after ``n`` rows."""
-        host = ckpt.host_copy(st)
-        it = np.asarray(host.iteration)
-        prev = np.asarray([r[-1].get("guard/consecutive_skips", 0.0) if r else 0.0 for r in rows])
-        return prog.place(
-            host._replace(
-                iteration=np.full_like(it, n),
-                skipped=prev.reshape(it.shape).astype(np.asarray(host.skipped).dtype),
-            )
-        )
 
     def where_saved() -> str:
         if mgr is None:
@@ -420,14 +312,7 @@ def drive(
                 ):
                     # before the step donates the state: the held-out metrics of the state after i updates
                     heldout_rows[i] = jax.block_until_ready(prog.evaluate(state, prog.env))
-                    err = None
-                    if prog.heldout_check is not None:
-                        from klrl.rewards.host import RewardFunctionError
-
-                        try:
-                            prog.heldout_check()
-                        except RewardFunctionError as e:
-                            err = e
+                    err = reward_error(prog.heldout_check)
                     if err is not None:  # the state is good (only the evaluation's reward failed)
                         heldout_rows.pop(i)
                         if pending is not None:
@@ -448,10 +333,10 @@ def drive(
                 action = None
                 for it, m in fetch:
                     if action is None:  # rows end where the stop was decided
-                        reward_error = failed_reward(m)
-                        if reward_error is not None:
+                        failure = failed_reward(m)
+                        if failure is not None:
                             action = "reward"
-                            stop_reward = (it, reward_error)
+                            stop_reward = (it, failure)
                             break
                         flush(it, m)
                         action = check()
@@ -462,7 +347,7 @@ def drive(
                     pending = None
                     it, err = stop_reward
                     if mgr is not None and accepted_none(it):
-                        state = restamp(state, len(rows[0]))
+                        state = prog.place(restamp(ckpt.host_copy(state), rows))
                         save(len(rows[0]))
                     reward_stop = f"{err}; last good state: {where_saved()}"
                     i = len(rows[0])
@@ -481,14 +366,8 @@ def drive(
                     pending = None
                     if not stacked:
                         save(len(rows[0]))
-                    where = f"checkpoint {last_saved} in {mgr.directory}" if mgr and last_saved >= 0 else (
-                        "not saved (write=False)" if mgr is None else "none yet")  # fmt: skip
                     n_skips = int(max(r[-1]["guard/consecutive_skips"] for r in rows))
-                    stop_error = (
-                        f"{n_skips} consecutive iterations skipped by the non-finite guard (NaN/inf in loss, "
-                        f"gradients, reward or KL; train.max_consecutive_skips={tc.max_consecutive_skips}); "
-                        f"last good state: {where}"
-                    )
+                    stop_error = skips_message(n_skips, tc.max_consecutive_skips, where_saved())
                     i = len(rows[0])
                     break
                 if sync:
@@ -505,21 +384,14 @@ def drive(
         if mgr is not None:
             ckpt.finish(mgr)  # wait + close; a second error on the way out is dropped
     elapsed = time.time() - t0
-    results = []
-    for j, c in enumerate(cfgs):
-        info = {"train_s": elapsed, "task": prog.task_info, "start_iteration": start, "iteration": i,
-                "stopped": stopped, "rollbacks": rollbacks,
-                "checkpoint": last_saved if last_saved >= 0 else None}  # fmt: skip
-        member_state = jax.tree.map(lambda x, j=j: x[j], state) if stacked else state
-        r = RunResult(c, dirs[j], columns(rows[j]), member_state, info)
-        if writers:  # process 0 only
-            writers[j].close(final_metrics(r.metrics, cfgs[j].diag.window), step=max(i - 1, 0))
-            (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
-        results.append(r)
+    info = {"train_s": elapsed, "task": prog.task_info, "start_iteration": start, "iteration": i,
+            "stopped": stopped, "rollbacks": rollbacks,
+            "checkpoint": last_saved if last_saved >= 0 else None}  # fmt: skip
+    out = results(cfgs, dirs, rows, state, stacked, info, writers, max(i - 1, 0))
     if reward_stop is not None:
         from klrl.rewards.host import RewardFunctionError
 
         err = RewardFunctionError(reward_stop)
-        err.result = results
+        err.result = out
         raise err
-    return results, stop_error
+    return out, stop_error

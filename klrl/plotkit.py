@@ -18,6 +18,11 @@ from klrl.results import RunResult
 
 ITERATIONS = "iteration (PPO iterations)"
 BAND_ALPHA = 0.2
+KL_SEQ = ("kl/exact_seq_sum", "kl/k1_seq_sum")
+KL_TOKEN = ("kl/exact_token_mean", "kl/k1_seq_token_mean")
+BETA = "ctrl/beta"
+TARGET = "ctrl/target"
+SMOOTH = 10  # the figures' default trailing mean (iterations)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -118,6 +118,19 @@ def rollback_beta(restored: float, current: float, factor: float) -> float:
     return max(restored, current) * factor
 
 
+def rollback_betas(restored: Any, current: Any, members: Sequence[int], factor: float) -> Any:
+    """The restored state's beta (``[]`` or ``[members]`` float32) with :func:`rollback_beta` applied
+    to the ``members`` whose metric crossed (``current``: the beta in force when it crossed)."""
+    import numpy as np
+
+    old = np.asarray(restored, np.float32).reshape(-1)
+    now = np.asarray(current, np.float32).reshape(-1)
+    beta = old.copy()
+    for j in members:
+        beta[j] = rollback_beta(float(old[j]), float(now[j]), factor)
+    return beta.reshape(np.shape(restored)).astype(np.float32)
+
+
 # ---- preemption ---------------------------------------------------------------------------------
 
 

@@ -1,0 +1,82 @@
+"""klrl.loop_files: a resume's cut back to its checkpoint, a rollback's move of rows, the saved
+rollback references, against files written by hand."""
+
+import json
+
+from klrl.config import RunConfig
+from klrl.io.resume import Resume
+from klrl.loop_files import (
+    ROLLED_BACK,
+    SAMPLES_ROLLED_BACK,
+    cut_to_checkpoint,
+    move_rolled_back,
+    rollback_bases,
+)
+
+
+def _rows(d, n, extra=b""):
+    lines = b"".join(
+        json.dumps({"iteration": i, "x": float(i), "alias/x": 0.0}).encode() + b"\n" for i in range(n)
+    )
+    (d / "metrics.jsonl").write_bytes(lines + extra)
+    samples = b"".join(json.dumps({"iteration": i, "text": "t"}).encode() + b"\n" for i in range(n))
+    (d / "samples.jsonl").write_bytes(samples)
+
+
+def test_cut_to_checkpoint_drops_rows_after_it(tmp_path):
+    _rows(tmp_path, 5, extra=b'{"iteration": 5, "x"')  # a torn last line
+    cfg = RunConfig()
+    resume = Resume(dir=tmp_path, step=3, meta={})
+    rows, writers, msg = cut_to_checkpoint(resume, 3, [cfg], [tmp_path], [], {"alias/x"}, main=True)
+    for w in writers:
+        w.close({}, step=0)
+    assert rows == [[{"iteration": i, "x": float(i)} for i in range(3)]]
+    assert msg == "resumed from checkpoint 3 (2 metrics lines after it dropped)"
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+        2,
+    ]
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+        2,
+    ]
+    assert json.loads((tmp_path / "config.json").read_text()) == cfg.to_dict()
+
+
+def test_cut_on_another_process_writes_nothing(tmp_path):
+    _rows(tmp_path, 4)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    resume = Resume(dir=tmp_path, step=2, meta={})
+    rows, writers, msg = cut_to_checkpoint(resume, 2, [RunConfig()], [tmp_path], [], set(), main=False)
+    assert len(rows[0]) == 2 and writers == [] and msg == ""
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before and not (tmp_path / "config.json").exists()
+
+
+def test_move_rolled_back_appends_and_truncates(tmp_path):
+    _rows(tmp_path, 5)
+    (tmp_path / ROLLED_BACK).write_bytes(b'{"old": 1}\n')
+    move_rolled_back([tmp_path], 2, main=True)
+    kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    moved = (tmp_path / ROLLED_BACK).read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in kept] == [0, 1]
+    assert moved[0] == '{"old": 1}' and [json.loads(x)["iteration"] for x in moved[1:]] == [2, 3, 4]
+    samples_moved = (tmp_path / SAMPLES_ROLLED_BACK).read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in samples_moved] == [2, 3, 4]
+
+
+def test_rollback_bases_saved_or_first_row():
+    traces = [[2.0, 1.0], [], [5.0]]
+    assert rollback_bases({"rollback_base": {"metric": "m", "values": [1.5, 2.5]}}, "m", traces) == [
+        1.5,
+        2.5,
+        5.0,
+    ]
+    assert rollback_bases({"rollback_base": {"metric": "other", "value": 9.0}}, "m", traces) == [
+        2.0,
+        None,
+        5.0,
+    ]
+    assert rollback_bases({"rollback_base": {"metric": "m", "value": 9.0}}, "m", traces[:1]) == [9.0]
+    assert rollback_bases({}, "m", traces) == [2.0, None, 5.0]
