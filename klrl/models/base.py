@@ -108,6 +108,16 @@ def forward(
     return model.apply(params, tokens, positions_from_mask(key_mask), causal_mask(key_mask), logits=logits)
 
 
+def lm_head(params: Params, hidden: Array, embedding: str, tied: bool, dtype: Any) -> Array:
+    """The LM head alone: final hidden states ``[..., D]`` (after the final norm) -> float32 logits
+    ``[..., V]`` in the compute ``dtype``: ``x @ E^T`` with ``E = params['params'][embedding]['embedding']``
+    (``tied``), else ``x @ params['params']['lm_head']['kernel']`` (the product flax's
+    ``Embed.attend`` / ``Dense`` compute in the families' ``apply``)."""
+    p = params["params"]
+    w = p[embedding]["embedding"].astype(dtype).T if tied else p["lm_head"]["kernel"].astype(dtype)
+    return jnp.dot(hidden.astype(dtype), w).astype(jnp.float32)
+
+
 def param_path(path: tuple) -> str:
     """A ``jax.tree_util`` key path as ``'a/b/c'``."""
     parts = []

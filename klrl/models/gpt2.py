@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput
+from klrl.models.base import LMOutput, lm_head
 from klrl.models.remat import check_mode, remat_block
 from klrl.models.sharding import split_rows
 
@@ -192,12 +192,7 @@ class GPT2:
     def head(self, params, hidden: Array) -> Array:
         """The LM head alone: final hidden states ``[..., D]`` (after ``ln_f``) -> float32 logits
         ``[..., V]``, the same product as :meth:`apply` (``x @ wte^T`` tied, else ``x @ lm_head``)."""
-        p = params["params"]
-        if self.config.tie_word_embeddings:
-            w = p["wte"]["embedding"].astype(self.dtype).T
-        else:
-            w = p["lm_head"]["kernel"].astype(self.dtype)
-        return jnp.dot(hidden.astype(self.dtype), w).astype(jnp.float32)
+        return lm_head(params, hidden, "wte", self.config.tie_word_embeddings, self.dtype)
 
     def init_cache(self, batch: int, length: int):
         c = self.config

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput
+from klrl.models.base import LMOutput, lm_head
 from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's config API)
     LlamaConfig,
     _layer_shapes,
@@ -200,12 +200,7 @@ class Llama:
         """The LM head alone: final hidden states ``[..., D]`` (after the final norm) -> float32
         logits ``[..., V]``, the same product as :meth:`apply` (``x @ E^T`` tied, else
         ``x @ lm_head``, in the compute dtype)."""
-        p = params["params"]
-        if self.config.tie_word_embeddings:
-            w = p["embed_tokens"]["embedding"].astype(self.dtype).T
-        else:
-            w = p["lm_head"]["kernel"].astype(self.dtype)
-        return jnp.dot(hidden.astype(self.dtype), w).astype(jnp.float32)
+        return lm_head(params, hidden, "embed_tokens", self.config.tie_word_embeddings, self.dtype)
 
     def init_cache(self, batch: int, length: int):
         c = self.config
