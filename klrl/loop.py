@@ -10,6 +10,8 @@ Layout: a single run keeps everything in its run directory; a sweep keeps ``swee
 ``task.json`` and ``checkpoints/`` in the sweep directory and one directory (config, metrics,
 events, summary) per member, named after its swept values (``member-XX`` in older sweeps).
 Metrics are fetched one step late (the host writes iteration ``i`` while the device runs ``i + 1``).
+The run directory's files are in :mod:`klrl.loop_files`, the stop lines and the reward-failure checks
+in :mod:`klrl.loop_stops`, :class:`Program` in :mod:`klrl.program`.
 """
 
 from __future__ import annotations
