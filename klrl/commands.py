@@ -243,11 +243,13 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
             fail(f"--distributed: {e}")
     if members is None:
         check_device_count(cfg)
+    from klrl.report import maybe_write_report  # (the command line attaches the report)
+
     try:
         if members is not None:
             resume = ns.resume if resume_sweep else None
-            return run_sweep(members, axes, cfg, ns.sweep_devices, resume)
-        return run_one(cfg, ns.resume if mode == "resume" else None)
+            return run_sweep(members, axes, cfg, ns.sweep_devices, resume, maybe_write_report)
+        return run_one(cfg, ns.resume if mode == "resume" else None, maybe_write_report)
     except OSError as e:
         if e.errno in _USER_ERRNOS:
             fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))

@@ -73,17 +73,20 @@ def guarded(call: Any) -> Any:
 
 
 def run_sweep(
-    members: list[RunConfig], axes: dict[str, Any], cfg: RunConfig, sweep_devices: int, resume: str | None
+    members: list[RunConfig],
+    axes: dict[str, Any],
+    cfg: RunConfig,
+    sweep_devices: int,
+    resume: str | None,
+    report: Any = None,
 ) -> int:
-    """A sweep as a command: its summary table and diagnoses printed (process 0); the exit status."""
+    """A sweep as a command (``report``: klrl.sweep's ``report=``): its summary table and diagnoses
+    printed (process 0); the exit status."""
     import jax
 
-    from klrl.report import maybe_write_report
     from klrl.sweep import summary_table, sweep
 
-    results = guarded(
-        lambda: sweep(members, sweep_devices=sweep_devices, resume=resume, report=maybe_write_report)
-    )
+    results = guarded(lambda: sweep(members, sweep_devices=sweep_devices, resume=resume, report=report))
     if results is None:
         return 130
     stopped = results[0].info.get("stopped")
@@ -106,13 +109,13 @@ def run_sweep(
     return 0
 
 
-def run_one(cfg: RunConfig, resume: str | None) -> int:
-    """One run as a command: its summary printed (process 0); the exit status."""
+def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
+    """One run as a command (``report``: klrl.run's ``report=``): its summary printed (process 0);
+    the exit status."""
     import klrl
     from klrl.distributed import is_main
-    from klrl.report import maybe_write_report
 
-    result = guarded(lambda: klrl.run(cfg, resume=resume, report=maybe_write_report))
+    result = guarded(lambda: klrl.run(cfg, resume=resume, report=report))
     if result is None:
         return 130
     stopped = result.info.get("stopped")
