@@ -64,6 +64,35 @@ def tiny_task(tiny_cfg):
     return make_task(tiny_cfg)
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf_run(tmp_path_factory):
+    """A 2-iteration run of the text task on the committed tiny GGUF (``tests/data/tiny_gguf``),
+    checkpointed every iteration; shared by tests/test_text.py (the saved policy) and
+    tests/test_export.py (its export), which only read its directory."""
+    import warnings
+
+    import klrl
+    from klrl.config import RunConfig
+    from klrl.data.prompts import PromptTruncationWarning
+
+    out = tmp_path_factory.mktemp("tiny-gguf-run")
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"path": str(Path(__file__).parent / "data" / "tiny_gguf" / "tiny.gguf")},
+            "task": {"name": "text"},
+            "data": {"prompt_len": 16, "limit": 8},
+            "sampling": {"response_len": 4},
+            "ppo": {"epochs": 1, "minibatches": 2},
+            "optim": {"lr": 1e-3},
+            "train": {"iterations": 2, "batch_size": 4, "out_dir": str(out), "name": "r", "quiet": True,
+                      "checkpoint_every": 1},
+        }
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTruncationWarning)
+        return klrl.run(cfg)
+
+
 # ---- helpers shared by the checkpoint and reliability tests -----------------------------------
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "run.py"

@@ -26,22 +26,10 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
         D.initialize(f"localhost:{port}", n_proc, proc_id)
     import jax
 
-    if n_proc > 1:  # the session's cached reference, read to host memory (see tests/test_distributed.py)
-        import orbax.checkpoint as ocp
+    if n_proc > 1:  # the session's cached reference, read to host memory (tests/host_cache.py)
+        import host_cache
 
-        from klrl.tasks import pretrain, wordclass
-
-        def cached(name, payload, build, cache_dir="", log=None):
-            path = pretrain.cache_root(cache_dir) / f"{name}-{pretrain.cache_key(payload)}"
-            ckptr = ocp.StandardCheckpointer()
-            meta = ckptr.metadata((path / "params").absolute())
-            tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-            target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
-            return ckptr.restore((path / "params").absolute(), target), json.loads(
-                (path / "info.json").read_text()
-            )
-
-        pretrain.cached = wordclass.cached = cached
+        host_cache.install()
 
     from klrl.config import RunConfig
     from klrl.models.llama import Llama, LlamaConfig

@@ -43,23 +43,12 @@ DRIVER = textwrap.dedent(
     assert jax.process_count() == n_proc and jax.process_index() == proc_id
     assert jax.device_count() == 4 and jax.local_device_count() == 4 // n_proc, jax.devices()
 
-    # The reference policy comes from the session's cache. klrl.tasks.pretrain.cached restores it
-    # with the single-device sharding it was saved with, which a multi-process run cannot address
-    # (orbax: 'Device cpu:0 was not found in jax.local_devices()'); until it restores to host
-    # NumPy itself, load the entry to host memory here (same files, same values).
-    import orbax.checkpoint as ocp
-    from klrl.tasks import pretrain, wordclass
+    # The reference policy comes from the session's cache, read to host memory: a multi-process
+    # run cannot address the single-device sharding it was saved with (tests/host_cache.py).
+    sys.path.insert(0, os.environ["KLRL_TESTS_DIR"])
+    import host_cache
 
-    def cached(name, payload, build, cache_dir="", log=None):
-        path = pretrain.cache_root(cache_dir) / f"{name}-{pretrain.cache_key(payload)}"
-        ckptr = ocp.StandardCheckpointer()
-        meta = ckptr.metadata((path / "params").absolute())
-        tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
-        params = ckptr.restore((path / "params").absolute(), target)
-        return params, json.loads((path / "info.json").read_text())
-
-    pretrain.cached = wordclass.cached = cached
+    host_cache.install()
 
     import klrl
     from klrl.config import RunConfig
@@ -94,7 +83,7 @@ def _launch(d: Path, resume_iterations: int | None = None, job: str = "") -> dic
     """Run the 1-process reference and the 2-process job together (each ``klrl.run`` of
     ``cfg{job}.json`` on its own run directory, or resuming it up to ``resume_iterations``); collect
     their dumps; kill whatever is left."""
-    base = dict(os.environ, JAX_PLATFORMS="cpu")
+    base = dict(os.environ, JAX_PLATFORMS="cpu", KLRL_TESTS_DIR=str(Path(__file__).resolve().parent))
     for k in ("XLA_FLAGS", "KLRL_COORDINATOR", "KLRL_NUM_PROCESSES", "KLRL_PROCESS_ID"):
         base.pop(k, None)
     port = _free_port()

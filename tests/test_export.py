@@ -115,27 +115,12 @@ def test_export_sweep_member(tiny_task, cache_dir, jax_cache, tmp_path, capsys):
     _equal_trees(load_gpt(tmp_path / "m1")[1], detach(jax.device_get(results[1].state.params["policy"]))[0])
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
-def test_export_pretrained_policy_as_hf_directory(tmp_path, capsys):
-    import klrl
-    from klrl.config import RunConfig
+def test_export_pretrained_policy_as_hf_directory(tiny_gguf_run, tmp_path, capsys):
     from klrl.io import checkpoint as ckpt
     from klrl.models import from_pretrained
     from klrl.models.heads import detach
 
-    cfg = RunConfig.from_dict(
-        {
-            "model": {"path": str(GGUF)},
-            "task": {"name": "text"},
-            "data": {"prompt_len": 16, "limit": 8},
-            "sampling": {"response_len": 4},
-            "ppo": {"epochs": 1, "minibatches": 2},
-            "optim": {"lr": 1e-3},
-            "train": {"iterations": 2, "batch_size": 4, "out_dir": str(tmp_path), "name": "r", "quiet": True,
-                      "checkpoint_every": 1},
-        }
-    )  # fmt: skip
-    result = klrl.run(cfg)
+    result = tiny_gguf_run  # the text task on the tiny GGUF, 2 iterations, checkpointed every iteration
     status, stdout, err = _klrl(["export", str(result.dir), str(tmp_path / "hf")], capsys)
     assert status == 0, err
     assert "HF directory" in stdout

@@ -61,24 +61,12 @@ def test_reward_model_reads_score_head_like_transformers():
     np.testing.assert_allclose(np.asarray(got), g["scores"][:, 0], atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
-def test_tiny_pretrained_end_to_end_saves_trained_policy(tmp_path):
-    import klrl
+def test_tiny_pretrained_end_to_end_saves_trained_policy(tiny_gguf_run):
+    """The 2-iteration run of conftest.tiny_gguf_run: its policy/ directory holds the trained parameters."""
     from klrl.models import from_pretrained
 
-    cfg = RunConfig.from_dict(
-        {
-            "model": {"path": str(GGUF)},
-            "task": {"name": "text"},
-            "data": {"prompt_len": 16, "limit": 8},
-            "sampling": {"response_len": 4},
-            "ppo": {"epochs": 1, "minibatches": 2},
-            "optim": {"lr": 1e-3},
-            "train": {"iterations": 2, "batch_size": 4, "out_dir": str(tmp_path), "name": "r", "quiet": True},
-        }
-    )
-    assert isinstance(cfg.data, DataConfig)
-    result = klrl.run(cfg)
+    result = tiny_gguf_run
+    assert isinstance(result.config.data, DataConfig)
     out = result.dir / "policy"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     _, start, _ = from_pretrained(GGUF)
