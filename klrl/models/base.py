@@ -113,9 +113,10 @@ def lm_head(params: Params, hidden: Array, embedding: str, tied: bool, dtype: An
     ``[..., V]`` in the compute ``dtype``: ``x @ E^T`` with ``E = params['params'][embedding]['embedding']``
     (``tied``), else ``x @ params['params']['lm_head']['kernel']`` (the product flax's
     ``Embed.attend`` / ``Dense`` compute in the families' ``apply``)."""
-    p = params["params"]
-    w = p[embedding]["embedding"].astype(dtype).T if tied else p["lm_head"]["kernel"].astype(dtype)
-    return jnp.dot(hidden.astype(dtype), w).astype(jnp.float32)
+    p, h = params["params"], hidden.astype(dtype)
+    if tied:  # contract with E's width directly: under autodiff `E.T` became a transposed copy of E
+        return jnp.einsum("...d,vd->...v", h, p[embedding]["embedding"].astype(dtype)).astype(jnp.float32)
+    return jnp.dot(h, p["lm_head"]["kernel"].astype(dtype)).astype(jnp.float32)
 
 
 def param_path(path: tuple) -> str:
