@@ -5,8 +5,10 @@
 Builds the workload, the train state, compiles the step (``memory_analysis()``: arguments, outputs,
 donated aliases and temporaries of the one compiled iteration) and runs ``--steps`` steps, printing
 the resident set size (``/proc/self/statm``) and the peak (``ru_maxrss``) after each stage and the
-train state's bytes by field. ``--compile-only`` compiles from ``jax.eval_shape`` of the state
-(nothing allocated for it) and skips the steps. Prints one JSON line; sizes in GiB.
+train state's bytes by field; for each step also its wall and process-CPU seconds, its minor page
+faults and system seconds (the pages it touches for the first time: the temporaries are mapped anew
+on every call). ``--compile-only`` compiles from ``jax.eval_shape`` of the state (nothing allocated
+for it) and skips the steps. Prints one JSON line; sizes in GiB.
 """
 
 from __future__ import annotations
@@ -74,8 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     stage("compiled")
     if not args.compile_only:
         for i in range(args.steps):
+            r0, t0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.process_time()
             state, metrics = jax.block_until_ready(compiled(state, env))
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
             stage(f"step{i}")
+            out["stages"][f"step{i}"].update(
+                wall_s=round(time.perf_counter() - t0, 2), cpu_s=round(time.process_time() - c0, 2),
+                minor_faults=r1.ru_minflt - r0.ru_minflt, system_s=round(r1.ru_stime - r0.ru_stime, 2),
+            )  # fmt: skip
     out["cpu"] = common.cpu_model()
     print(json.dumps(out), flush=True)
     return 0
