@@ -248,7 +248,7 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     try:
         if members is not None:
             resume = ns.resume if resume_sweep else None
-            return run_sweep(members, axes, cfg, ns.sweep_devices, resume, maybe_write_report)
+            return run_sweep(members, axes, ns.sweep_devices, resume, maybe_write_report)
         return run_one(cfg, ns.resume if mode == "resume" else None, maybe_write_report)
     except OSError as e:
         if e.errno in _USER_ERRNOS:

@@ -75,7 +75,6 @@ def guarded(call: Any) -> Any:
 def run_sweep(
     members: list[RunConfig],
     axes: dict[str, Any],
-    cfg: RunConfig,
     sweep_devices: int,
     resume: str | None,
     report: Any = None,
@@ -102,11 +101,8 @@ def run_sweep(
         print(f"train time {results[0].info['train_s']:.1f}s for {len(members)} members x {done} iterations")
         if stopped:
             root = results[0].dir.parent if results[0].dir is not None else None
-            print(f"stopped by {stopped} at iteration {results[0].info['iteration']} (checkpoint saved); "
-                  f"continue with: klrl resume {root}")  # fmt: skip
-    if stopped:
-        return 130 if stopped == "SIGINT" else 0
-    return 0
+            print(stopped_line(stopped, results[0].info["iteration"], root))
+    return exit_status(stopped)
 
 
 def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
@@ -128,8 +124,19 @@ def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
         done = result.info["iteration"] - result.info["start_iteration"]
         print(f"train time {result.info['train_s']:.1f}s for {done} iterations")
         if stopped:
-            print(f"stopped by {stopped} at iteration {result.info['iteration']} (checkpoint saved); "
-                  f"continue with: klrl resume {result.dir}")  # fmt: skip
-    if stopped:
-        return 130 if stopped == "SIGINT" else 0
-    return 0
+            print(stopped_line(stopped, result.info["iteration"], result.dir))
+    return exit_status(stopped)
+
+
+def stopped_line(stopped: str, iteration: int, where: Any) -> str:
+    """The summary's line for a run or sweep that stopped early (``stopped``: what stopped it)."""
+    return (
+        f"stopped by {stopped} at iteration {iteration} (checkpoint saved); "
+        f"continue with: klrl resume {where}"
+    )
+
+
+def exit_status(stopped: str | None) -> int:
+    """The exit status of a run or sweep that ended (``stopped``: the signal that stopped it, or
+    None): 130 after SIGINT, else 0."""
+    return 130 if stopped == "SIGINT" else 0

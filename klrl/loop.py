@@ -57,7 +57,6 @@ from klrl.results import RunResult, varying_fields
 from klrl.samples import due
 
 __all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
-_member_dirs = member_dirs  # (the name before klrl.loop_files)
 
 
 class _Stop(Exception):
