@@ -1,10 +1,10 @@
 """The types the stages of :mod:`klrl.train` exchange, the models and the frozen context they read,
-the initial state, the optimiser, and the iteration's metrics.
+the initial state, the optimiser and the iteration's keys and coefficients.
 
 Stages pass NamedTuples, not string-keyed dicts: :class:`~klrl.rollout.Rollout` (rollout) ->
 :class:`Scores` (scoring) -> :class:`Advantages` with its :class:`Batch` (what the update reads)
--> the update's statistics. :func:`iteration_metrics` turns one iteration into the flat metrics
-dict (slash names, KL unit in the name).
+-> the update's statistics (:mod:`klrl.update`); :func:`klrl.train_metrics.iteration_metrics`
+turns one iteration into the flat metrics dict.
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from klrl import kl as kl_lib
-from klrl import losses
 from klrl.advantages import needs_critic
 from klrl.chunked import use_chunks
 from klrl.config import RunConfig
-from klrl.control import KINDS, Controller, ControllerState
+from klrl.control import Controller, ControllerState
 from klrl.models.base import CausalLM
 from klrl.models.heads import ValueHead, attach
 from klrl.models.registry import get_family
 from klrl.models.remat import with_remat
-from klrl.parallel import SWEEP, average, gather, param_specs, total
+from klrl.parallel import SWEEP, param_specs
 from klrl.registry import ESTIMATORS
 from klrl.tasks.base import Task
 
@@ -276,6 +274,22 @@ class Context:
         return None if self.models.value is None else with_remat(self.models.value, self.cfg.model.remat)
 
 
+# ---- per-iteration pieces ---------------------------------------------------------------------------
+
+
+def iteration_keys(state: TrainState) -> tuple[Array, Array, Array]:
+    """(prompt, sampling, minibatch-permutation) keys of this iteration."""
+    k_prompt, k_sample, k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)
+    return k_prompt, k_sample, k_perm
+
+
+def coefs(ctx: Context, state: TrainState) -> tuple[Array, Array]:
+    """(reward-side beta, loss-side coefficient)."""
+    if ctx.drives_reward:
+        return state.ctrl.beta, state.other_coef
+    return state.other_coef, state.ctrl.beta
+
+
 # ---- init -------------------------------------------------------------------------------------------
 
 
@@ -348,86 +362,3 @@ def init_state(
     """:func:`initial_state` placed on ``mesh`` as ``step`` takes and returns it
     (:func:`state_shardings`): otherwise the second call recompiles."""
     return jax.device_put(initial_state(ctx, seed, beta), state_shardings(ctx, mesh))
-
-
-def iteration_metrics(
-    ctx: Any,
-    env: Any,
-    state: TrainState,
-    out: TrainState,
-    ok: Array,
-    ro: Any,
-    sc: Scores,
-    ad: Advantages,
-    stats: dict[str, Array],
-    kl_seen: Array,
-) -> dict[str, Array]:
-    """The flat metrics of one iteration (global means over the batch). ``state`` is the state the
-    iteration started from, ``out`` the one it leaves after the guard (the coefficients logged are
-    those ``out`` holds: a skipped iteration logs the beta kept, not the one rejected).
-
-    KL metrics (``k1_t = log pi(y_t) - log pi_ref(y_t)``, ``m`` the response mask, ``B`` sequences
-    over all devices, ``L_b = sum_t m_bt``):
-
-    * ``kl/k1_seq_sum = (1/B) sum_b sum_t m_bt k1_bt`` (nats/sequence);
-    * ``kl/k1_seq_token_mean = (1/B) sum_b (sum_t m_bt k1_bt) / max(L_b, 1)``: the mean over
-      sequences of per-sequence token means (nats/token), the unit a ``token_mean`` controller sees;
-    * ``kl/k1_token_mean = (sum_b sum_t m_bt k1_bt) / max(sum_b L_b, 1)``: the global per-token mean
-      over every response token on every device (nats/token; differs from the previous on ragged masks);
-    * ``kl/beta_x_k1_seq_sum = beta_r * kl/k1_seq_sum``: the size of the reward's KL penalty in k1
-      terms (nats/sequence times beta, comparable to ``reward/task``), ``beta_r`` the reward-side beta
-      this iteration's rewards were shaped with (before the controller's update);
-    * ``kl/reward_<est>_*`` the same two per-sequence reductions of the reward's estimator,
-      ``kl/exact_*`` of the exact full-vocabulary KL.
-
-    ``ctrl/target`` is logged only when some run of the program has an adaptive controller
-    (``ctx.log_target``); then a ``fixed`` member of a mixed sweep logs NaN (a fixed beta has no target).
-    """
-    cfg = ctx.cfg
-    kl_cfg, c_cfg = cfg.kl, cfg.ctrl
-    mask = ro.mask
-
-    def seq_mean(x):
-        return average(jnp.mean(x))
-
-    length = jnp.sum(mask, axis=-1)
-    k1, kl_reward, exact = ad.k1, ad.kl_reward, ad.exact
-    driven, other = out.ctrl.beta, out.other_coef
-    explained = (ad.batch.value, ad.batch.ret, mask)  # gathered for the metric
-    est = kl_cfg.estimator
-    k1_seq = seq_mean(kl_lib.seq_sum(k1, mask))
-    beta_r = state.ctrl.beta if ctx.drives_reward else state.other_coef
-    metrics = {
-        "reward/task": seq_mean(sc.task_reward),
-        "reward/shaped_mean": seq_mean(jnp.sum(ad.rewards, axis=-1)),
-        "kl/k1_seq_sum": k1_seq,
-        "kl/k1_seq_token_mean": seq_mean(kl_lib.token_mean(k1, mask)),
-        "kl/k1_token_mean": total(jnp.sum(kl_lib.seq_sum(k1, mask))) / jnp.maximum(total(jnp.sum(mask)), 1.0),
-        "kl/beta_x_k1_seq_sum": beta_r * k1_seq,
-        f"kl/reward_{est}_seq_sum": seq_mean(kl_lib.seq_sum(kl_reward, mask)),
-        f"kl/reward_{est}_token_mean": seq_mean(kl_lib.token_mean(kl_reward, mask)),
-        f"ctrl/kl_observed_{c_cfg.unit}": kl_seen,
-        "ctrl/beta": driven if ctx.drives_reward else other,
-        "ctrl/loss_coef": other if ctx.drives_reward else driven,
-        "response/length": seq_mean(length),
-        "response/eos_frac": seq_mean((length < ctx.r_len).astype(jnp.float32)),
-        "value/explained_variance": losses.explained_variance(*gather(explained))
-        if ctx.critic
-        else jnp.float32(0.0),
-        "eval/ref_ppl": jnp.exp(-total(jnp.sum(sc.ref_logp)) / jnp.maximum(total(jnp.sum(mask)), 1.0)),
-        **{k: seq_mean(v) for k, v in sc.evals.items() if not k.startswith("_")},
-        **stats,
-    }
-    if exact is not None:  # kl.exact_metric (or a `full` estimator)
-        metrics["kl/exact_seq_sum"] = seq_mean(kl_lib.seq_sum(exact, mask))
-        metrics["kl/exact_token_mean"] = seq_mean(kl_lib.token_mean(exact, mask))
-    if ctx.log_target:
-        p = state.ctrl.params
-        metrics["ctrl/target"] = jnp.where(p.kind == KINDS.index("fixed"), jnp.nan, p.target)
-    batch_eval = ctx.task.batch_eval_fn
-    if batch_eval is not None:
-        tokens_only = ro._replace(logits=None, value=None, hidden=None)  # batch metrics read tokens only
-        metrics.update(batch_eval(env, gather(tokens_only), gather(sc.task_reward), gather(sc.evals)))
-    metrics["guard/skipped"] = (~ok).astype(jnp.float32)
-    metrics["guard/consecutive_skips"] = out.skipped.astype(jnp.float32)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}

@@ -1,4 +1,4 @@
-"""The PPO loss as a whole (``klrl.train.ppo_loss``, what the update differentiates) against an
+"""The PPO loss as a whole (``klrl.update.ppo_loss``, what the update differentiates) against an
 independent NumPy reference written here: clipped surrogate + entropy bonus + clipped value loss +
 the KL-in-loss term, each ``kl.loss_agg``, the token/sequence normalisation, temperature, the value
 head on the trunk and a separate value model. The model's forward is not under test: its logits and
