@@ -24,7 +24,7 @@ ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
 UNITS = ("seq_sum", "token_mean")
 LOSS_AGGS = ("token_mean", "seq_mean")
 
-# The metric names klrl writes (klrl/train.py's metrics dict and update statistics, the tasks'
+# The metric names klrl writes (klrl/train_metrics.py's metrics dict, klrl/update.py's statistics, the tasks'
 # evaluations, the non-finite guard); templated names expanded over their allowed values.
 KLRL_METRICS: frozenset[str] = frozenset(
     {

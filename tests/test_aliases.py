@@ -32,7 +32,7 @@ def _config_fields() -> set[str]:
 
 
 # the modules of the compiled step that name its metrics
-TRAIN_SOURCES = [ROOT / "klrl" / "train.py", ROOT / "klrl" / "train_parts.py"]
+TRAIN_SOURCES = [ROOT / "klrl" / f for f in ("train.py", "train_parts.py", "train_metrics.py", "update.py")]
 
 
 def _source_metric_names() -> tuple[set[str], list[re.Pattern]]:
