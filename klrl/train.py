@@ -67,14 +67,13 @@ from klrl.train_parts import (
     state_shardings,
     where,
 )
-from klrl.update import minibatch_rows, ppo_loss, update_phase
+from klrl.update import ppo_loss, update_phase
 
 Array = jax.Array
 
 __all__ = [
     "Advantages", "Batch", "Context", "Models", "Phases", "Scores", "Train", "TrainState",
-    "build_models", "make_optimizer", "make_train", "minibatch_rows", "ppo_loss", "set_learning_rate",
-    "update_phase",
+    "build_models", "make_optimizer", "make_train", "ppo_loss", "set_learning_rate", "update_phase",
 ]  # fmt: skip
 
 

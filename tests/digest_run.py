@@ -106,10 +106,5 @@ if __name__ == "__main__":
     if "--write" in sys.argv[2:]:  # merge into the recorded file (run once per device count)
         path = Path(__file__).resolve().parent / "data" / "digest.json"
         old = json.loads(path.read_text()) if path.exists() else {}
-        old = {
-            k: v
-            for k, v in old.items()
-            if isinstance(v, dict) or (isinstance(v, list) and v and isinstance(v[0], dict))
-        }
         path.write_text(json.dumps({**old, **result}, indent=None, sort_keys=True) + "\n")
     print(json.dumps(result))
