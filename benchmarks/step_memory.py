@@ -1,6 +1,6 @@
 """Where the step's memory goes: the compiled program's buffers and the process's RSS by stage.
 
-    python benchmarks/step_memory.py [--workload smollm2] [--steps 2] [--compile-only]
+    python benchmarks/step_memory.py [--workload smollm2] [--steps 2] [--compile-only] [--remat MODE]
 
 Builds the workload, the train state, compiles the step (``memory_analysis()``: arguments, outputs,
 donated aliases and temporaries of the one compiled iteration) and runs ``--steps`` steps, printing
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="smollm2", choices=common.WORKLOADS)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--remat", default=None, choices=("none", "block", "full"), help="set model.remat")
     args = ap.parse_args(argv)
     out: dict = {"workload": args.workload, "stages": {}}
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         common.log(f"[{name}] rss {rss_gib()} GiB, peak {peak_gib()} GiB")
 
     cfg, task = common.build_workload(args.workload)
+    cfg = cfg.replace(model={"remat": args.remat}) if args.remat else cfg
+    out["model_remat"] = cfg.model.remat
     stage("workload")
     train = make_train(cfg, task, **value_models(cfg, task))
     env = train.context.task.env
