@@ -34,6 +34,7 @@ from klrl.config import (
     TaskConfig,
     TrainConfig,
 )
+from klrl.hostmem import release_freed_memory
 from klrl.models.gpt import matmul_flops
 from klrl.tasks.base import Task
 from klrl.train import Train, make_train
@@ -315,6 +316,7 @@ def measure(
     t2 = time.perf_counter()
     lower_s, compile_s = t1 - t0, t2 - t0
     log(f"[{name}] compiled in {compile_s:.1f} s (lowering {lower_s:.1f} s)")
+    release_freed_memory()  # the compiler's freed heap, as the run loop does (klrl.hostmem)
 
     t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(step(state, env))

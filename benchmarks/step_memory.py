@@ -1,14 +1,17 @@
 """Where the step's memory goes: the compiled program's buffers and the process's RSS by stage.
 
-    python benchmarks/step_memory.py [--workload smollm2] [--steps 2] [--compile-only] [--remat MODE]
+    python benchmarks/step_memory.py [--workload smollm2] [--steps 2] [--compile-only]
+                                     [--remat MODE] [--no-trim]
 
 Builds the workload, the train state, compiles the step (``memory_analysis()``: arguments, outputs,
-donated aliases and temporaries of the one compiled iteration) and runs ``--steps`` steps, printing
-the resident set size (``/proc/self/statm``) and the peak (``ru_maxrss``) after each stage and the
-train state's bytes by field; for each step also its wall and process-CPU seconds, its minor page
-faults and system seconds (the pages it touches for the first time: the temporaries are mapped anew
-on every call). ``--compile-only`` compiles from ``jax.eval_shape`` of the state (nothing allocated
-for it) and skips the steps. Prints one JSON line; sizes in GiB.
+donated aliases and temporaries of the one compiled iteration), hands the compiler's freed heap
+back (:func:`klrl.hostmem.release_freed_memory`, as the run loop does; ``--no-trim``: not) and runs
+``--steps`` steps, printing the resident set size (``/proc/self/statm``) and the peak
+(``ru_maxrss``) after each stage and the train state's bytes by field; for each step also its wall
+and process-CPU seconds, its minor page faults and system seconds (the pages it touches for the
+first time: the temporaries are mapped anew on every call). ``--compile-only`` compiles from
+``jax.eval_shape`` of the state (nothing allocated for it) and skips the steps. Prints one JSON
+line; sizes in GiB.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import common
 import jax
 
+from klrl.hostmem import release_freed_memory
 from klrl.tasks.text import value_models
 from klrl.train import make_train
 
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="smollm2", choices=common.WORKLOADS)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--no-trim", action="store_true", help="keep the compiler's freed heap (no malloc_trim)")
     ap.add_argument("--remat", default=None, choices=("none", "block", "full"), help="set model.remat")
     args = ap.parse_args(argv)
     out: dict = {"workload": args.workload, "stages": {}}
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         "aliased": round(ma.alias_size_in_bytes / GIB, 3),
         "temporaries": round(ma.temp_size_in_bytes / GIB, 3),
     }
+    if not args.no_trim:
+        release_freed_memory()  # the compiler's freed heap, as the run loop does (klrl.hostmem)
     stage("compiled")
     if not args.compile_only:
         for i in range(args.steps):

@@ -29,6 +29,7 @@ import numpy as np
 from klrl import distributed, reliability
 from klrl.config import ConfigError
 from klrl.host_metrics import alias_map, latest, learning_rates, member_row, timings, with_aliases
+from klrl.hostmem import release_freed_memory
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import MetricsWriter, Progress, new_run_dir, sweep_progress
 from klrl.io.resume import Resume
@@ -323,7 +324,10 @@ def drive(
                         reward_stop = f"{err} (held-out evaluation); last good state: {where_saved()}"
                         break
                 if not stopping and i < tc.iterations:
+                    release_freed_memory()  # freed heap (compiles, checkpoints) back before the step
                     state, metrics = prog.step(state, prog.env)
+                    if i == start:  # the call compiled the step: its heap, while the step runs
+                        release_freed_memory()
                     i += 1
                     every = tc.checkpoint_every
                     sync = i == tc.iterations or (every > 0 and i % every == 0)
@@ -384,6 +388,7 @@ def drive(
             sample_log.close()
         if mgr is not None:
             ckpt.finish(mgr)  # wait + close; a second error on the way out is dropped
+        release_freed_memory()  # (the saves' freed heap, before the export and the report)
     elapsed = time.time() - t0
     info = {"train_s": elapsed, "task": prog.task_info, "start_iteration": start, "iteration": i,
             "stopped": stopped, "rollbacks": rollbacks,
