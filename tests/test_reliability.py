@@ -506,6 +506,9 @@ def test_second_sigint_exits_at_once(tiny_task, cache_dir, jax_cache, tmp_path):
     args = [*cli_args(cfg), "--train.out_dir", str(tmp_path), "--train.name", "r"]
     p = _start(args, jax_cache, "iterations", slow_exit=3.0)
     p.send_signal(signal.SIGINT)
+    deadline = time.time() + 60  # under load the first checkpoint can take longer than the 0.3 s below
+    while _latest(tmp_path / "r") is None and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
     time.sleep(0.3)
     t0 = time.time()
     p.send_signal(signal.SIGINT)
