@@ -1,4 +1,4 @@
-"""Host memory the compiler leaves behind.
+"""Host memory the compiler and the checkpoints leave behind.
 
 XLA's compiler allocates and frees many small objects while it compiles a program; glibc keeps the
 freed pages of its heap resident (they count in the process's RSS) until the top of the heap is
@@ -23,13 +23,15 @@ import functools
 
 @functools.cache
 def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none."""
     name = ctypes.util.find_library("c")
+    if not name:
+        return None
     try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
+        fn = ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):
         return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
 
 
