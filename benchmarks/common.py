@@ -192,7 +192,9 @@ def iteration_flops(cfg: RunConfig, task: Task, reward_model: bool | None = None
     """Matmul FLOPs of one iteration, by part (see NOTES.md for the formula).
 
     ``reward_model``: whether the task's reward is a forward of a GPT of ``cfg.model`` without LM
-    head (default: true for the ``peer`` task).
+    head (default: true for the ``peer`` task and a pretrained model's ``text`` task; :func:`measure`
+    passes false when the reward is read from the reference's forward,
+    ``Context.reward_on_reference``).
     """
     m, v = cfg.model, task.vocab_size
     b, p, r = cfg.train.batch_size, task.prompt_len, cfg.sampling.response_len
@@ -354,7 +356,9 @@ def measure(
         phases = phases_first = {}
 
     b, p, r = cfg.train.batch_size, task.prompt_len, cfg.sampling.response_len
-    flops = iteration_flops(cfg, task)
+    # a reward model on the frozen reference's trunk is read from the reference's forward: no own trunk
+    shared = bool(getattr(train.context, "reward_on_reference", False))
+    flops = iteration_flops(cfg, task, reward_model=False if shared else None)
     achieved = flops["total"] / it_s
     return {
         "workload": name,
@@ -383,6 +387,7 @@ def measure(
         "peak_rss_mb_before_phases": rss_iterations,
         "flops_per_iteration": flops["total"],
         "flops_by_part": {k: v for k, v in flops.items() if k != "total"},
+        "reward_on_reference": shared,
         "phase_flops_per_s": {
             "rollout": flops["rollout"] / phases["rollout"],
             "scoring": (flops["reference"] + flops["value"] + flops["reward"]) / phases["scoring"],

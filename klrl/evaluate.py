@@ -50,11 +50,15 @@ def heldout_metrics(train: Any, state: Any, env: Any) -> dict[str, jax.Array]:
                   task.pad_id, False, value_head=head)  # fmt: skip
     ro = ro._replace(prompt_idx=jnp.arange(n, dtype=jnp.int32))
     m = ro.mask
-    reward = task.heldout.reward.fn(env, ro)
+    tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, m)
+    ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask)
+    if ctx.reward_on_reference and task.heldout.reward is task.reward:  # as the train step reads it
+        reward = task.reward.from_hidden(env, ro, ref_out.hidden)
+    else:
+        reward = task.heldout.reward.fn(env, ro)
     if cfg.reward.missing_eos_penalty:
         reward = missing_eos_penalty(reward, ro.response, m, ctx.stop_ids, cfg.reward.missing_eos_penalty)
-    tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, m)
-    ref = response_slice(forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits, p, r)
+    ref = response_slice(ref_out.logits, p, r)
     ref_logp = token_logprobs(ref, ro.response) * m
     out = {
         "reward": jnp.mean(reward),

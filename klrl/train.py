@@ -105,13 +105,13 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
     tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
     ref_hidden = exact = full = None
     if ctx.chunked:  # no [B, R, V] logits (klrl.chunked)
-        ref_h = forward(ctx.models.policy, state.ref_params, tokens, key_mask, logits=False).hidden
-        ref_h = response_slice(ref_h, ctx.p_len, ctx.r_len)
+        ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask, logits=False)
+        ref_h = response_slice(ref_out.hidden, ctx.p_len, ctx.r_len)
         ref_logits, (ref_logp, exact, full) = None, score_terms(ctx, state, ro, ref_h)
         ref_hidden = ref_h if ctx.full_in_loss else None
     else:
-        ref = forward(ctx.models.policy, state.ref_params, tokens, key_mask).logits
-        ref_logits = response_slice(ref, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
+        ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask)
+        ref_logits = response_slice(ref_out.logits, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
         ref_logp = token_logprobs(ref_logits, ro.response) * mask
     if ctx.separate:
         old_value = value_out(ctx, state.params["value"], tokens, key_mask) * mask
@@ -120,7 +120,10 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
     else:
         old_value = jnp.zeros_like(mask)
     evaluate = ctx.task.eval_fn
-    task_reward = ctx.task.reward_fn(env, ro)
+    if ctx.reward_on_reference:  # its trunk is the reference's: read from the forward above
+        task_reward = ctx.task.reward.from_hidden(env, ro, ref_out.hidden)
+    else:
+        task_reward = ctx.task.reward_fn(env, ro)
     if ctx.cfg.reward.missing_eos_penalty:  # static: off leaves the program as it was
         task_reward = missing_eos_penalty(
             task_reward, ro.response, mask, ctx.stop_ids, ctx.cfg.reward.missing_eos_penalty

@@ -291,6 +291,27 @@ class Context:
         """The separate value trunk as the update differentiates it (``model.remat``)."""
         return None if self.models.value is None else with_remat(self.models.value, self.cfg.model.remat)
 
+    @property
+    def reward_on_reference(self) -> bool:
+        """The task's reward model reads the frozen reference's trunk, so the scoring takes the reward
+        from the reference's forward (``JaxReward.from_hidden``) instead of running its trunk again:
+        its ``trunk`` is the policy model and the very arrays of ``policy_params`` (the reference's
+        initial parameters), the reference stays frozen (``kl.ref_update_every`` 0) and is stored in
+        those arrays' dtype (``model.ref_dtype``). The same numbers, one trunk forward less."""
+        r = self.task.reward
+        trunk = getattr(r, "trunk", None)
+        if getattr(r, "from_hidden", None) is None or trunk is None or self.cfg.kl.ref_update_every > 0:
+            return False
+        model, params = trunk
+        if model is not self.models.policy and model != self.models.policy:
+            return False
+        mine, theirs = jax.tree.leaves(params), jax.tree.leaves(self.policy_params)
+        if jax.tree.structure(params) != jax.tree.structure(self.policy_params):
+            return False
+        ref_dt = jnp.bfloat16 if self.cfg.model.ref_dtype == "bfloat16" else jnp.float32
+        same = all(a is b for a, b in zip(mine, theirs, strict=True))
+        return same and all(x.dtype == ref_dt for x in theirs if jnp.issubdtype(x.dtype, jnp.floating))
+
 
 # ---- per-iteration pieces ---------------------------------------------------------------------------
 

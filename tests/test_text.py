@@ -185,3 +185,79 @@ def test_model_path_on_the_default_task_selects_the_text_task():
     assert cfg(**{"model.path": str(GGUF)}).task.name == "text"
     assert cfg(**{"model.path": str(GGUF), "task.name": "wordclass"}).task.name == "wordclass"
     assert cfg().task.name == "testbed"
+
+
+def _text_cfg(**model) -> RunConfig:
+    return RunConfig.from_dict(
+        {"model": {"path": str(GGUF), **model}, "task": {"name": "text"},
+         "data": {"prompt_len": 16, "limit": 8}, "sampling": {"response_len": 4}, "train": {"batch_size": 4}}
+    )  # fmt: skip
+
+
+def _n_dots(fn, *args) -> int:
+    """The matmuls of ``fn``'s program (its jaxpr's ``dot_general`` equations, every sub-jaxpr too)."""
+    from jax.extend.core import jaxprs_in_params
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name == "dot_general"
+            for sub in jaxprs_in_params(eqn.params):
+                n += count(sub)
+        return n
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+@pytest.mark.parametrize("logits", ["full", "chunked"])
+def test_reward_on_the_policy_trunk_is_read_from_the_reference_forward(logits):
+    """A reward model on the policy's trunk (``model.reward_path`` empty): the scoring reads it from
+    the reference's forward, with one trunk's matmuls fewer than when the reward runs its own
+    forward, and gives what the reward model's own forward (``JaxReward.fn``) gives on the rollout."""
+    import dataclasses
+
+    from jax.sharding import PartitionSpec as P
+
+    from klrl.tasks.text import make_text_task
+    from klrl.train import make_train
+
+    cfg = _text_cfg(logits=logits)
+    task = make_text_task(cfg)
+    train = make_train(cfg, task)
+    own = make_train(cfg, task, reward=dataclasses.replace(task.reward, trunk=None))
+    assert train.context.reward_on_reference and not own.context.reward_on_reference
+
+    def on_mesh(tr, fn):
+        return lambda *a: jax.shard_map(
+            fn, mesh=tr.mesh, in_specs=(P(),) * len(a), out_specs=P(), check_vma=False
+        )(*a)
+
+    state, env = train.init(0), task.env
+    ro = jax.jit(on_mesh(train, train.phases.rollout))(state, env)
+    got = jax.jit(on_mesh(train, train.phases.score))(state, env, ro).task_reward
+    want = jax.jit(task.reward.fn)(env, ro)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert float(np.std(np.asarray(want))) > 0  # the rows differ: the comparison says something
+    shared = _n_dots(on_mesh(train, train.phases.score), state, env, ro)
+    separate = _n_dots(on_mesh(own, own.phases.score), state, env, ro)
+    assert separate - shared >= 7  # q, k, v, o, gate, up, down of the reward trunk's (scanned) layer
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_reward_reads_the_reference_only_when_it_is_the_same_frozen_trunk():
+    """The shared forward is taken only when the reward's trunk is the reference: not when the
+    reference is refreshed, stored in bfloat16, or starts from other parameters; ``model.reward_path``
+    naming the policy's own file shares the policy's arrays."""
+    from klrl.tasks.text import make_text_task
+    from klrl.train import make_train
+
+    cfg = _text_cfg()
+    task = make_text_task(cfg)
+    assert make_train(cfg, task).context.reward_on_reference
+    same_file = make_text_task(cfg.replace(model={"reward_path": str(GGUF)}))
+    assert make_train(cfg, same_file).context.reward_on_reference
+    assert not make_train(cfg.replace(kl={"ref_update_every": 2}), task).context.reward_on_reference
+    assert not make_train(cfg.replace(model={"ref_dtype": "bfloat16"}), task).context.reward_on_reference
+    other = jax.tree.map(jnp.copy, task.policy_params)
+    assert not make_train(cfg, task, policy_params=other).context.reward_on_reference

@@ -91,6 +91,14 @@ class JaxReward:
     # host-side check the run loop calls when an iteration was rejected: raises (one line) if a host
     # reward function failed (:meth:`klrl.rewards.host.HostReward.check`); None for in-graph rewards
     check: Callable[[], None] | None = None
+    # A reward model whose trunk is a causal LM's: ``from_hidden(env, rollout, hidden) -> [B]`` is
+    # ``fn`` given that trunk's final hidden states ``[B, P + R, D]`` over prompt + response, and
+    # ``trunk = (model, parameter tree)`` names the trunk. When it is the train step's frozen
+    # reference (the same model and the same parameter arrays, see
+    # :attr:`klrl.train_parts.Context.reward_on_reference`) the step reads the reward from the
+    # reference forward it runs anyway: one trunk forward less per iteration, the same numbers.
+    from_hidden: Callable[[Any, Any, Array], Array] | None = None
+    trunk: tuple[Any, Any] | None = None
     kind = "jax"
 
 

@@ -10,8 +10,10 @@
   :class:`~klrl.tasks.base.JaxReward`; its parameters travel in ``env['reward_params']``):
   ``model.reward_path`` an HF ``*ForSequenceClassification`` directory (its bias-free ``score``
   head, ``r = score . h_last``, as transformers reads it at the last non-pad token), or a causal LM
-  (its trunk with a fresh scalar head); ``model.reward_path=''`` takes the policy's trunk with a
-  fresh scalar head.
+  (its trunk with a fresh scalar head); ``model.reward_path=''`` (or ``model.path`` itself) takes the
+  policy's trunk with a fresh scalar head. Such a reward model's trunk is then the frozen reference:
+  the train step reads the reward from the reference's forward (one trunk forward less per
+  iteration; :attr:`klrl.train_parts.Context.reward_on_reference`).
 * **Host text rewards** (``reward.fn``, ``reward.weights``): instead of a reward model, text
   rewards on the decoded responses (:func:`host_text_reward`).
 * **Value model** (:func:`value_models`): ``model.value_model=head`` is a head on the policy
@@ -83,25 +85,34 @@ def reward_model(cfg: RunConfig, policy: Any = None, policy_params: Any = None, 
             )
         head = {"kernel": jnp.asarray(score.T), "bias": jnp.zeros((1,), jnp.float32)}
         return model, attach(params, head)
-    if path:
+    if path and not (policy is not None and cfg.model.path and _same_file(path, cfg.model.path)):
         model, params, _ = _load(path, dtype)
-    else:
-        model, params = policy, policy_params  # shared buffers: the env is never donated
+    else:  # the policy's own checkpoint: its buffers, shared (the env is never donated)
+        model, params = policy, policy_params
     head = ScalarHead(model.hidden_size).init(jax.random.key(seed))
     return model, attach(params, head)
 
 
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def model_reward(model: Any, params: Any) -> JaxReward:
-    """A :class:`JaxReward`: the scalar head at the last real response token of prompt + response."""
+    """A :class:`JaxReward`: the scalar head at the last real response token of prompt + response.
+    It names its trunk (``JaxReward.trunk``), so a train step whose frozen reference is that trunk
+    reads the reward from the reference's hidden states (``JaxReward.from_hidden``)."""
     head = ScalarHead(model.hidden_size)
+
+    def from_hidden(env: Any, ro: Rollout, hidden: Array) -> Array:
+        return head.score(detach(env["reward_params"])[1], hidden, ro.mask)
 
     def reward_fn(env: Any, ro: Rollout) -> Array:
         tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, ro.mask)
-        trunk, head_params = detach(env["reward_params"])
-        hidden = forward(model, trunk, tokens, key_mask, logits=False).hidden
-        return head.score(head_params, hidden, ro.mask)
+        trunk = detach(env["reward_params"])[0]
+        return from_hidden(env, ro, forward(model, trunk, tokens, key_mask, logits=False).hidden)
 
-    return JaxReward(reward_fn, {"reward_params": params})
+    trunk = (model, detach(params)[0])
+    return JaxReward(reward_fn, {"reward_params": params}, from_hidden=from_hidden, trunk=trunk)
 
 
 def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> JaxReward:
