@@ -183,6 +183,7 @@ def shard_step(
     sweep: bool = False,
     donate: bool = True,
     state_shardings: Any = None,
+    kept: str | None = None,
 ) -> Callable:
     """``jit(shard_map(fn))`` for ``fn(state, env) -> (state, metrics)``.
 
@@ -192,19 +193,88 @@ def shard_step(
     ``NamedSharding`` pytree like the state, default: replicated or split over ``sweep``) are the
     jit's in and out shardings of the state: over ``fsdp``/``tensor`` the compiler partitions.
     The environment (prompt pool, frozen reward model) is replicated. The state is donated.
+
+    ``kept``: the name of a state field (a NamedTuple's) that ``fn`` returns unchanged, e.g. a frozen
+    reference: it is passed to the program as its own argument, neither donated nor returned, and
+    the returned state holds the very arrays it was given (:class:`KeptStep`). So those arrays may
+    be shared with other owners (the task's loaded parameters), where a donated field must be a copy.
     """
     spec = P(SWEEP) if sweep else P()
     # fsdp/tensor of size 1: the body is manual over every axis, the data-parallel program of before
     manual = {n for n in mesh.axis_names if n in MANUAL or mesh.shape[n] == 1}
-    mapped = jax.shard_map(
-        fn, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec), axis_names=manual, check_vma=False
-    )
     if state_shardings is None:
         state_shardings = NamedSharding(mesh, spec)
     metric = NamedSharding(mesh, spec)
-    return jax.jit(
+    if kept is None:
+        mapped = jax.shard_map(
+            fn, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec), axis_names=manual, check_vma=False
+        )
+        return jax.jit(
+            mapped,
+            in_shardings=(state_shardings, None),
+            out_shardings=(state_shardings, metric),
+            donate_argnums=(0,) if donate else (),
+        )
+
+    def split(shardings: Any) -> tuple[Any, Any]:
+        if isinstance(shardings, NamedSharding):
+            return shardings, shardings
+        return shardings._replace(**{kept: None}), getattr(shardings, kept)
+
+    def fn_kept(rest: Any, field: Any, env: Any) -> tuple[Any, Any]:
+        new, metrics = fn(rest._replace(**{kept: field}), env)
+        return new._replace(**{kept: None}), metrics
+
+    rest_sh, kept_sh = split(state_shardings)
+    mapped = jax.shard_map(
+        fn_kept, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec), axis_names=manual,
+        check_vma=False,
+    )  # fmt: skip
+    jitted = jax.jit(
         mapped,
-        in_shardings=(state_shardings, None),
-        out_shardings=(state_shardings, metric),
+        in_shardings=(rest_sh, kept_sh, None),
+        out_shardings=(rest_sh, metric),
         donate_argnums=(0,) if donate else (),
     )
+    return KeptStep(jitted, kept)
+
+
+class KeptStep:
+    """``step(state, env)`` around ``jitted(state without field, field, env)``: the state's field
+    ``kept`` is handed in as its own (not donated) argument and put back, the same arrays, into the
+    returned state. ``lower(state, env).compile()`` gives the same wrapping around the compiled
+    program (its other attributes, e.g. ``memory_analysis``, are the program's)."""
+
+    def __init__(self, jitted: Callable, kept: str) -> None:
+        self._fn, self._kept = jitted, kept
+
+    def _args(self, state: Any, env: Any) -> tuple[Any, Any, Any]:
+        return state._replace(**{self._kept: None}), getattr(state, self._kept), env
+
+    def __call__(self, state: Any, env: Any) -> tuple[Any, Any]:
+        new, metrics = self._fn(*self._args(state, env))
+        return new._replace(**{self._kept: getattr(state, self._kept)}), metrics
+
+    def lower(self, state: Any, env: Any) -> Any:
+        return _KeptStage(self._fn.lower(*self._args(state, env)), self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+
+class _KeptStage:
+    """A lowered or compiled :class:`KeptStep`: ``compile()`` and calls keep the wrapping."""
+
+    def __init__(self, stage: Any, step: KeptStep) -> None:
+        self._stage, self._step = stage, step
+
+    def compile(self, *args: Any, **kwargs: Any) -> _KeptStage:
+        return _KeptStage(self._stage.compile(*args, **kwargs), self._step)
+
+    def __call__(self, state: Any, env: Any) -> tuple[Any, Any]:
+        kept = self._step._kept
+        new, metrics = self._stage(*self._step._args(state, env))
+        return new._replace(**{kept: getattr(state, kept)}), metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stage, name)

@@ -312,7 +312,7 @@ def make_train(
     shardings = state_shardings(ctx, mesh)
     return Train(
         init=partial(init_state, ctx, mesh),
-        step=shard_step(one, mesh, state_shardings=shardings),
+        step=shard_step(one, mesh, state_shardings=shardings, kept="ref_params" if ctx.ref_frozen else None),
         shard_step=one,
         loss=partial(ppo_loss, ctx),
         policy=policy,

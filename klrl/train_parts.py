@@ -98,9 +98,9 @@ class Phases(NamedTuple):
 
 
 class Train(NamedTuple):
-    init: Any  # (seed | key, beta=None) -> TrainState
-    step: Any  # jitted (state, env) -> (state, metrics)
-    shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping
+    init: Any  # (seed | key, beta=None) -> TrainState (a frozen reference: the task's arrays, not a copy)
+    step: Any  # jitted (state, env) -> (state, metrics): donates the state but a frozen reference
+    shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping (donate no init'ed ref)
     loss: Any  # (params, minibatch: Batch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss
     policy: Any  # the policy's CausalLM
     value_model: Any  # the separate value trunk, or None
@@ -292,6 +292,11 @@ class Context:
         return None if self.models.value is None else with_remat(self.models.value, self.cfg.model.remat)
 
     @property
+    def ref_frozen(self) -> bool:
+        """The reference never changes (``kl.ref_update_every`` 0): the step passes it through."""
+        return self.cfg.kl.ref_update_every <= 0
+
+    @property
     def reward_on_reference(self) -> bool:
         """The task's reward model reads the frozen reference's trunk, so the scoring takes the reward
         from the reference's forward (``JaxReward.from_hidden``) instead of running its trunk again:
@@ -300,7 +305,7 @@ class Context:
         those arrays' dtype (``model.ref_dtype``). The same numbers, one trunk forward less."""
         r = self.task.reward
         trunk = getattr(r, "trunk", None)
-        if getattr(r, "from_hidden", None) is None or trunk is None or self.cfg.kl.ref_update_every > 0:
+        if getattr(r, "from_hidden", None) is None or trunk is None or not self.ref_frozen:
             return False
         model, params = trunk
         if model is not self.models.policy and model != self.models.policy:
@@ -333,11 +338,15 @@ def coefs(ctx: Context, state: TrainState) -> tuple[Array, Array]:
 
 
 def as_ref_dtype(ctx: Context, tree: Any) -> Any:
-    """``tree``'s floating leaves in the reference's storage dtype (``model.ref_dtype``), as new
-    buffers (the step donates the state)."""
+    """``tree``'s floating leaves in the reference's storage dtype (``model.ref_dtype``). A refreshed
+    reference gets new buffers (the step donates it); a frozen one (``kl.ref_update_every`` 0) keeps
+    the arrays already in that dtype: the step neither donates nor returns it
+    (:func:`klrl.parallel.shard_step`'s ``kept``), so the reference and the task's loaded parameters
+    are one copy in memory."""
     dt = jnp.bfloat16 if ctx.cfg.model.ref_dtype == "bfloat16" else jnp.float32
     floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
-    return jax.tree.map(lambda x: x.astype(dt) if floating(x) and x.dtype != dt else jnp.copy(x), tree)
+    same = jnp.asarray if ctx.ref_frozen else jnp.copy
+    return jax.tree.map(lambda x: x.astype(dt) if floating(x) and x.dtype != dt else same(x), tree)
 
 
 def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | None = None) -> TrainState:

@@ -393,3 +393,39 @@ def _at(tree, path):
     for k in path:
         tree = tree[k.key]
     return tree
+
+
+def test_frozen_reference_is_one_copy_the_step_passes_through(tiny_cfg, tiny_task) -> None:
+    """A frozen reference (``kl.ref_update_every`` 0) is the task's loaded arrays: ``init`` does not
+    copy them, the step neither donates nor returns them (the next state holds the same arrays, the
+    donated policy's are gone) and the compiled program outputs the reference's bytes less; a
+    refreshed reference is a copy, donated and renewed by each step."""
+    leaves = jax.tree.leaves
+    env = tiny_task.env
+
+    def ptrs(tree) -> list[int]:
+        return [x.unsafe_buffer_pointer() for x in leaves(tree)]
+
+    frozen = make_train(tiny_cfg, tiny_task)
+    s = frozen.init(0)
+    loaded = jax.tree.map(jnp.asarray, tiny_task.policy_params)
+    assert ptrs(s.ref_params) == ptrs(loaded)
+    ref_bytes = sum(x.nbytes for x in leaves(s.ref_params))
+    out_frozen = frozen.step.lower(s, env).compile().memory_analysis().output_size_in_bytes
+    old_policy = s.params["policy"]
+    new, _ = frozen.step(s, env)
+    assert all(a is b for a, b in zip(leaves(new.ref_params), leaves(s.ref_params), strict=True))
+    assert not any(x.is_deleted() for x in leaves(s.ref_params))
+    assert all(x.is_deleted() for x in leaves(old_policy))  # the rest of the state is donated
+    again, _ = frozen.step(new, env)  # the returned state steps again (same placement, no recompile)
+    assert ptrs(again.ref_params) == ptrs(loaded)
+
+    refreshed = make_train(tiny_cfg.replace(kl={"ref_update_every": 1, "ref_mix": 0.5}), tiny_task)
+    r = refreshed.init(0)
+    assert set(ptrs(r.ref_params)).isdisjoint(ptrs(loaded))
+    out_refreshed = refreshed.step.lower(r, env).compile().memory_analysis().output_size_in_bytes
+    assert ref_bytes <= out_refreshed - out_frozen <= ref_bytes + 1024  # (and the output tuple's pointers)
+    r_new, _ = refreshed.step(r, env)
+    assert all(x.is_deleted() for x in leaves(r.ref_params))
+    pairs = zip(leaves(r_new.ref_params), leaves(loaded), strict=True)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs) > 0  # mixed towards the updated policy
