@@ -160,3 +160,35 @@ def test_the_held_out_reward_is_standardised_with_the_same_gain_and_bias(tmp_pat
     want, held, train_r = (np.asarray(x) for x in both(raw.env, env, ro))
     np.testing.assert_allclose(held, 2 * want + 1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(train_r, 2 * want + 1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_a_reward_on_the_reference_trunk_is_standardised_on_the_shared_forward(tmp_path) -> None:
+    """A reward model on the policy's trunk (``model.reward_path`` empty) is read from the reference's
+    forward (``Context.reward_on_reference``); standardised, the scoring's reward is ``gain * r + bias``
+    of the raw reward model's own forward."""
+    from jax.sharding import PartitionSpec as P
+
+    from klrl.tasks.text import make_text_task
+    from klrl.train import make_train
+
+    cfg = _text_cfg(tmp_path).replace(model={"reward_path": ""})
+    raw = make_text_task(cfg)
+    task = S.standardize_task(raw)
+    train = make_train(cfg, task)
+    assert train.context.reward_on_reference
+
+    def on_mesh(fn):
+        return jax.jit(
+            lambda *a: jax.shard_map(
+                fn, mesh=train.mesh, in_specs=(P(),) * len(a), out_specs=P(), check_vma=False
+            )(*a)
+        )
+
+    env = {**task.env, S.KEY: jnp.array([2.0, 1.0], jnp.float32)}
+    state = train.init(0)
+    ro = on_mesh(train.phases.rollout)(state, env)
+    got = np.asarray(on_mesh(train.phases.score)(state, env, ro).task_reward)
+    want = np.asarray(jax.jit(raw.reward.fn)(raw.env, ro))
+    assert float(np.std(want)) > 0
+    np.testing.assert_allclose(got, 2 * want + 1, rtol=1e-5, atol=1e-5)

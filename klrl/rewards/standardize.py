@@ -57,13 +57,22 @@ def standardized(reward: Any) -> Any:
         return reward  # (already standardised: wrapped once)
     if getattr(reward, "kind", None) != "jax":
         raise ConfigError("reward.standardize: needs a reward traced into the step (a JaxReward)")
-    fn = reward.fn
+    fn, from_hidden = reward.fn, getattr(reward, "from_hidden", None)
+
+    def scaled(env: Any, r: jax.Array) -> jax.Array:
+        norm = jnp.asarray(env[KEY], jnp.float32)
+        return (norm[0] * r + norm[1]).astype(jnp.float32)
 
     def wrapped(env: Any, ro: Any) -> jax.Array:
-        norm = jnp.asarray(env[KEY], jnp.float32)
-        return (norm[0] * fn(env, ro) + norm[1]).astype(jnp.float32)
+        return scaled(env, fn(env, ro))
 
-    return dataclasses.replace(reward, fn=wrapped, params={**reward.params, KEY: jnp.asarray(identity())})
+    def wrapped_hidden(env: Any, ro: Any, hidden: jax.Array) -> jax.Array:
+        return scaled(env, from_hidden(env, ro, hidden))
+
+    # the reward read from the reference's forward (JaxReward.from_hidden) is standardised alike
+    extra = {} if from_hidden is None else {"from_hidden": wrapped_hidden}
+    params = {**reward.params, KEY: jnp.asarray(identity())}
+    return dataclasses.replace(reward, fn=wrapped, params=params, **extra)
 
 
 def standardize_task(task: Any) -> Any:
