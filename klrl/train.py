@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from klrl import distributed
 from klrl import kl as kl_lib
 from klrl.advantages import ADVANTAGES, AdvantageInputs, whiten
 from klrl.config import ConfigError, RunConfig
@@ -58,6 +59,7 @@ from klrl.train_parts import (
     Train,
     TrainState,
     all_finite,
+    as_ref_dtype,
     build_models,
     coefs,
     init_state,
@@ -312,6 +314,7 @@ def make_train(
     shardings = state_shardings(ctx, mesh)
     return Train(
         init=partial(init_state, ctx, mesh),
+        place=partial(place_state, ctx, shardings),
         step=shard_step(one, mesh, state_shardings=shardings, kept="ref_params" if ctx.ref_frozen else None),
         shard_step=one,
         loss=partial(ppo_loss, ctx),
@@ -322,3 +325,21 @@ def make_train(
         context=ctx,
         state_shardings=shardings,
     )
+
+
+def place_state(ctx: Context, shardings: Any, state: TrainState) -> TrainState:
+    """``state`` (host values, e.g. a restored checkpoint) laid out like ``init``'s
+    (:func:`klrl.distributed.put` onto ``shardings``). A frozen reference equal to the task's loaded
+    parameters then takes those very arrays, as ``init``'s does: a resumed or rolled-back run holds
+    one copy of them, not two (one process; with several the restored copy is kept)."""
+    placed = distributed.put(state, shardings)
+    if not ctx.ref_frozen or distributed.is_multiprocess():
+        return placed
+    ref_sh = shardings if isinstance(shardings, jax.sharding.Sharding) else shardings.ref_params
+    loaded = jax.device_put(as_ref_dtype(ctx, ctx.policy_params), ref_sh)
+    if jax.tree.structure(loaded) != jax.tree.structure(placed.ref_params):
+        return placed
+    pairs = list(zip(jax.tree.leaves(placed.ref_params), jax.tree.leaves(loaded), strict=True))
+    if all(a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(a, b)) for a, b in pairs):
+        return placed._replace(ref_params=loaded)
+    return placed

@@ -99,6 +99,7 @@ class Phases(NamedTuple):
 
 class Train(NamedTuple):
     init: Any  # (seed | key, beta=None) -> TrainState (a frozen reference: the task's arrays, not a copy)
+    place: Any  # host (restored) TrainState -> placed as ``init``'s, a frozen reference adopted likewise
     step: Any  # jitted (state, env) -> (state, metrics): donates the state but a frozen reference
     shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping (donate no init'ed ref)
     loss: Any  # (params, minibatch: Batch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss

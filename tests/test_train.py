@@ -398,8 +398,9 @@ def _at(tree, path):
 def test_frozen_reference_is_one_copy_the_step_passes_through(tiny_cfg, tiny_task) -> None:
     """A frozen reference (``kl.ref_update_every`` 0) is the task's loaded arrays: ``init`` does not
     copy them, the step neither donates nor returns them (the next state holds the same arrays, the
-    donated policy's are gone) and the compiled program outputs the reference's bytes less; a
-    refreshed reference is a copy, donated and renewed by each step."""
+    donated policy's are gone), ``place`` (a restored state) adopts them when equal, and the compiled
+    program outputs the reference's bytes less; a refreshed reference is a copy, donated and renewed
+    by each step."""
     leaves = jax.tree.leaves
     env = tiny_task.env
 
@@ -419,6 +420,12 @@ def test_frozen_reference_is_one_copy_the_step_passes_through(tiny_cfg, tiny_tas
     assert all(x.is_deleted() for x in leaves(old_policy))  # the rest of the state is donated
     again, _ = frozen.step(new, env)  # the returned state steps again (same placement, no recompile)
     assert ptrs(again.ref_params) == ptrs(loaded)
+    # a state restored from host values (resume, rollback) adopts the loaded arrays when equal
+    host = _host(again)
+    assert ptrs(frozen.place(host).ref_params) == ptrs(loaded)
+    other = frozen.place(host._replace(ref_params=_perturbed(host.ref_params, 0.01, seed=2)))
+    assert set(ptrs(other.ref_params)).isdisjoint(ptrs(loaded))
+    frozen.step(other, env)  # and steps (the same program)
 
     refreshed = make_train(tiny_cfg.replace(kl={"ref_update_every": 1, "ref_mix": 0.5}), tiny_task)
     r = refreshed.init(0)
