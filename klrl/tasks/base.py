@@ -96,7 +96,8 @@ class JaxReward:
     # ``trunk = (model, parameter tree)`` names the trunk. When it is the train step's frozen
     # reference (the same model and the same parameter arrays, see
     # :attr:`klrl.train_parts.Context.reward_on_reference`) the step reads the reward from the
-    # reference forward it runs anyway: one trunk forward less per iteration, the same numbers.
+    # reference forward it runs anyway: one trunk forward less per iteration, the same numbers. A
+    # wrapper that changes ``fn`` wraps ``from_hidden`` alike (klrl.rewards.standardize) or drops it.
     from_hidden: Callable[[Any, Any, Array], Array] | None = None
     trunk: tuple[Any, Any] | None = None
     kind = "jax"
