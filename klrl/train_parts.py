@@ -303,7 +303,8 @@ class Context:
         from the reference's forward (``JaxReward.from_hidden``) instead of running its trunk again:
         its ``trunk`` is the policy model and the very arrays of ``policy_params`` (the reference's
         initial parameters), the reference stays frozen (``kl.ref_update_every`` 0) and is stored in
-        those arrays' dtype (``model.ref_dtype``). The same numbers, one trunk forward less."""
+        those arrays' dtype (``model.ref_dtype``). The same numbers, one trunk forward less. (The reward
+        then reads the state's reference: a ``state.ref_params`` replaced by hand moves it too.)"""
         r = self.task.reward
         trunk = getattr(r, "trunk", None)
         if getattr(r, "from_hidden", None) is None or trunk is None or not self.ref_frozen:
