@@ -206,75 +206,52 @@ def shard_step(
         state_shardings = NamedSharding(mesh, spec)
     metric = NamedSharding(mesh, spec)
     if kept is None:
-        mapped = jax.shard_map(
-            fn, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec), axis_names=manual, check_vma=False
-        )
-        return jax.jit(
-            mapped,
-            in_shardings=(state_shardings, None),
-            out_shardings=(state_shardings, metric),
-            donate_argnums=(0,) if donate else (),
-        )
+        body, in_specs, in_sh, state_out = fn, (spec, P()), (state_shardings, None), state_shardings
+    else:
 
-    def split(shardings: Any) -> tuple[Any, Any]:
-        if isinstance(shardings, NamedSharding):
-            return shardings, shardings
-        return shardings._replace(**{kept: None}), getattr(shardings, kept)
+        def body(rest: Any, field: Any, env: Any) -> tuple[Any, Any]:
+            new, metrics = fn(rest._replace(**{kept: field}), env)
+            return new._replace(**{kept: None}), metrics
 
-    def fn_kept(rest: Any, field: Any, env: Any) -> tuple[Any, Any]:
-        new, metrics = fn(rest._replace(**{kept: field}), env)
-        return new._replace(**{kept: None}), metrics
-
-    rest_sh, kept_sh = split(state_shardings)
+        one = isinstance(state_shardings, NamedSharding)
+        rest_sh, kept_sh = (state_shardings,) * 2 if one else _split(state_shardings, kept)
+        in_specs, in_sh, state_out = (spec, spec, P()), (rest_sh, kept_sh, None), rest_sh
     mapped = jax.shard_map(
-        fn_kept, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec), axis_names=manual,
-        check_vma=False,
-    )  # fmt: skip
+        body, mesh=mesh, in_specs=in_specs, out_specs=(spec, spec), axis_names=manual, check_vma=False
+    )
     jitted = jax.jit(
         mapped,
-        in_shardings=(rest_sh, kept_sh, None),
-        out_shardings=(rest_sh, metric),
+        in_shardings=in_sh,
+        out_shardings=(state_out, metric),
         donate_argnums=(0,) if donate else (),
     )
-    return KeptStep(jitted, kept)
+    return jitted if kept is None else KeptStep(jitted, kept)
+
+
+def _split(state: Any, kept: str) -> tuple[Any, Any]:
+    """``(state without its field kept, that field)``."""
+    return state._replace(**{kept: None}), getattr(state, kept)
 
 
 class KeptStep:
     """``step(state, env)`` around ``jitted(state without field, field, env)``: the state's field
     ``kept`` is handed in as its own (not donated) argument and put back, the same arrays, into the
-    returned state. ``lower(state, env).compile()`` gives the same wrapping around the compiled
-    program (its other attributes, e.g. ``memory_analysis``, are the program's)."""
+    returned state. ``lower(state, env)`` and its ``compile()`` keep the wrapping (their other
+    attributes, e.g. ``memory_analysis``, are the lowered or compiled program's)."""
 
-    def __init__(self, jitted: Callable, kept: str) -> None:
-        self._fn, self._kept = jitted, kept
-
-    def _args(self, state: Any, env: Any) -> tuple[Any, Any, Any]:
-        return state._replace(**{self._kept: None}), getattr(state, self._kept), env
+    def __init__(self, stage: Any, kept: str) -> None:
+        self._stage, self._kept = stage, kept
 
     def __call__(self, state: Any, env: Any) -> tuple[Any, Any]:
-        new, metrics = self._fn(*self._args(state, env))
-        return new._replace(**{self._kept: getattr(state, self._kept)}), metrics
+        rest, field = _split(state, self._kept)
+        new, metrics = self._stage(rest, field, env)
+        return new._replace(**{self._kept: field}), metrics
 
-    def lower(self, state: Any, env: Any) -> Any:
-        return _KeptStage(self._fn.lower(*self._args(state, env)), self)
+    def lower(self, state: Any, env: Any) -> KeptStep:
+        return KeptStep(self._stage.lower(*_split(state, self._kept), env), self._kept)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fn, name)
-
-
-class _KeptStage:
-    """A lowered or compiled :class:`KeptStep`: ``compile()`` and calls keep the wrapping."""
-
-    def __init__(self, stage: Any, step: KeptStep) -> None:
-        self._stage, self._step = stage, step
-
-    def compile(self, *args: Any, **kwargs: Any) -> _KeptStage:
-        return _KeptStage(self._stage.compile(*args, **kwargs), self._step)
-
-    def __call__(self, state: Any, env: Any) -> tuple[Any, Any]:
-        kept = self._step._kept
-        new, metrics = self._stage(*self._step._args(state, env))
-        return new._replace(**{kept: getattr(state, kept)}), metrics
+    def compile(self, *args: Any, **kwargs: Any) -> KeptStep:
+        return KeptStep(self._stage.compile(*args, **kwargs), self._kept)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stage, name)

@@ -293,6 +293,11 @@ class Context:
         return None if self.models.value is None else with_remat(self.models.value, self.cfg.model.remat)
 
     @property
+    def ref_dtype(self) -> Any:
+        """The reference's storage dtype of floating leaves (``model.ref_dtype``)."""
+        return jnp.bfloat16 if self.cfg.model.ref_dtype == "bfloat16" else jnp.float32
+
+    @property
     def ref_frozen(self) -> bool:
         """The reference never changes (``kl.ref_update_every`` 0): the step passes it through."""
         return self.cfg.kl.ref_update_every <= 0
@@ -315,9 +320,10 @@ class Context:
         mine, theirs = jax.tree.leaves(params), jax.tree.leaves(self.policy_params)
         if jax.tree.structure(params) != jax.tree.structure(self.policy_params):
             return False
-        ref_dt = jnp.bfloat16 if self.cfg.model.ref_dtype == "bfloat16" else jnp.float32
-        same = all(a is b for a, b in zip(mine, theirs, strict=True))
-        return same and all(x.dtype == ref_dt for x in theirs if jnp.issubdtype(x.dtype, jnp.floating))
+        floating = [x for x in theirs if jnp.issubdtype(x.dtype, jnp.floating)]
+        return all(a is b for a, b in zip(mine, theirs, strict=True)) and all(
+            x.dtype == self.ref_dtype for x in floating
+        )
 
 
 # ---- per-iteration pieces ---------------------------------------------------------------------------
@@ -345,7 +351,7 @@ def as_ref_dtype(ctx: Context, tree: Any) -> Any:
     the arrays already in that dtype: the step neither donates nor returns it
     (:func:`klrl.parallel.shard_step`'s ``kept``), so the reference and the task's loaded parameters
     are one copy in memory."""
-    dt = jnp.bfloat16 if ctx.cfg.model.ref_dtype == "bfloat16" else jnp.float32
+    dt = ctx.ref_dtype
     floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
     same = jnp.asarray if ctx.ref_frozen else jnp.copy
     return jax.tree.map(lambda x: x.astype(dt) if floating(x) and x.dtype != dt else same(x), tree)
