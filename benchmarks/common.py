@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from klrl.advantages import needs_critic
+from klrl.algo.advantages import needs_critic
 from klrl.config import (
     KLConfig,
     ModelConfig,
@@ -34,10 +34,10 @@ from klrl.config import (
     TaskConfig,
     TrainConfig,
 )
-from klrl.hostmem import release_freed_memory
+from klrl.loop.hostmem import release_freed_memory
 from klrl.models.gpt import matmul_flops
+from klrl.step.train import Train, make_train
 from klrl.tasks.base import Task
-from klrl.train import Train, make_train
 
 WORKLOADS = ("default", "peer-medium", "peer-small", "smollm2", "smollm2-bf16")
 
@@ -318,7 +318,7 @@ def measure(
     t2 = time.perf_counter()
     lower_s, compile_s = t1 - t0, t2 - t0
     log(f"[{name}] compiled in {compile_s:.1f} s (lowering {lower_s:.1f} s)")
-    release_freed_memory()  # the compiler's freed heap, as the run loop does (klrl.hostmem)
+    release_freed_memory()  # the compiler's freed heap, as the run loop does (klrl.loop.hostmem)
 
     t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(step(state, env))

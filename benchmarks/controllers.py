@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from klrl import control
+from klrl.algo import control
 
 TARGET = 6.0  # nats per sequence, the lm-human-preferences sentiment target
 A0 = 0.6  # plant gain before the step: KL = A0 / beta, so beta* = 0.1

@@ -22,8 +22,8 @@ import common
 import jax
 from jax.sharding import PartitionSpec as P
 
+from klrl.step.train import make_train
 from klrl.tasks.text import value_models
-from klrl.train import make_train
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -413,7 +413,7 @@ def rollout_engine(shape: Shape, hw: Hardware, chips: int, workload: Workload | 
 def data_only(
     shape: Shape, hw: Hardware, workload: Workload | None = None, chips: int | None = None
 ) -> dict | None:
-    """klrl today (``klrl/parallel.py``: a data axis only, full replicas): the fitting
+    """klrl today (``klrl/step/parallel.py``: a data axis only, full replicas): the fitting
     ``(chips, 1, 1)`` configuration with the fewest accumulation steps, or None."""
     c = [c for c in candidates(shape, hw, workload, chips) if c["mesh"][1:] == (1, 1)]
     return min(c, key=lambda c: (c["remat"], c["accum"])) if c else None

@@ -8,7 +8,7 @@ here unless already given). Progress goes to stderr; one JSON object on the last
 
 * ``workload``: for each mesh ``(data, fsdp, tensor)`` of ``--meshes`` (default (1,1,1), (8,1,1),
   (2,4,1), (2,2,2), (1,8,1)), the per-device bytes of the train state's parameters, optimiser state
-  and reference (the arrays' addressable shards, :func:`klrl.parallel.sharded_bytes`), the
+  and reference (the arrays' addressable shards, :func:`klrl.step.parallel.sharded_bytes`), the
   compiled step's ``memory_analysis()`` (arguments, outputs, temporaries: per device), its
   ``cost_analysis()`` FLOPs per device and the median step time (wall and process CPU). On fake
   CPU devices all 8 "devices" share the host's cores: the step time is only indicative (it shows
@@ -103,7 +103,7 @@ def smollm2_workload():
 
 def abstract_state(train):
     """The train state's ``jax.ShapeDtypeStruct`` leaves carrying its shardings: nothing allocated."""
-    from klrl.train_parts import initial_state
+    from klrl.step.parts import initial_state
 
     ctx = train.context
     shapes = jax.eval_shape(
@@ -128,8 +128,8 @@ def measure_mesh(cfg, task, models, sizes, iterations: int, max_host_gb: float) 
     ``iterations`` timed steps only if the 8 fake devices' memory fits: the estimate is
     ``devices x (arguments + temporaries)`` of ``memory_analysis()`` (the outputs alias the donated
     state), compared with ``max_host_gb``."""
-    from klrl.parallel import make_mesh, sharded_bytes
-    from klrl.train import make_train
+    from klrl.step.parallel import make_mesh, sharded_bytes
+    from klrl.step.train import make_train
 
     d, f, t = sizes
     mesh = make_mesh(d, devices=jax.devices()[: d * f * t], fsdp=f, tensor=t)
@@ -178,8 +178,8 @@ def large(name: str, task, cfg, meshes) -> list[dict]:
     import scaling_model as sm
 
     from klrl.models.llama import Llama, LlamaConfig
-    from klrl.parallel import make_mesh, sharded_bytes
-    from klrl.train import make_train
+    from klrl.step.parallel import make_mesh, sharded_bytes
+    from klrl.step.train import make_train
 
     s = sm.SHAPES[name]
     c = LlamaConfig(

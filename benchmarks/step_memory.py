@@ -5,7 +5,7 @@
 
 Builds the workload, the train state, compiles the step (``memory_analysis()``: arguments, outputs,
 donated aliases and temporaries of the one compiled iteration), hands the compiler's freed heap
-back (:func:`klrl.hostmem.release_freed_memory`, as the run loop does; ``--no-trim``: not) and runs
+back (:func:`klrl.loop.hostmem.release_freed_memory`, as the run loop does; ``--no-trim``: not) and runs
 ``--steps`` steps, printing the resident set size (``/proc/self/statm``) and the peak
 (``ru_maxrss``) after each stage and the train state's bytes by field; for each step also its wall
 and process-CPU seconds, its minor page faults and system seconds (the pages it touches for the
@@ -24,9 +24,9 @@ import time
 import common
 import jax
 
-from klrl.hostmem import release_freed_memory
+from klrl.loop.hostmem import release_freed_memory
+from klrl.step.train import make_train
 from klrl.tasks.text import value_models
-from klrl.train import make_train
 
 GIB = 2**30
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "temporaries": round(ma.temp_size_in_bytes / GIB, 3),
     }
     if not args.no_trim:
-        release_freed_memory()  # the compiler's freed heap, as the run loop does (klrl.hostmem)
+        release_freed_memory()  # the compiler's freed heap, as the run loop does (klrl.loop.hostmem)
     stage("compiled")
     if not args.compile_only:
         for i in range(args.steps):

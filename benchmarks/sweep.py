@@ -70,7 +70,7 @@ def phase_times(cfg: RunConfig, task: Any, n_members: int, reps: int = 3) -> dic
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
 
-    from klrl.train import make_train
+    from klrl.step.train import make_train
 
     train = make_train(cfg, task)
     ph = common.build_phases(train)
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true", help="also time rollout and update, 1 vs vmapped")
     args = ap.parse_args(argv)
 
+    from klrl.step.train import make_train
     from klrl.sweep import make_sweep
     from klrl.tasks.wordclass import make_task
-    from klrl.train import make_train
 
     train_cfg = {"iterations": args.iterations, "quiet": True}
     cfg = RunConfig().replace(task={"name": "wordclass"}, train=train_cfg)

@@ -12,7 +12,7 @@ mean of its first ``--base`` (10) iterations (one 64-sequence batch is too noisy
   iterations there; beside it the mean and 95% interval over the iterations in the bin (iterations
   of one run are autocorrelated, so that interval is narrower than an honest one), and each beta's
   mean in the bin.
-* Gao et al.'s RL form ``R(d) = d (alpha - b log d)`` (``klrl.aggregate.fit_gao``) fitted (a) to
+* Gao et al.'s RL form ``R(d) = d (alpha - b log d)`` (``klrl.analysis.aggregate.fit_gao``) fitted (a) to
   every iteration (as ``overoptimization.py`` does), (b) without beta = 0.001, whose collapsed
   heavy negative tail (gold -1.3, a fluency collapse) is not the form's smooth over-optimisation,
   (c) to each run's end point (means over its last 10 iterations); each on every seed's points and
@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from klrl.aggregate import fit_gao
-from klrl.results import load_sweep
+from klrl.analysis.aggregate import fit_gao
+from klrl.analysis.results import load_sweep
 
 HERE = Path(__file__).resolve().parent
 

@@ -41,8 +41,8 @@ import numpy as np
 from study import markdown, parser, smooth
 
 import klrl
+from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.rewards.text import POSITIVE, positivity_score, words
-from klrl.textmetrics import distinct_n, rep_n
 
 # ---- the reward that records its completions (one call per iteration: the sweep's [S, B] batch) ----
 
@@ -78,7 +78,7 @@ def pad_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def text_stats(texts: list[str], ids: list[list[int]]) -> dict[str, float]:
-    """Token-level distinct-1/2 and seq-rep-2 (klrl.textmetrics), positivity and positive-word share."""
+    """Token-level distinct-1/2 and seq-rep-2 (klrl.algo.textmetrics), positivity and positive-word share."""
     tok, mask = pad_ids(ids)
     return {
         "positivity": float(np.mean([positivity_score(t) for t in texts])) if texts else 0.0,
@@ -192,7 +192,7 @@ def members_of(ns, base: klrl.RunConfig) -> list[klrl.RunConfig]:
 
 
 def base_of(ns) -> klrl.RunConfig:
-    from klrl.cli import config_from_args
+    from klrl.cli.args import config_from_args
 
     cfg = config_from_args(ns)
     here = Path(__file__).resolve().parent
@@ -274,8 +274,8 @@ def main(argv=None) -> int:
         return 2
     members = members_of(ns, base)
     labels = [label(m) for m in members]
+    from klrl.api import build_task
     from klrl.io.logging import new_run_dir
-    from klrl.runner import build_task
     from klrl.sweep import sweep
 
     me = sys.modules.get(Path(__file__).stem) or importlib.import_module(Path(__file__).stem)

@@ -5,7 +5,7 @@
 --iterations 400``
 
 Every member of ``--source`` whose setting (its config up to ``train.seed`` and the fields that only
-name a run, :func:`klrl.aggregate.setting_key`) is one of ``--into``'s settings is copied into
+name a run, :func:`klrl.analysis.aggregate.setting_key`) is one of ``--into``'s settings is copied into
 ``--into`` (``config.json`` and ``metrics.jsonl`` gzipped, as the stored results are; no checkpoints,
 no event files); members of other settings are left out and listed (e.g. the target-6 members of an
 adaptive sweep merged into the target-3 study). A member whose (setting, seed) is already stored is
@@ -13,7 +13,7 @@ refused, as is a source whose task (``task.json``) differs from the stored one. 
 keeps the first N iterations of each source member (its config says ``train.iterations = N``): a
 longer run's first N iterations are the run of N iterations (nothing in a step depends on the total;
 a constant learning-rate schedule), so one 500-iteration sweep serves a 400-iteration study. Then every member
-directory is named after its swept values (:func:`klrl.results.member_names`, e.g.
+directory is named after its swept values (:func:`klrl.analysis.results.member_names`, e.g.
 ``kl.beta=0.1,train.seed=1``) and ``sweep.json`` lists them with their axes, ordered by setting
 (in the stored order) then seed. ``--replay`` of the study script re-tabulates the merged directory.
 A user's mistake is one line on stderr and exit status 2; nothing is written before every check passed.
@@ -31,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from klrl.aggregate import NOT_SETTING, setting_key  # noqa: E402
-from klrl.cli import fail  # noqa: E402
+from klrl.analysis.aggregate import NOT_SETTING, setting_key  # noqa: E402
+from klrl.analysis.results import load_run, member_names, sweep_axes  # noqa: E402
+from klrl.cli.args import fail  # noqa: E402
 from klrl.io.readers import RunDirError, read_sweep_members  # noqa: E402
-from klrl.results import load_run, member_names, sweep_axes  # noqa: E402
 
 
 def _metrics_file(d: Path) -> Path:
@@ -107,7 +107,7 @@ def plan(
 
 
 def _named_by_setting(configs: list) -> list:
-    """The configs with the fields that name no setting (:data:`klrl.aggregate.NOT_SETTING`: run
+    """The configs with the fields that name no setting (:data:`klrl.analysis.aggregate.NOT_SETTING`: run
     name, output directory, cache directory) set to the first one's, so that names carry only the
     swept values."""
     first = configs[0]

@@ -32,7 +32,7 @@ from study import (
     write_table,
 )
 
-from klrl.plots import fit_gao
+from klrl.analysis.plots import fit_gao
 
 
 def gao(results) -> dict:

@@ -1,6 +1,6 @@
 """Run klrl from the command line: ``python experiments/run.py [--section.field value ...]``.
 
-A thin wrapper over :func:`klrl.commands.legacy_main`; the ``klrl`` command (``klrl train | sweep |
+A thin wrapper over :func:`klrl.cli.commands.legacy_main`; the ``klrl`` command (``klrl train | sweep |
 study | resume | report``, also ``python -m klrl``) is the same executor with subcommands.
 
 With no configuration flags (or with ``--study`` plus overrides): the default experiment, a short beta study
@@ -26,7 +26,7 @@ device groups) and prints one summary table. ``--distributed [--coordinator HOST
 no arguments needed on Cloud TPU or Slurm); see docs/launch.md.
 
 ``--report RUN_DIR`` (alone) writes ``report.md`` (config, summary, diagnosis timeline, PNG plots) into
-a run or sweep directory, prints its path and exits (:func:`klrl.report.write_report`).
+a run or sweep directory, prints its path and exits (:func:`klrl.analysis.report.write_report`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv: list[str] | None = None) -> int:
-    from klrl.commands import legacy_main
+    from klrl.cli.commands import legacy_main
 
     return legacy_main(argv)
 

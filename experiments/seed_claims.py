@@ -20,7 +20,7 @@ import numpy as np
 from adaptive import rows as adaptive_rows
 from study import ci95, first, last, proxy_key, smooth
 
-from klrl.results import load_sweep
+from klrl.analysis.results import load_sweep
 
 HERE = Path(__file__).resolve().parent
 

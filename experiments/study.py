@@ -18,9 +18,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import klrl  # noqa: E402
-from klrl.cli import build_parser, config_from_args, fail  # noqa: E402
+from klrl.analysis.diagnosis import final_regime, timeline  # noqa: E402
+from klrl.cli.args import build_parser, config_from_args, fail  # noqa: E402
 from klrl.config import ConfigError  # noqa: E402
-from klrl.diagnosis import final_regime, timeline  # noqa: E402
 from klrl.io.logging import new_run_dir  # noqa: E402
 from klrl.sweep import sweep  # noqa: E402
 
@@ -57,7 +57,7 @@ def base_config(ns: argparse.Namespace, name: str) -> klrl.RunConfig:
 
 def parse_seeds(spec: str | None) -> list[int] | None:
     """``'0,1,2'`` -> ``[0, 1, 2]`` (distinct non-negative integers); ``None`` -> ``None``.
-    A bad value is one line on stderr and exit status 2 (:func:`klrl.cli.fail`)."""
+    A bad value is one line on stderr and exit status 2 (:func:`klrl.cli.args.fail`)."""
     if spec is None:
         return None
     try:
@@ -99,8 +99,8 @@ def first(r: klrl.RunResult, key: str, w: int = 10) -> float:
 
 def ci95(values: Any) -> tuple[float, float, int]:
     """``(mean, half, n)`` of the finite ``values`` (one per seed): the mean and the half-width of its
-    95% Student-t interval ``t_{0.975, n-1} s / sqrt(n)`` (:func:`klrl.aggregate.t_interval`)."""
-    from klrl.aggregate import t_interval
+    95% Student-t interval ``t_{0.975, n-1} s / sqrt(n)`` (:func:`klrl.analysis.aggregate.t_interval`)."""
+    from klrl.analysis.aggregate import t_interval
 
     mean, half, n = t_interval(np.asarray(values, float)[:, None])
     return float(mean[0]), float(half[0]), int(n[0])
@@ -112,16 +112,17 @@ def _is_number(v: Any) -> bool:
 
 def by_setting(results: list[klrl.RunResult], table: list[dict[str, Any]], keys: list[str]) -> list[dict]:
     """One row per setting (members whose configs differ only in ``train.seed``,
-    :func:`klrl.aggregate.seed_groups`), from the per-member ``table`` (same order as ``results``).
+    :func:`klrl.analysis.aggregate.seed_groups`), from the per-member ``table`` (same order as ``results``).
 
     ``keys`` are the columns naming the setting (copied from its first member). Every other column:
     numbers as ``{"mean", "half", "n", "values"}``, the mean over seeds and the half-width of its 95%
-    Student-t interval (``t_{0.975, n-1} s / sqrt(n)``, :func:`klrl.aggregate.t_interval`; NaN for one
+    Student-t interval (``t_{0.975, n-1} s / sqrt(n)``, :func:`klrl.analysis.aggregate.t_interval`;
+    NaN for one
     seed), ``values`` per seed in ``seeds`` order; anything else (a diagnosis, ``never``) as the list
     of per-seed values (also when only some are numbers). A NaN is a missing value (``n`` counts the
     rest).
     """
-    from klrl.aggregate import setting_key
+    from klrl.analysis.aggregate import setting_key
 
     index: dict[str, list[int]] = {}
     for i, r in enumerate(results):
@@ -207,8 +208,8 @@ def run_study(
     if replay:
         import dataclasses
 
+        from klrl.analysis.results import load_sweep
         from klrl.config import DiagnosisConfig
-        from klrl.results import load_sweep
 
         out = Path(replay)
         results = [dataclasses.replace(r, config=dataclasses.replace(r.config, diag=DiagnosisConfig()))
@@ -238,7 +239,7 @@ def save_plots(results: list[klrl.RunResult], out: Path, names: list[str]) -> li
     import matplotlib
 
     matplotlib.use("Agg")
-    from klrl import plots
+    from klrl.analysis import plots
 
     files = []
     for name in names:

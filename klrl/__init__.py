@@ -4,7 +4,12 @@ One iteration (rollout -> scoring -> KL shaping -> advantages -> PPO epochs x
 minibatches -> beta controller) is one jitted function ``step(state, env)``.
 """
 
-from klrl import advantages, control, kl, losses, shaping, tasks  # noqa: F401  (tasks: registers them)
+from klrl import tasks  # noqa: F401  (tasks: registers them)
+from klrl.algo import advantages, control, kl, losses, shaping
+from klrl.algo.control import Controller, ControllerState
+from klrl.analysis.report import write_report
+from klrl.analysis.results import RunResult, load_run, load_sweep
+from klrl.api import run
 from klrl.config import (
     ConfigError,
     ControllerConfig,
@@ -17,25 +22,21 @@ from klrl.config import (
     TaskConfig,
     TrainConfig,
 )
-from klrl.control import Controller, ControllerState
 from klrl.models.gpt import GPT
-from klrl.report import write_report
-from klrl.results import RunResult, load_run, load_sweep
-from klrl.rollout import Rollout, generate
-from klrl.runner import run
-from klrl.samples import samples  # the function; the module stays importable as klrl.samples
+from klrl.models.rollout import Rollout, generate
+from klrl.step.samples import samples  # the function; the module stays importable as klrl.samples
+from klrl.step.train import Phases, Train, TrainState, make_train
 from klrl.sweep import sweep  # the function; the module stays importable as klrl.sweep (sys.modules)
-from klrl.train import Phases, Train, TrainState, make_train
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``klrl.plots`` is imported on first use: matplotlib costs about a second at import."""
+    """``klrl.analysis.plots`` is imported on first use: matplotlib costs about a second at import."""
     if name == "plots":
         import importlib
 
-        return importlib.import_module("klrl.plots")
+        return importlib.import_module("klrl.analysis.plots")
     raise AttributeError(f"module 'klrl' has no attribute {name!r}")
 
 

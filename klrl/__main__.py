@@ -1,8 +1,8 @@
-"""``python -m klrl COMMAND [flags]``: the ``klrl`` command (:mod:`klrl.commands`)."""
+"""``python -m klrl COMMAND [flags]``: the ``klrl`` command (:mod:`klrl.cli.commands`)."""
 
 import sys
 
-from klrl.commands import main
+from klrl.cli.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

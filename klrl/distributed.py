@@ -3,7 +3,7 @@
 JAX's multi-controller model: every process runs the same script, calls
 :func:`initialize` before anything touches a device, and from then on
 ``jax.devices()`` lists the devices of *all* processes, so
-:func:`klrl.parallel.make_mesh` builds its ``(sweep, data, fsdp, tensor)`` mesh over the whole
+:func:`klrl.step.parallel.make_mesh` builds its ``(sweep, data, fsdp, tensor)`` mesh over the whole
 slice and the one jitted step runs across processes (gradients and statistics
 are averaged by the same named-axis collectives as on one host).
 
@@ -91,7 +91,7 @@ def is_main() -> bool:
 
 def put(tree: Any, sharding: Any) -> Any:
     """``tree`` laid out with ``sharding`` (one sharding for every leaf, or a pytree of shardings
-    like ``tree``, e.g. :attr:`klrl.train.Train.state_shardings`), from host-local values.
+    like ``tree``, e.g. :attr:`klrl.step.train.Train.state_shardings`), from host-local values.
 
     With one process this is ``jax.device_put``. With several, every process holds the
     same full value of each leaf (klrl derives everything from seeds) and supplies the

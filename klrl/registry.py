@@ -2,7 +2,7 @@
 
 A :class:`Registry` maps a name to an implementation and its metadata. The implementations
 register themselves where they are written (``@CONTROLLERS.register("pi")`` in
-:mod:`klrl.control`, ``@ESTIMATORS.register("k3")`` in :mod:`klrl.kl`, ...); the registry objects
+:mod:`klrl.algo.control`, ``@ESTIMATORS.register("k3")`` in :mod:`klrl.algo.kl`, ...); the registry objects
 live here, in a leaf module that imports nothing of klrl, so the config (which validates names),
 the plots and the report can read them without importing the implementations (no import cycle).
 A registry knows its implementation module (``home``) and imports it on first lookup, so
@@ -71,8 +71,8 @@ class Registry:
         return self._items[name]
 
 
-CONTROLLERS = Registry("controller", "klrl.control")
-ESTIMATORS = Registry("KL estimator", "klrl.kl")
-ADVANTAGES = Registry("advantage estimator", "klrl.advantages")
+CONTROLLERS = Registry("controller", "klrl.algo.control")
+ESTIMATORS = Registry("KL estimator", "klrl.algo.kl")
+ADVANTAGES = Registry("advantage estimator", "klrl.algo.advantages")
 TASKS = Registry("task", "klrl.tasks")
 FAMILIES = Registry("model family", "klrl.models")

@@ -24,18 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from klrl import distributed, reliability
+from klrl import distributed
+from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep
+from klrl.api import build_task
 from klrl.config import ConfigError, RunConfig, check_devices, check_task
-from klrl.evaluate import make_heldout_eval
 from klrl.io.resume import prepare as prepare_resume
-from klrl.loop import Program, drive
-from klrl.parallel import mesh_from_config, shard_step
-from klrl.results import SUMMARY_KEYS, RunResult, Sweep
+from klrl.loop import reliability
+from klrl.loop.driver import Program, drive
 from klrl.rewards.standardize import reward_norm_env, standardize_task
-from klrl.runner import build_task
+from klrl.step.evaluate import make_heldout_eval
+from klrl.step.parallel import mesh_from_config, shard_step
+from klrl.step.parts import state_shardings
+from klrl.step.train import make_train, set_learning_rate
 from klrl.tasks.base import Task
-from klrl.train import make_train, set_learning_rate
-from klrl.train_parts import state_shardings
 
 # fields a member may change; all else must match the first member
 SWEEPABLE = {
@@ -162,9 +163,9 @@ def sweep(
 ) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
-    The loop is a single run's (:mod:`klrl.loop`): with ``write``, ``out_dir`` (default: a new run
+    The loop is a single run's (:mod:`klrl.loop.driver`): with ``write``, ``out_dir`` (default: a new run
     directory) gets one sub-directory per member, named after its swept values
-    (:func:`klrl.results.member_names`: ``kl.beta=0.1,train.seed=1``, else ``member-XX``), each with
+    (:func:`klrl.analysis.results.member_names`: ``kl.beta=0.1,train.seed=1``, else ``member-XX``), each with
     its own config, ``metrics.jsonl`` and event file (with an HParams session), a ``sweep.json`` index
     (``members`` and ``axes``), and ``checkpoints/`` of the stacked state every
     ``train.checkpoint_every`` iterations. SIGTERM/SIGINT checkpoint and return (``info['stopped']``);
@@ -174,7 +175,7 @@ def sweep(
     ``report(results)`` is called at the end of a written sweep. With several processes only
     process 0 writes. ``on_step(iteration, metrics)`` gets each iteration's ``{name: array over
     members}`` as it is recorded (e.g. for a live plot). The result is a list with
-    ``.to_frame()`` (:func:`klrl.results.to_frame`).
+    ``.to_frame()`` (:func:`klrl.analysis.results.to_frame`).
     """
     check_members(members)
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line

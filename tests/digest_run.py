@@ -70,7 +70,7 @@ def digest(metrics: dict[str, np.ndarray]) -> dict[str, list[float]]:
 def main(cache_dir: str) -> dict[str, str]:
     import jax
 
-    from klrl.runner import run
+    from klrl.api import run
     from klrl.sweep import grid, sweep
 
     n = jax.device_count()

@@ -37,8 +37,8 @@ def mark(name: str) -> None:
 
 
 def main() -> None:
-    import klrl.runner as runner
-    import klrl.train as train_mod
+    import klrl.api as runner
+    import klrl.step.train as train_mod
     from klrl.io import checkpoint as ckpt
     from klrl.io import logging as io_logging
 

@@ -94,7 +94,7 @@ def program(ref: dict, m: Mesh, iterations: int):
     """A loop Program over the sharded state: Adam on a made-up loss of the parameters, a global-view
     jit with the state's shardings in and out (donated), its state restored onto ``m``."""
     from klrl.config import RunConfig
-    from klrl.loop import Program
+    from klrl.loop.driver import Program
 
     cfg = RunConfig().replace(train={"iterations": iterations, "checkpoint_every": 2, "quiet": True})
     sh = shardings(ref, m)
@@ -120,7 +120,7 @@ def loop_resume(ref: dict, d: Path) -> dict:
     """The loop on 8 devices: 4 iterations straight, and 2 + a resume to 4 on the same mesh (bit for
     bit) and on 4 devices (the state restored onto the new mesh; close within fp32 rounding)."""
     from klrl.io.resume import prepare
-    from klrl.loop import drive
+    from klrl.loop.driver import drive
 
     eight, four = mesh((1, 2, 2, 2)), mesh((1, 1, 4, 1))
     full, _ = drive(program(ref, eight, 4)[1], out_dir=d / "full")

@@ -33,9 +33,9 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
 
     from klrl.config import RunConfig
     from klrl.models.llama import Llama, LlamaConfig
-    from klrl.parallel import make_mesh, sharded_bytes
+    from klrl.step.parallel import make_mesh, sharded_bytes
+    from klrl.step.train import make_train
     from klrl.tasks.wordclass import make_task
-    from klrl.train import make_train
 
     cfg = RunConfig.from_dict(json.load(open(cfg_path)))
     task = make_task(cfg)
@@ -110,8 +110,8 @@ def update_check(cfg, task, job: str) -> dict:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from klrl.parallel import make_mesh
-    from klrl.train import Batch, make_train
+    from klrl.step.parallel import make_mesh
+    from klrl.step.train import Batch, make_train
 
     n_dev = 2
     mesh = make_mesh(n_dev, devices=jax.devices()[:n_dev])

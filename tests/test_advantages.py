@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl import advantages as A
+from klrl.algo import advantages as A
 
 
 def _gae_reference(rewards, values, lengths, gamma, lam):
@@ -126,7 +126,7 @@ def reinforce():
     """docs/extending.md's new advantage estimator, registered for one test and removed after it."""
     from typing import Any
 
-    from klrl.advantages import ADVANTAGES, AdvantageInputs
+    from klrl.algo.advantages import ADVANTAGES, AdvantageInputs
 
     @ADVANTAGES.register("reinforce", critic=False)
     def reinforce_estimator(x: AdvantageInputs, cfg: Any):
@@ -140,9 +140,9 @@ def reinforce():
 def test_worked_example_reinforce(reinforce):
     from test_tasks import _cfg, _task
 
-    from klrl.advantages import ADVANTAGES, AdvantageInputs, needs_critic
+    from klrl.algo.advantages import ADVANTAGES, AdvantageInputs, needs_critic
     from klrl.config import ConfigError, PPOConfig
-    from klrl.train import build_models, make_train
+    from klrl.step.train import build_models, make_train
 
     mask = jnp.array([[1, 1, 0], [1, 1, 1]], jnp.float32)
     x = AdvantageInputs(jnp.zeros((2, 3)), jnp.array([2.0, -1.0]), jnp.zeros((2, 3)), mask)

@@ -1,4 +1,4 @@
-"""klrl.aggregate: t-intervals against hand t-table values, trailing and window means against Python
+"""klrl.analysis.aggregate: t-intervals against hand t-table values, trailing and window means against Python
 loops, seed groups, units and axis labels."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import klrl
-from klrl import aggregate as A
-from klrl.results import RunResult
+from klrl.analysis import aggregate as A
+from klrl.analysis.results import RunResult
 
 # two-sided 95% Student-t quantiles t_{0.975, df}, from a printed t-table
 T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 9: 2.2622}

@@ -1,4 +1,4 @@
-"""klrl.aliases: every klrl side is a real config field or a metric klrl writes."""
+"""klrl.config.aliases: every klrl side is a real config field or a metric klrl writes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from klrl import aliases
-from klrl.config import RunConfig
+from klrl.config import RunConfig, aliases
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC_DICTS = {

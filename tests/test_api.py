@@ -1,6 +1,6 @@
 """The Python API end to end on a tiny config: ``klrl.run`` and ``klrl.sweep`` write metrics.jsonl and
 TensorBoard event files that TensorBoard's own reader reads back (scalars and hparams), ``load_run`` /
-``load_sweep`` return what the run returned, every ``klrl.plots`` figure renders for them, and
+``load_sweep`` return what the run returned, every ``klrl.analysis.plots`` figure renders for them, and
 ``write_report`` (and ``run.py --report``) covers a run and a sweep."""
 
 from __future__ import annotations
@@ -71,13 +71,13 @@ def assert_same_metrics(a: dict, b: dict) -> None:
 
 
 def test_public_names():
-    import klrl.plots
+    import klrl.analysis.plots
     import klrl.sweep
     from klrl.sweep import grid, summary_table  # noqa: F401
 
     assert callable(klrl.sweep) and klrl.sweep.__name__ == "sweep"  # the function ...
     assert sys.modules["klrl.sweep"].sweep is klrl.sweep  # ... the module stays in sys.modules
-    assert klrl.plots.__name__ == "klrl.plots" and callable(klrl.plots.fit_gao)
+    assert klrl.plots.__name__ == "klrl.analysis.plots" and callable(klrl.plots.fit_gao)
     for name in ("plots", "load_sweep", "write_report", "sweep", "run", "load_run"):
         assert name in klrl.__all__ and getattr(klrl, name) is not None
 
@@ -180,7 +180,7 @@ def test_report_of_a_sweep(sweep_results, out):
 
 
 def test_maybe_write_report_never_raises(run_result, tmp_path):
-    from klrl.report import maybe_write_report
+    from klrl.analysis.report import maybe_write_report
 
     assert maybe_write_report(run_result) == run_result.dir / "report.md"
     in_memory = klrl.RunResult(run_result.config, None, run_result.metrics)

@@ -111,7 +111,7 @@ def test_iteration_flops_formula():
 
 def test_peer_task_reward_reads_last_real_token():
     from klrl.config import ModelConfig, RunConfig, SamplingConfig, TaskConfig
-    from klrl.rollout import Rollout
+    from klrl.models.rollout import Rollout
     from klrl.tasks.peer import EOS, PAD, make_peer_task
 
     cfg = RunConfig(

@@ -67,7 +67,7 @@ def test_digest_device_and_host_paths_agree_on_any_mesh(sharded):
 
 
 def test_loop_resumes_sharded_state_exactly_and_onto_another_mesh(sharded):
-    """klrl.loop.drive with Program.shardings: 2 iterations + resume to 4 on the same 8-device mesh
+    """klrl.loop.driver.drive with Program.shardings: 2 iterations + resume to 4 on the same 8-device mesh
     equals 4 straight (metrics.jsonl bytes, every leaf of the state); resumed onto 4 devices, the
     run continues on them (the same values up to fp32 reduction order)."""
     out = sharded[1]["loop"]

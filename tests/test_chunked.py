@@ -1,4 +1,4 @@
-"""klrl.chunked: logit-derived terms from hidden states, chunk by chunk, against NumPy on the full
+"""klrl.step.chunked: logit-derived terms from hidden states, chunk by chunk, against NumPy on the full
 logits (float64), their gradients against the full-logits path, and a whole PPO-KL step on the
 chunked path against the same step on the full path (fp32 tolerance)."""
 
@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl.chunked import CHUNK_MIN_VOCAB, head_terms, lm_head, map_positions, use_chunks
 from klrl.config import ConfigError, ModelConfig, RunConfig
 from klrl.models.base import forward
 from klrl.models.gpt import GPT, entropy, token_logprobs
 from klrl.models.hf import load_hf
+from klrl.step.chunked import CHUNK_MIN_VOCAB, head_terms, lm_head, map_positions, use_chunks
 
 DATA = Path(__file__).parent / "data"
 GGUF = DATA / "tiny_gguf" / "tiny.gguf"
@@ -105,7 +105,7 @@ def test_head_terms_match_numpy_on_full_logits(name, model, params, chunk):
 def test_gradients_match_the_full_logits_path(name, model, params):
     """d/d(params, hidden) of a loss built from the chunked (checkpointed) terms equals the same loss
     on the full [B, T, V] logits."""
-    from klrl.kl import full_kl
+    from klrl.algo.kl import full_kl
 
     hp, hq, tok, mask, ref_params = _inputs(model, params)
     w = jax.random.normal(jax.random.key(4), (3, B, T))
@@ -159,8 +159,8 @@ def test_a_chunked_step_equals_the_full_step():
     """Two PPO-KL iterations on a tiny Llama (GGUF): model.logits=chunked against full, with a
     separate value model, the exact KL in the reward and (clamped) in the loss, remat full on the
     chunked side: the same metrics (kl/exact_* included) and parameters to fp32 tolerance."""
+    from klrl.step.train import make_train
     from klrl.tasks.text import make_text_task, value_models
-    from klrl.train import make_train
 
     def run(logits, remat):
         cfg = RunConfig.from_dict({

@@ -114,7 +114,7 @@ def _klrl_run_module():
 @pytest.fixture
 def modes(monkeypatch):
     """Replace the executor: record ``(mode, config, sweep specs)`` instead of running."""
-    import klrl.commands as C
+    import klrl.cli.commands as C
 
     seen = []
 
@@ -146,7 +146,7 @@ def test_legacy_flags_choose_the_mode(argv, mode, modes) -> None:
 
 
 def test_klrl_subcommands(modes, tmp_path) -> None:
-    from klrl.commands import main
+    from klrl.cli.commands import main
 
     assert main(["train", "--kl.beta", "0.3"]) == 0 and modes[-1][0] == "train"
     assert modes[-1][1].kl.beta == 0.3
@@ -159,7 +159,7 @@ def test_klrl_subcommands(modes, tmp_path) -> None:
 
 
 def test_help_of_the_klrl_command(capsys) -> None:
-    from klrl.commands import main
+    from klrl.cli.commands import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -183,7 +183,7 @@ def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
     path = tmp_path / f"c{suffix}"
     d = cfg.to_dict()
     path.write_text(json.dumps(d, indent=1) if suffix == ".json" else yaml.safe_dump(d))
-    from klrl.commands import main
+    from klrl.cli.commands import main
 
     assert main(["train", "--config", str(path)]) == 0
     assert modes[-1][1] == cfg  # a run directory's config.json is re-runnable as it is

@@ -1,4 +1,4 @@
-"""Tests of klrl.config: every rule raises ConfigError naming its field; replace; round trips."""
+"""Tests of klrl.config.run: every rule raises ConfigError naming its field; replace; round trips."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl import control as C
+from klrl.algo import control as C
 from klrl.config import ConfigError, ControllerConfig
 
 _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "controllers.py"

@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from klrl.analysis.diagnosis import Tracker, beta_trend, diagnose, final_regime, timeline
 from klrl.config import DiagnosisConfig
-from klrl.diagnosis import Tracker, beta_trend, diagnose, final_regime, timeline
 
 CFG = DiagnosisConfig(window=20)
 T = 100

@@ -54,7 +54,7 @@ DRIVER = textwrap.dedent(
     from klrl.config import RunConfig
 
     cfg = RunConfig.from_dict(json.load(open(cfg_path)))
-    from klrl.reliability import RunStopped
+    from klrl.loop.reliability import RunStopped
 
     try:
         if len(sys.argv) > 7:  # resume run_dir up to this many iterations

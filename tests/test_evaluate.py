@@ -1,4 +1,4 @@
-"""The held-out evaluation (klrl.evaluate): the held-out prompts answered greedily by the policy
+"""The held-out evaluation (klrl.step.evaluate): the held-out prompts answered greedily by the policy
 every data.eval_every iterations, scored with the held-out rows' reward, logged as eval/heldout/*."""
 
 from __future__ import annotations

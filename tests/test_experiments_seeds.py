@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from klrl.analysis.results import load_sweep
 from klrl.config import RunConfig
-from klrl.results import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))

@@ -16,7 +16,7 @@ GGUF = DATA / "tiny_gguf" / "tiny.gguf"
 
 
 def _klrl(argv: list[str], capsys) -> tuple[int, str, str]:
-    from klrl.commands import main
+    from klrl.cli.commands import main
 
     capsys.readouterr()
     try:
@@ -56,7 +56,7 @@ def test_train_config_of_a_run_reproduces_it(gpt_run, tmp_path, capsys):
 
 
 def test_export_gpt_policy(gpt_run, tmp_path, capsys):
-    from klrl.export import FORMAT, load_gpt
+    from klrl.cli.export import FORMAT, load_gpt
     from klrl.io import checkpoint as ckpt
     from klrl.models.heads import detach
 
@@ -68,7 +68,7 @@ def test_export_gpt_policy(gpt_run, tmp_path, capsys):
     assert doc["format"] == FORMAT and doc["iteration"] == 2
     assert doc["model"] == gpt_run.config.to_dict()["model"] and doc["run_config"] == gpt_run.config.to_dict()
     _equal_trees(params, detach(jax.device_get(gpt_run.state.params["policy"]))[0])  # value head dropped
-    # --step: an earlier checkpoint, read independently of klrl.export
+    # --step: an earlier checkpoint, read independently of klrl.cli.export
     status, stdout, err = _klrl(["export", str(gpt_run.dir), str(tmp_path / "one"), "--step", "1"], capsys)
     assert status == 0 and "iteration 1" in stdout, err
     mgr = ckpt.manager(gpt_run.dir, read_only=True)
@@ -100,7 +100,7 @@ def test_export_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, caps
 
 
 def test_export_sweep_member(tiny_task, cache_dir, jax_cache, tmp_path, capsys):
-    from klrl.export import load_gpt
+    from klrl.cli.export import load_gpt
     from klrl.models.heads import detach
     from klrl.sweep import sweep
 

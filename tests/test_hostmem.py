@@ -1,4 +1,4 @@
-"""klrl.hostmem: freed heap pages go back to the kernel (RSS read from /proc, the C heap driven
+"""klrl.loop.hostmem: freed heap pages go back to the kernel (RSS read from /proc, the C heap driven
 through ctypes, independent of klrl)."""
 
 import ctypes
@@ -8,7 +8,7 @@ import resource
 
 import pytest
 
-from klrl.hostmem import release_freed_memory
+from klrl.loop.hostmem import release_freed_memory
 
 MB = 2**20
 
@@ -47,7 +47,7 @@ def test_freed_heap_pages_are_released():
 
 
 def test_without_malloc_trim_it_does_nothing(monkeypatch):
-    import klrl.hostmem as hostmem
+    import klrl.loop.hostmem as hostmem
 
     monkeypatch.setattr(hostmem, "_malloc_trim", lambda: None)  # e.g. macOS or musl
     assert hostmem.release_freed_memory() is False

@@ -98,7 +98,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_klrl():
     edges = graph()
-    assert "klrl.train" in edges and "klrl.models.gpt" in edges["klrl.train"]  # the graph is real
+    assert "klrl.step.train" in edges and "klrl.models.gpt" in edges["klrl.step.train"]  # the graph is real
     cycle = find_cycle(edges)
     assert cycle is None, " -> ".join(cycle)
 
@@ -114,8 +114,15 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_results_is_a_leaf_and_nothing_imports_the_report():
     edges = graph()
-    assert edges["klrl.results"] <= {"klrl.config", "klrl.io", "klrl.io.logging", "klrl.io.readers"}
-    assert edges["klrl.io.readers"] <= {"klrl.config", "klrl.schema"}  # (so results stays a leaf)
-    importers = sorted(m for m, deps in edges.items() if {"klrl.report", "klrl.plots"} & deps)
-    # only the report reads the plots; only the command line (klrl.commands) attaches a report
-    assert importers == ["klrl.commands", "klrl.report"], importers
+    assert edges["klrl.analysis.results"] <= {
+        "klrl.config.run",
+        "klrl.io",
+        "klrl.io.logging",
+        "klrl.io.readers",
+    }
+    assert edges["klrl.io.readers"] <= {"klrl.config.run", "klrl.config.schema"}  # (so results stays a leaf)
+    importers = sorted(
+        m for m, deps in edges.items() if {"klrl.analysis.report", "klrl.analysis.plots"} & deps
+    )
+    # only the report reads the plots; only the command line (klrl.cli.commands) attaches a report
+    assert importers == ["klrl.cli.commands", "klrl.analysis.report"], importers

@@ -2,7 +2,7 @@
 2 and exactly one line on stderr (``error: ...`` naming what is wrong), before anything is built or
 compiled, and leaves every run directory byte-identical.
 
-The bulk runs in this process (``experiments/run.py``'s ``main(argv)`` and ``klrl.commands.main``,
+The bulk runs in this process (``experiments/run.py``'s ``main(argv)`` and ``klrl.cli.commands.main``,
 stderr captured, ``SystemExit`` caught) with the task builders, ``make_train``, the sweep and
 ``klrl.run`` itself replaced by functions that fail the test if reached: a case that got past the
 checks would be caught there. A few cases run as real subprocesses to prove the exit status end to end.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from klrl.config import SECTIONS, RunConfig
-from klrl.schema import ALIASES
+from klrl.config.schema import ALIASES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
@@ -65,8 +65,8 @@ class Reached(AssertionError):
 def nothing_is_built(monkeypatch, tmp_path):
     """Any case that reaches a task build, a compile or a run fails; caches and runs go to tmp."""
     import klrl
-    import klrl.runner
-    import klrl.train
+    import klrl.api
+    import klrl.step.train
 
     sweep_mod = sys.modules["klrl.sweep"]
 
@@ -76,8 +76,8 @@ def nothing_is_built(monkeypatch, tmp_path):
 
         return f
 
-    for obj, name in ((klrl.runner, "build_task"), (klrl.runner, "run"), (klrl, "run"),
-                      (klrl.train, "make_train"), (sweep_mod, "build_task"), (sweep_mod, "make_sweep"),
+    for obj, name in ((klrl.api, "build_task"), (klrl.api, "run"), (klrl, "run"),
+                      (klrl.step.train, "make_train"), (sweep_mod, "build_task"), (sweep_mod, "make_sweep"),
                       (sweep_mod, "sweep")):  # fmt: skip
         monkeypatch.setattr(obj, name, reached(f"{obj.__name__}.{name}"))
     monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
@@ -359,7 +359,7 @@ def damaged(tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", sorted(DAMAGE))
 @pytest.mark.parametrize("reader", ["report", "resume", "klrl report", "klrl resume"])
 def test_damaged_run_directory_cli(reader, name, tmp_path, capsys):
-    from klrl.commands import main as klrl_main
+    from klrl.cli.commands import main as klrl_main
 
     d = damaged(tmp_path, name)
     before = snapshot(d)
@@ -416,7 +416,7 @@ KLRL = [
 
 @pytest.mark.parametrize("argv,word", KLRL, ids=[" ".join(a) or "none" for a, _ in KLRL])
 def test_klrl_command(argv, word, capsys):
-    from klrl.commands import main as klrl_main
+    from klrl.cli.commands import main as klrl_main
 
     one_line_exit_2(capsys, klrl_main, argv, word)
 

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from klrl import kl
+from klrl.algo import kl
 
 N_MC = 200_000  # Monte-Carlo samples per distribution pair
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from klrl.analysis.results import LEGACY_NAMES, load_run, load_sweep
 from klrl.config import RunConfig
 from klrl.io.readers import RunDirError
-from klrl.results import LEGACY_NAMES, load_run, load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_ROWS = [

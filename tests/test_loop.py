@@ -1,4 +1,4 @@
-"""The one training loop (klrl/loop.py) drives sweeps as it drives runs: checkpoints, SIGTERM,
+"""The one training loop (klrl/loop/driver.py) drives sweeps as it drives runs: checkpoints, SIGTERM,
 resume bit for bit, the non-finite stop after exactly K skips."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _sigterm_after(monkeypatch, n_calls: int) -> None:
 
 
 def test_sweep_sigterm_then_resume_is_bit_identical(tiny_task, cache_dir, jax_cache, tmp_path, monkeypatch):
-    from klrl.results import load_sweep
+    from klrl.analysis.results import load_sweep
     from klrl.sweep import sweep
 
     members = _members(cache_dir)
@@ -89,7 +89,7 @@ def test_sweep_resume_refuses_a_changed_member(tiny_task, cache_dir, jax_cache, 
 
 
 def test_sweep_nonfinite_member_stops_after_exactly_k(tiny_task, cache_dir, jax_cache, tmp_path):
-    from klrl.reliability import RunStopped
+    from klrl.loop.reliability import RunStopped
     from klrl.sweep import sweep
     from klrl.tasks.base import JaxReward
 
@@ -137,7 +137,7 @@ def _fake_sweep(members, **kw):
     injected ``step_size = -optim.lr`` as optax does."""
     import jax
 
-    from klrl.loop import Program, drive
+    from klrl.loop.driver import Program, drive
 
     def col(f):
         return jnp.asarray(np.array([f(m) for m in members], np.float32))
@@ -162,7 +162,7 @@ def test_2x2_sweep_in_tensorboards_hparams_dashboard(cache_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    from klrl.results import load_sweep
+    from klrl.analysis.results import load_sweep
     from klrl.sweep import grid
 
     base = base_config(cache_dir, iterations=6, checkpoint_every=0)
@@ -196,7 +196,7 @@ def test_2x2_sweep_in_tensorboards_hparams_dashboard(cache_dir, tmp_path):
 
 
 def test_member_names_fall_back_to_member_xx(cache_dir):
-    from klrl.results import member_names
+    from klrl.analysis.results import member_names
 
     base = base_config(cache_dir)
     assert member_names([base, base]) == ["member-00", "member-01"]  # nothing differs
@@ -239,7 +239,7 @@ def test_host_side_metrics_lr_samples_throughput(cache_dir, tmp_path):
 def test_on_step_gets_each_recorded_row(cache_dir, tmp_path):
     import jax
 
-    from klrl.loop import Program, drive
+    from klrl.loop.driver import Program, drive
 
     base = base_config(cache_dir, iterations=4, checkpoint_every=0)
     seen = []
@@ -272,15 +272,15 @@ def test_metric_aliases_in_metrics_jsonl_and_tensorboard_only(cache_dir, tmp_pat
     results, _ = _fake_sweep(members, out_dir=tmp_path / "s")
     for m, r in zip(members, results, strict=True):
         rows = [json.loads(x) for x in (r.dir / "metrics.jsonl").read_text().splitlines()]
-        # verl's names (klrl/aliases.py): ctrl/beta -> actor/reward_kl_penalty_coeff, response/length ->
-        # response_length/mean
+        # verl's names (klrl/config/aliases.py): ctrl/beta -> actor/reward_kl_penalty_coeff,
+        # response/length -> response_length/mean
         assert [row["actor/reward_kl_penalty_coeff"] for row in rows] == pytest.approx([m.kl.beta] * 3)
         assert [row["response_length/mean"] for row in rows] == [4.0] * 3
         assert "actor/reward_kl_penalty_coeff" not in r.metrics  # the rows in memory keep klrl's names
         ea = EventAccumulator(str(r.dir / "tb"))
         ea.Reload()
         assert "actor/reward_kl_penalty_coeff" in ea.Tags()["scalars"]
-    from klrl.host_metrics import alias_map, with_aliases
+    from klrl.loop.metrics import alias_map, with_aliases
 
     # TRL's PPOTrainer names: kl/k1_seq_sum -> objective/kl; a name already a klrl metric is not overwritten
     got = with_aliases(

@@ -1,11 +1,11 @@
-"""klrl.loop_files: a resume's cut back to its checkpoint, a rollback's move of rows, the saved
+"""klrl.loop.files: a resume's cut back to its checkpoint, a rollback's move of rows, the saved
 rollback references, against files written by hand."""
 
 import json
 
 from klrl.config import RunConfig
 from klrl.io.resume import Resume
-from klrl.loop_files import (
+from klrl.loop.files import (
     ROLLED_BACK,
     SAMPLES_ROLLED_BACK,
     cut_to_checkpoint,

@@ -1,14 +1,15 @@
-"""klrl.loop_stops (the stop lines, the reward-failure check, restamp) and the host-side helpers the
-loop uses (klrl.host_metrics.member_row/timings, klrl.reliability.rollback_betas), against hand values."""
+"""klrl.loop.stops (the stop lines, the reward-failure check, restamp) and the host-side helpers the
+loop uses (klrl.loop.metrics.member_row/timings, klrl.loop.reliability.rollback_betas), against hand
+values."""
 
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 
-from klrl.host_metrics import member_row, timings
-from klrl.loop_stops import base_message, restamp, reward_failure, rollback_message, skips_message
-from klrl.reliability import Rollback, rollback_betas
+from klrl.loop.metrics import member_row, timings
+from klrl.loop.reliability import Rollback, rollback_betas
+from klrl.loop.stops import base_message, restamp, reward_failure, rollback_message, skips_message
 from klrl.rewards.host import RewardFunctionError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from klrl import losses as L
+from klrl.algo import losses as L
 
 
 def test_clipped_surrogate_hand_values() -> None:

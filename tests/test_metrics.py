@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl.metrics import distinct_n, perplexity, spearman
+from klrl.algo.metrics import distinct_n, perplexity, spearman
 
 
 def _distinct_ref(tokens: np.ndarray, mask: np.ndarray, n: int) -> float:

@@ -1,6 +1,6 @@
-"""klrl.plots: every figure renders to a PNG for one run, a sweep and runs with metrics missing (synthetic
-metrics, so this module compiles nothing); seeds are grouped (mean line, band = the t-interval computed
-here), legends sit outside the axes, ``ax=`` draws into the given Axes, every axis label has a unit,
+"""klrl.analysis.plots: every figure renders to a PNG for one run, a sweep and runs with metrics missing
+(synthetic metrics, so this module compiles nothing); seeds are grouped (mean line, band = the t-interval
+computed here), legends sit outside the axes, ``ax=`` draws into the given Axes, every axis label has a unit,
 frontier points are window means computed here, the controller comparison normalises only adaptive
 runs; fit_gao recovers the Gao et al. coefficients. Figures of a real tiny run and a real sweep:
 tests/test_api.py (it has them); write_report: tests/test_report.py."""
@@ -17,8 +17,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 import klrl
-from klrl import plots
-from klrl.results import RunResult
+from klrl.analysis import plots
+from klrl.analysis.results import RunResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("beta_kl", "frontier", "overoptimization", "perplexity_diversity", "controller_comparison")

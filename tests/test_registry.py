@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl import advantages, control, kl, losses, shaping
+from klrl.algo import advantages, control, kl, losses, shaping
 from klrl.config import ConfigError, ControllerConfig, KLConfig, PPOConfig
 from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, FAMILIES, TASKS, Registry
 
@@ -48,7 +48,7 @@ def test_config_validates_names_against_the_registries(make, field, names):
 
 
 def test_plot_labels_come_from_the_controller_registry():
-    from klrl import plots
+    from klrl.analysis import plots
     from klrl.config import RunConfig
 
     for kind in CONTROLLERS:

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from klrl.reliability import decide_rollback, first_crossing, is_bad, is_good, skip_stop
+from klrl.loop.reliability import decide_rollback, first_crossing, is_bad, is_good, skip_stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
@@ -41,7 +41,7 @@ from conftest import base_config, cli_args, lines, run_main  # noqa: E402  (jax_
 
 
 def test_rollback_beta_compounds_over_repeated_rollbacks():
-    from klrl.reliability import rollback_beta
+    from klrl.loop.reliability import rollback_beta
 
     beta = 0.05  # a fixed controller: the checkpoint and the failing state hold the same beta
     for k in range(1, 4):  # rolled back to the same checkpoint (beta 0.05) three times
@@ -193,7 +193,7 @@ def invalid_args(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=invalid_args())
 def test_invalid_configs_rejected_in_process(case, capsys):
-    from klrl.cli import build_parser, config_from_args
+    from klrl.cli.args import build_parser, config_from_args
 
     field, argv = case
     capsys.readouterr()
@@ -261,9 +261,9 @@ def test_valid_small_configs_run_one_iteration(changes, tiny_task, cache_dir, ja
 def test_nan_rewards_skip_and_stop(k, tiny_task, cache_dir, jax_cache, tmp_path):
     import klrl
     from klrl.io import checkpoint as ckpt
-    from klrl.reliability import RunStopped
+    from klrl.loop.reliability import RunStopped
+    from klrl.step.train import make_train
     from klrl.tasks.base import JaxReward
-    from klrl.train import make_train
 
     def nan_reward(env, ro):
         return jnp.full(ro.response.shape[:1], jnp.nan, jnp.float32)
@@ -332,7 +332,7 @@ def plain_run(tiny_task, cache_dir, jax_cache, tmp_path_factory):
 @pytest.mark.parametrize("every", [2, 0])  # 0: no checkpoint before the crossing -> the initial state
 def test_rollback_restores_the_right_checkpoint_and_doubles_beta(every, plain_run, tiny_task, tmp_path):
     import klrl
-    from klrl.reliability import RunStopped
+    from klrl.loop.reliability import RunStopped
 
     metric = "reward/task"
     cfg, plain, plain_lines, plain_samples = plain_run
@@ -571,7 +571,7 @@ def test_lock_is_held_by_a_run_and_a_sweep(tiny_task, cache_dir, jax_cache, tmp_
 
 def test_guard_turns_any_full_disk_into_one_line(tmp_path):
     from klrl.io.checkpoint import DiskFull
-    from klrl.reliability import RunGuard
+    from klrl.loop.reliability import RunGuard
 
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
@@ -644,7 +644,7 @@ def test_real_full_disk_is_one_line_and_resumable_elsewhere(small_disk, tiny_tas
 
 
 def test_stop_signals_reentrant_and_restored():
-    from klrl.reliability import StopSignals
+    from klrl.loop.reliability import StopSignals
 
     before = signal.getsignal(signal.SIGTERM)
     s = StopSignals(log=lambda m: None)

@@ -92,8 +92,8 @@ def test_the_ppo_loss_gradient_is_the_same_under_remat(logits):
     model); the rollout's and the scoring's models are not rematerialised."""
     from klrl.config import RunConfig
     from klrl.data.vocab import WordTokenizer
+    from klrl.step.train import Batch, make_train
     from klrl.tasks.base import JaxReward, Task, TokenPool
-    from klrl.train import Batch, make_train
 
     v, p, r, b = 13, 3, 5, 4
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""klrl.report on in-memory results (synthetic metrics, nothing compiled): the sweep's Settings table
+"""klrl.analysis.report on in-memory results (synthetic metrics, nothing compiled): the sweep's Settings table
 aggregates members over seeds (mean ± the 95% t-interval computed here from the members' last-window
 means), one row per setting, next to the per-member table; final values are trailing-window means.
 Reports of a real run and a real sweep directory: tests/test_api.py."""
@@ -50,7 +50,9 @@ def test_settings_table_is_mean_and_t_interval_over_seeds(tmp_path):
             finals = [sum(r.metrics[key][-10:]) / 10 for r in setting]
             m = sum(finals) / 3
             h = T975[2] * math.sqrt(sum((f - m) ** 2 for f in finals) / 2) / math.sqrt(3)
-            mean, half = (float(x) for x in cell[f"{key} ({klrl.aggregate.unit_of(key)})"].split(" ± "))
+            mean, half = (
+                float(x) for x in cell[f"{key} ({klrl.analysis.aggregate.unit_of(key)})"].split(" ± ")
+            )
             assert mean == pytest.approx(m, rel=1e-3, abs=1e-6) and half == pytest.approx(h, rel=1e-3)
     _, members = table(text, "## Members")
     assert len(members) == 6

@@ -1,4 +1,4 @@
-"""klrl.results: member names, sweep axes, the long DataFrame (hand-built results, no training)."""
+"""klrl.analysis.results: member names, sweep axes, the long DataFrame (hand-built results, no training)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from klrl.analysis.results import RunResult, Sweep, load_sweep, sweep_axes, to_frame
 from klrl.config import RunConfig
-from klrl.results import RunResult, Sweep, load_sweep, sweep_axes, to_frame
 
 
 def _two():

@@ -1,4 +1,4 @@
-"""Tests of klrl.rollout on the pretrained tiny reference (which really does emit EOS):
+"""Tests of klrl.models.rollout on the pretrained tiny reference (which really does emit EOS):
 KV-cache log-probs, values and logits vs a teacher-forced forward, EOS masking, top-k,
 and per-example keys."""
 
@@ -14,7 +14,7 @@ from klrl.config import SamplingConfig
 from klrl.models.base import forward
 from klrl.models.gpt import token_logprobs
 from klrl.models.heads import ValueHead, attach, detach
-from klrl.rollout import generate, is_stop, response_slice, sequence
+from klrl.models.rollout import generate, is_stop, response_slice, sequence
 
 N = 64  # examples per rollout
 R_LEN = 8
@@ -170,7 +170,7 @@ def test_gumbel_argmax_draws_what_jax_random_categorical_draws() -> None:
     including rows restricted to their top k (``-inf`` elsewhere) and rows with tied logits."""
     import jax.numpy as jnp
 
-    from klrl.rollout import gumbel_argmax
+    from klrl.models.rollout import gumbel_argmax
 
     b, v = 512, 97
     logits = 3.0 * jax.random.normal(jax.random.PRNGKey(0), (b, v))

@@ -82,7 +82,7 @@ def _word_tok():
 
 
 def test_decode_rows_hand_values() -> None:
-    from klrl.samples import decode_rows
+    from klrl.step.samples import decode_rows
 
     rows = {
         "prompt": np.array([[0, 5, 4], [0, 0, 3]]),
@@ -107,7 +107,7 @@ def test_decode_rows_hand_values() -> None:
 
 
 def test_due_first_every_and_last() -> None:
-    from klrl.samples import due
+    from klrl.step.samples import due
 
     assert [i for i in range(25) if due(i, 10, 25)] == [0, 10, 20, 24]
     assert [i for i in range(3) if due(i, 10, 3)] == [0, 2]
@@ -115,7 +115,7 @@ def test_due_first_every_and_last() -> None:
 
 
 def test_side_by_side_pairs_first_and_last_iteration() -> None:
-    from klrl.samples import side_by_side
+    from klrl.step.samples import side_by_side
 
     rows = [
         {"iteration": it, "prompt": f"p{it}{i}", "completion": f"c{it}{i}", "reward": it, "kl_seq_sum": 0.5}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl.shaping import last_token_onehot, sequence_returns, shaped_rewards
+from klrl.algo.shaping import last_token_onehot, sequence_returns, shaped_rewards
 
 # row 0 uses all 4 tokens; row 1 ends after 2 (garbage KL after the end must be ignored)
 R = jnp.array([1.0, 2.0])
@@ -56,7 +56,7 @@ def test_unknown_placement_raises() -> None:
 
 def test_missing_eos_penalty_hand_values() -> None:
     """TRL: ``scores[~any(response == eos)] -= penalty``; here any of several stop ids, valid tokens only."""
-    from klrl.shaping import missing_eos_penalty
+    from klrl.algo.shaping import missing_eos_penalty
 
     stops = (2, 7)
     response = np.array(

@@ -1,10 +1,10 @@
-"""Sharding the train step over a (data, fsdp, tensor) mesh (klrl.parallel, issue 16), on forced
+"""Sharding the train step over a (data, fsdp, tensor) mesh (klrl.step.parallel, issue 16), on forced
 host devices in subprocesses (``tests/sharding_run.py``):
 
 * a (data 2, fsdp 2, tensor 2) run of 3 iterations equals the 1-device run (beta, every metric,
   parameters and optimiser state) within fp32 reduction-order tolerance, for klrl's GPT and a
   tiny random Llama; so does a (data 2, fsdp 4, tensor 1) run, whose rows are split over
-  ``fsdp`` too (``klrl.parallel.split_rows``): its per-device FLOPs are ~1/8 of one device's;
+  ``fsdp`` too (``klrl.step.parallel.split_rows``): its per-device FLOPs are ~1/8 of one device's;
 * per-device parameter and optimiser bytes (the arrays' addressable shards) fall as 1 / (fsdp x
   tensor) for what the partition rules shard;
 * 2 processes x 4 devices (jax.distributed on localhost) give the run of 1 process x 8 devices;
@@ -208,7 +208,7 @@ class _Mesh:
 def test_fit_spec(spec, shape, want):
     from jax.sharding import PartitionSpec as P
 
-    from klrl.parallel import fit_spec
+    from klrl.step.parallel import fit_spec
 
     assert fit_spec(P(*spec), shape, _Mesh()) == P(*want)
 
@@ -223,7 +223,7 @@ def test_train_mesh_is_checked(bad):
 
 def test_mesh_from_config_on_one_device():
     from klrl.config import RunConfig
-    from klrl.parallel import mesh_from_config
+    from klrl.step.parallel import mesh_from_config
 
     mesh = mesh_from_config(RunConfig().replace(train={"mesh": "-1,1,1"}).train)
     assert dict(mesh.shape) == {"sweep": 1, "data": 1, "fsdp": 1, "tensor": 1}
@@ -244,7 +244,7 @@ def test_split_rows_constrains_only_where_it_may(sizes, rows, split):
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh, AxisType
 
-    from klrl.parallel import AXES, split_rows
+    from klrl.step.parallel import AXES, split_rows
 
     def prims(x):
         return [e.primitive.name for e in jax.make_jaxpr(split_rows)(x).eqns]

@@ -95,8 +95,8 @@ def test_reward_model_run_is_standardised_on_reference_samples_and_resumes_bit_f
     reads the gain and bias back from task.json (sampling again would fail here) and replays the
     undone iteration bit for bit."""
     import klrl
+    from klrl.step.train import make_train
     from klrl.tasks.text import make_text_task
-    from klrl.train import make_train
 
     cfg = _text_cfg(tmp_path, iterations=2, checkpoint_every=1, keep_checkpoints=5)
     result = klrl.run(cfg)
@@ -142,7 +142,7 @@ def test_reward_model_run_is_standardised_on_reference_samples_and_resumes_bit_f
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_the_held_out_reward_is_standardised_with_the_same_gain_and_bias(tmp_path) -> None:
-    from klrl.rollout import Rollout
+    from klrl.models.rollout import Rollout
     from klrl.tasks.text import make_text_task
 
     cfg = _text_cfg(tmp_path).replace(data={"eval_fraction": 0.25})
@@ -169,8 +169,8 @@ def test_a_reward_on_the_reference_trunk_is_standardised_on_the_shared_forward(t
     of the raw reward model's own forward."""
     from jax.sharding import PartitionSpec as P
 
+    from klrl.step.train import make_train
     from klrl.tasks.text import make_text_task
-    from klrl.train import make_train
 
     cfg = _text_cfg(tmp_path).replace(model={"reward_path": ""})
     raw = make_text_task(cfg)

@@ -29,8 +29,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from klrl.analysis.results import member_names
 from klrl.config import ConfigError, RunConfig
-from klrl.results import member_names
 from klrl.sweep import check_members, grid, parse_axis
 
 RTOL = 1e-5

@@ -17,8 +17,8 @@ from klrl.data.vocab import WordTokenizer
 from klrl.models.base import CausalLM, LMOutput
 from klrl.models.gpt import GPT
 from klrl.registry import TASKS
+from klrl.step.train import make_train
 from klrl.tasks.base import HostReward, JaxReward, Task, TokenPool
-from klrl.train import make_train
 
 V, P, R = 11, 8, 4
 

@@ -34,7 +34,7 @@ def test_reward_model_beats_chance(testbed):
 def test_testbed_step_reports_gold_and_perplexities(testbed):
     import jax
 
-    from klrl.train import make_train
+    from klrl.step.train import make_train
 
     cfg, task = testbed
     train = make_train(cfg, task)

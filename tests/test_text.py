@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from conftest import one_line_error
 
-from klrl.commands import legacy_main
+from klrl.cli.commands import legacy_main
 from klrl.config import DataConfig, ModelConfig, RunConfig
 from klrl.models.heads import detach
-from klrl.rollout import Rollout
+from klrl.models.rollout import Rollout
 from klrl.tasks.text import model_reward, reward_model
 
 DATA = Path(__file__).parent / "data"
@@ -138,7 +138,7 @@ def test_separate_value_model_is_the_pretrained_trunk_with_a_fresh_head():
 
 
 def test_text_evaluators_match_the_numpy_text_metrics():
-    from klrl import textmetrics as tm
+    from klrl.algo import textmetrics as tm
     from klrl.tasks.text import text_evaluators
 
     rng = np.random.default_rng(0)
@@ -177,7 +177,7 @@ def test_text_run_logs_text_metrics_and_the_evaluator_lms_perplexity(tmp_path):
 def test_model_path_on_the_default_task_selects_the_text_task():
     import argparse
 
-    from klrl.cli import config_from_args
+    from klrl.cli.args import config_from_args
 
     def cfg(**kw):
         return config_from_args(argparse.Namespace(config=None, **kw))
@@ -219,8 +219,8 @@ def test_reward_on_the_policy_trunk_is_read_from_the_reference_forward(logits):
 
     from jax.sharding import PartitionSpec as P
 
+    from klrl.step.train import make_train
     from klrl.tasks.text import make_text_task
-    from klrl.train import make_train
 
     cfg = _text_cfg(logits=logits)
     task = make_text_task(cfg)
@@ -249,8 +249,8 @@ def test_reward_reads_the_reference_only_when_it_is_the_same_frozen_trunk():
     """The shared forward is taken only when the reward's trunk is the reference: not when the
     reference is refreshed, stored in bfloat16, or starts from other parameters; ``model.reward_path``
     naming the policy's own file shares the policy's arrays."""
+    from klrl.step.train import make_train
     from klrl.tasks.text import make_text_task
-    from klrl.train import make_train
 
     cfg = _text_cfg()
     task = make_text_task(cfg)

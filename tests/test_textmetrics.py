@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from klrl import textmetrics as tm
+from klrl.algo import textmetrics as tm
 
 DIST = jax.jit(tm.distinct_n_jax, static_argnums=2)
 REP = jax.jit(tm.rep_n_jax, static_argnums=2)

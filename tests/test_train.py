@@ -18,10 +18,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import klrl
-from klrl import control
+from klrl.algo import control
 from klrl.config import ControllerConfig, RunConfig
+from klrl.step.train import make_train
 from klrl.tasks.base import JaxReward
-from klrl.train import make_train
 
 HORIZON = 100.0  # proportional: beta *= 1 +- 0.2 * 16 / 100 per iteration once the error is clipped
 
@@ -169,7 +169,7 @@ PARITY_SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     from klrl.config import RunConfig
     from klrl.tasks.wordclass import make_task
-    from klrl.train import make_train
+    from klrl.step.train import make_train
 
     cfg_path, out_path = sys.argv[1], sys.argv[2]
     assert jax.device_count() == 4, jax.devices()
@@ -297,7 +297,7 @@ def test_update_stops_at_the_first_nonfinite_minibatch(tiny_cfg, tiny_task) -> N
     ``go=False`` leaves the parameters and Adam state bit for bit as they were."""
     import optax
 
-    from klrl.train import Batch
+    from klrl.step.train import Batch
 
     cfg = tiny_cfg.replace(ppo={"epochs": 2, "minibatches": 2})
     tr = make_train(cfg, tiny_task)

@@ -1,4 +1,4 @@
-"""klrl.train_parts: the optimiser's global-norm clip against optax's own and against NumPy."""
+"""klrl.step.parts: the optimiser's global-norm clip against optax's own and against NumPy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from klrl.config import RunConfig
-from klrl.train_parts import clip_by_global_norm, make_optimizer
+from klrl.step.parts import clip_by_global_norm, make_optimizer
 
 
 def _tree(scale: float):

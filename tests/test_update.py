@@ -1,4 +1,4 @@
-"""The PPO loss as a whole (``klrl.update.ppo_loss``, what the update differentiates) against an
+"""The PPO loss as a whole (``klrl.step.update.ppo_loss``, what the update differentiates) against an
 independent NumPy reference written here: clipped surrogate + entropy bonus + clipped value loss +
 the KL-in-loss term, each ``kl.loss_agg``, the token/sequence normalisation, temperature, the value
 head on the trunk and a separate value model. The model's forward is not under test: its logits and
@@ -18,8 +18,8 @@ from klrl.data.vocab import WordTokenizer
 from klrl.models.base import forward
 from klrl.models.gpt import GPT
 from klrl.models.heads import detach
+from klrl.step.train import Batch, make_train
 from klrl.tasks.base import JaxReward, Task, TokenPool
-from klrl.train import Batch, make_train
 
 V, P, R, B = 11, 3, 5, 8
 TEMP = 1.3
@@ -100,7 +100,7 @@ CASES = {
     "grpo_k2_seq": dict(ppo=GRPO, kl={"loss_estimator": "k2", "loss_agg": "seq_mean"}),
     "rloo_abs_token_reward_only": dict(ppo=RLOO, kl={"loss_estimator": "abs", "placement": "reward"}),
     "gae_head_k1_token": dict(ppo=GAE, kl={"loss_estimator": "k1", "placement": "reward+loss"}),
-    # model.logits=chunked (klrl.chunked): the same loss from hidden states, 7 positions at a time
+    # model.logits=chunked (klrl.step.chunked): the same loss from hidden states, 7 positions at a time
     "chunked_gae_separate_full_seq": dict(
         ppo=GAE, model={"value_model": "separate", "logits": "chunked", "logits_chunk": 7},
         kl={"loss_estimator": "full", "loss_agg": "seq_mean"},

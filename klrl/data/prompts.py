@@ -27,7 +27,7 @@ fraction (``eval_fraction``: a ``seed``-ed permutation picks ``round(fraction * 
 one; both pools keep file order).
 
 Every user mistake raises :class:`PromptDataError` with one line naming the file (and row or
-column); a bad configuration value raises :class:`klrl.config.ConfigError` naming the field.
+column); a bad configuration value raises :class:`klrl.config.run.ConfigError` naming the field.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ guard reports those iterations itself; its ``guard/skipped`` metric counts them)
 tensorboardX writes events in a background thread. If that thread fails (e.g. ENOSPC: disk full),
 its traceback is not printed, the thread keeps emptying its queue (so the next ``add_scalar``
 cannot block forever on a full queue) and the error is raised by the next :meth:`MetricsWriter.write`
-in the caller's thread (where :class:`klrl.reliability.RunGuard` turns a full disk into one line).
+in the caller's thread (where :class:`klrl.loop.reliability.RunGuard` turns a full disk into one line).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from klrl.config import ConfigError, RunConfig
-from klrl.schema import short
+from klrl.config.schema import short
 
 _NONFINITE = ("nan", "inf", "-inf")  # what klrl.io.logging writes for non-finite metrics
 MAX_JSON_BYTES = 64 << 20  # a config or index file larger than this is not one klrl wrote

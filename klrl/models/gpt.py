@@ -95,7 +95,7 @@ class GPTModule(nn.Module):
         dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
         wte = nn.Embed(self.vocab_size, cfg.d_model, name="wte")
         wpe = nn.Embed(self.max_len, cfg.d_model, name="wpe")
-        x = split_rows((wte(tokens) + wpe(positions)).astype(dtype))  # rows on fsdp (klrl.parallel)
+        x = split_rows((wte(tokens) + wpe(positions)).astype(dtype))  # rows on fsdp (klrl.step.parallel)
         new_cache = []
         block = remat_block(Block, self.remat, prevent_cse=True)  # a Python loop: keep the barriers
         for i in range(cfg.n_layers):

@@ -120,7 +120,7 @@ class Block(nn.Module):
         x = x + dense(d, "c_proj")(a)
         y = _ACTS[c.activation_function](dense(c.inner, "c_fc")(norm("ln_2")(x)))
         x = x + dense(d, "mlp_c_proj")(y)
-        return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.parallel)
+        return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.step.parallel)
 
 
 class GPT2Module(nn.Module):

@@ -119,7 +119,7 @@ class Block(nn.Module):
         g = dense(c.intermediate_size, c.mlp_bias, "gate_proj")(y)
         u = dense(c.intermediate_size, c.mlp_bias, "up_proj")(y)
         x = x + dense(c.hidden_size, c.mlp_bias, "down_proj")(nn.silu(g) * u)
-        return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.parallel)
+        return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.step.parallel)
 
 
 class LlamaModule(nn.Module):

@@ -1,6 +1,6 @@
 """Rematerialisation (``jax.checkpoint``) of transformer blocks, one policy for every family.
 
-``model.remat`` (:class:`klrl.config.ModelConfig`) chooses what the backward of the PPO update keeps
+``model.remat`` (:class:`klrl.config.run.ModelConfig`) chooses what the backward of the PPO update keeps
 of each block's forward (names as MaxText's ``remat_policy``):
 
 * ``none``: everything the backward reads is kept (fastest, most memory: per block the norms,

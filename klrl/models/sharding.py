@@ -1,7 +1,7 @@
 """The models' activation sharding constraint (issue 16): the rows of the residual stream on the
-mesh's ``fsdp`` axis at the layer boundaries. A leaf module: :mod:`klrl.parallel` (which builds
+mesh's ``fsdp`` axis at the layer boundaries. A leaf module: :mod:`klrl.step.parallel` (which builds
 the mesh, and imports the model families' partition rules) re-exports it; the axis names are
-:mod:`klrl.parallel`'s ``FSDP`` and ``TENSOR``."""
+:mod:`klrl.step.parallel`'s ``FSDP`` and ``TENSOR``."""
 
 from __future__ import annotations
 

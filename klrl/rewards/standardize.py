@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klrl.config import ConfigError
-from klrl.rollout import generate
+from klrl.models.rollout import generate
 
 KEY = "reward_norm"
 SALT = 0x5747  # folded into the run's seed: the standardisation's samples are not the training's

@@ -33,8 +33,8 @@ import numpy as np
 from klrl.config import ConfigError, RunConfig, TaskShape
 from klrl.data.tokenizer import Tokenizer
 from klrl.models.base import CausalLM
+from klrl.models.rollout import Rollout
 from klrl.registry import TASKS
-from klrl.rollout import Rollout
 
 Array = jax.Array
 
@@ -95,7 +95,7 @@ class JaxReward:
     # ``fn`` given that trunk's final hidden states ``[B, P + R, D]`` over prompt + response, and
     # ``trunk = (model, parameter tree)`` names the trunk. When it is the train step's frozen
     # reference (the same model and the same parameter arrays, see
-    # :attr:`klrl.train_parts.Context.reward_on_reference`) the step reads the reward from the
+    # :attr:`klrl.step.parts.Context.reward_on_reference`) the step reads the reward from the
     # reference forward it runs anyway: one trunk forward less per iteration, the same numbers. A
     # wrapper that changes ``fn`` wraps ``from_hidden`` alike (klrl.rewards.standardize) or drops it.
     from_hidden: Callable[[Any, Any, Array], Array] | None = None
@@ -116,7 +116,7 @@ class HostReward:
 
 @dataclass(frozen=True)
 class HeldOut:
-    """Held-out prompts scored with the policy at temperature 0 (:mod:`klrl.evaluate`): their pool
+    """Held-out prompts scored with the policy at temperature 0 (:mod:`klrl.step.evaluate`): their pool
     (its arrays travel in ``env`` as ``heldout_prompts``/``heldout_prompt_mask``), the reward of its
     rows (``ro.prompt_idx`` indexes this pool) and their texts."""
 
@@ -150,7 +150,7 @@ class Task:
     evaluators: Evaluators = field(default_factory=Evaluators)
     info: dict[str, Any] = field(default_factory=dict)  # e.g. pretraining loss, entropy rate
     prompt_texts: Sequence[str] | None = None  # the pool's prompts as text (samples show them), if known
-    heldout: HeldOut | None = None  # held-out prompts for the temperature-0 evaluation (klrl.evaluate)
+    heldout: HeldOut | None = None  # held-out prompts for the temperature-0 evaluation (klrl.step.evaluate)
 
     @property
     def env(self) -> dict[str, Any]:

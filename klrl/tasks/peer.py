@@ -26,7 +26,7 @@ from klrl.data.vocab import WordTokenizer
 from klrl.models.base import forward
 from klrl.models.gpt import GPT
 from klrl.models.heads import ValueHead, attach, detach
-from klrl.rollout import Rollout, sequence
+from klrl.models.rollout import Rollout, sequence
 from klrl.tasks.base import JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from klrl import metrics as M
+from klrl.algo import metrics as M
 from klrl.config import RunConfig, SamplingConfig
 from klrl.models.base import CausalLM, forward
 from klrl.models.gpt import GPT, token_logprobs
 from klrl.models.heads import ScalarHead, attach, detach
-from klrl.rollout import generate, sequence
+from klrl.models.rollout import generate, sequence
 from klrl.tasks import gold as G
 from klrl.tasks import language as L
 from klrl.tasks.base import Evaluators, JaxReward, Task, TokenPool, register_task

@@ -13,11 +13,11 @@
   (its trunk with a fresh scalar head); ``model.reward_path=''`` (or ``model.path`` itself) takes the
   policy's trunk with a fresh scalar head. Such a reward model's trunk is then the frozen reference:
   the train step reads the reward from the reference's forward (one trunk forward less per
-  iteration; :attr:`klrl.train_parts.Context.reward_on_reference`).
+  iteration; :attr:`klrl.step.parts.Context.reward_on_reference`).
 * **Host text rewards** (``reward.fn``, ``reward.weights``): instead of a reward model, text
   rewards on the decoded responses (:func:`host_text_reward`).
 * **Value model** (:func:`value_models`): ``model.value_model=head`` is a head on the policy
-  trunk (:func:`klrl.train.build_models`); ``separate`` is a trunk read from ``model.value_path``
+  trunk (:func:`klrl.step.train.build_models`); ``separate`` is a trunk read from ``model.value_path``
   (default ``model.path``) with a fresh value head.
 
 Every bad file is a :class:`klrl.models.hf.CheckpointFormatError` (one line), raised before
@@ -37,7 +37,7 @@ from klrl.config import ConfigError, RunConfig
 from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
-from klrl.rollout import Rollout, sequence
+from klrl.models.rollout import Rollout, sequence
 from klrl.tasks.base import Evaluators, HeldOut, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
@@ -141,14 +141,14 @@ def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None)
     * ``text/distinct_1``, ``text/distinct_2``: distinct n-grams / n-grams in the batch (Li et al.
       2016); ``text/rep_4``: the fraction of a response's 4-grams repeating an earlier one, averaged
       over responses (seq-rep-4, Welleck et al. 2019; logged when ``sampling.response_len >= 4``);
-      :mod:`klrl.textmetrics`;
+      :mod:`klrl.algo.textmetrics`;
     * with an evaluator LM (``model.eval_path``): ``eval/independent_ppl = exp(-sum_b sum_t m_bt
       log p_eval(y_bt | prompt, y_<t) / sum_b sum_t m_bt)`` over the batch, its token-weighted
       perplexity of the samples (the reference's is ``eval/ref_ppl``, logged by every run).
     """
+    from klrl.algo.textmetrics import distinct_n_jax, rep_n_jax
     from klrl.models.gpt import token_logprobs
-    from klrl.rollout import response_slice
-    from klrl.textmetrics import distinct_n_jax, rep_n_jax
+    from klrl.models.rollout import response_slice
 
     def per_example(env: Any, ro: Rollout) -> dict[str, Array]:
         if eval_model is None:

@@ -1,0 +1,264 @@
+"""Command-line parsing generated from the config dataclasses.
+
+``--section.field value`` for every field of :class:`klrl.config.run.RunConfig`; booleans take
+``true/false``; ``--config FILE`` (JSON or YAML, the layout of a run directory's ``config.json``)
+sets the base the flags override. ``--help`` lists every field with its meaning and default.
+
+Errors (unknown flag, unparsable value, a rule broken, a path that cannot be used) end in one line
+naming the field and exit status 2, before anything compiles. An unknown flag gets a "did you mean"
+(difflib over klrl's flags), and the names TRL and verl use (``--kl_coef``, ``--target_kl``,
+``--learning_rate``, ...) are mapped to klrl's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from klrl.config import SECTIONS, ConfigError, RunConfig, field_names
+from klrl.config.schema import ALIASES, closest, short
+
+_FLOAT = re.compile(r"^-(\d|\.\d|inf|nan|infinity)", re.IGNORECASE)
+SWEEP_SYNTAX = "expected --sweep section.field=v1,v2 (e.g. --sweep kl.beta=0.01,0.1)"
+
+
+def fail(message: str, status: int = 2) -> NoReturn:
+    """One line on stderr, then exit: the user-error path."""
+    line = " ".join(str(message).split())  # one line, whatever the message held
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(status)
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {s!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, status 2, no usage dump
+        fail(message)
+
+
+def build_parser(
+    description: str = "", extra: Any = None, prog: str | None = None
+) -> argparse.ArgumentParser:
+    p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                allow_abbrev=False, prog=prog)  # fmt: skip
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a JSON or YAML file of {section: {field: value}} (a run's config.json works); "
+                        "the flags override it")  # fmt: skip
+    if extra is not None:
+        extra(p)
+    for name, cls in SECTIONS.items():
+        g = p.add_argument_group(name, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            g.add_argument(
+                f"--{name}.{f.name}",
+                dest=f"{name}.{f.name}",
+                default=argparse.SUPPRESS,
+                metavar=type(f.default).__name__.upper(),
+                help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
+            )
+    return p
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+
+
+def unknown_flag_message(token: str, flags: list[str]) -> str:
+    """The error for an argument the parser does not know: a flag from TRL/verl, a typo, a field
+    without its section, or a stray value."""
+    if not token.startswith("-"):
+        return f"unexpected argument {token!r} (values follow their flag: --section.field VALUE)"
+    name = token.split("=", 1)[0]
+    bare = name.lstrip("-")
+    if bare in ALIASES:
+        target, where = ALIASES[bare]
+        note = f" ({where})" if where else ""
+        return f"{name}: not a klrl flag; klrl's is --{target}{note}"
+    if "." in bare:
+        sec, fld = bare.split(".", 1)
+        if sec in SECTIONS:
+            valid = [f.name for f in dataclasses.fields(SECTIONS[sec])]
+            near = closest(fld, valid)
+            hint = f"; did you mean --{sec}.{near}?" if near else f" (valid: {', '.join(valid)})"
+            return f"{sec}.{fld}: unknown field{hint}"
+        near = closest(bare, field_names())
+        if near is None and closest(sec, SECTIONS):
+            return f"{bare}: unknown section {sec!r}; did you mean {closest(sec, SECTIONS)}?"
+        hint = f"; did you mean --{near}?" if near else f" (sections: {', '.join(SECTIONS)})"
+        return f"{name}: unknown flag{hint}"
+    owners = [n for n in field_names() if n.split(".", 1)[1] == bare.replace("-", "_")]
+    if owners:
+        return (
+            f"{name}: unknown flag; config fields take their section: {' or '.join('--' + o for o in owners)}"
+        )
+    near = closest(name, flags) or closest(name.replace("_", "-"), flags)
+    return f"{name}: unknown flag" + (f"; did you mean {near}?" if near else "")
+
+
+def _join_values(argv: list[str], flags: set[str]) -> list[str]:
+    """``--f -inf`` -> ``--f=-inf``: argparse takes a value starting with '-' for a flag otherwise."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if a in flags and "." in a and nxt is not None and _FLOAT.match(nxt) and nxt not in flags:
+            out.append(f"{a}={nxt}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def parse(
+    parser: argparse.ArgumentParser, argv: list[str], positional_axes: bool = False
+) -> argparse.Namespace:
+    """``parser.parse_args`` with the teaching errors (:func:`unknown_flag_message`, the ``--sweep``
+    syntax). ``positional_axes``: bare ``section.field=v1,v2`` arguments are sweep axes."""
+    flags = _flags(parser)
+    ns, rest = parser.parse_known_args(_join_values(list(argv), set(flags)))
+    dashed = [t for t in rest if t.startswith("-")]
+    if dashed:
+        fail(unknown_flag_message(dashed[0], flags))
+    if positional_axes:
+        ns.sweep = [*ns.sweep, *rest]
+        rest = []
+    for spec in getattr(ns, "sweep", None) or []:
+        if "=" not in spec:
+            after = f" {rest[0]}" if rest else ""
+            fail(f"--sweep {spec}{after}: {SWEEP_SYNTAX}")
+    if rest:
+        fail(unknown_flag_message(rest[0], flags))
+    return ns
+
+
+def overrides_of(ns: argparse.Namespace) -> list[str]:
+    """The ``section.field`` names set on the command line."""
+    return [d for d in vars(ns) if "." in d and d.split(".", 1)[0] in SECTIONS]
+
+
+def load_config_file(path: str) -> RunConfig:
+    """``--config FILE``: a JSON or YAML mapping ``{section: {field: value}}``."""
+    from klrl.io.readers import RunDirError, read_json, read_text
+
+    p = Path(path)
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            fail(f"--config: {p} is YAML and PyYAML is not installed (pip install pyyaml)")
+        try:
+            d = yaml.safe_load(read_text(p))
+        except RunDirError as e:
+            fail(f"--config: {e}")
+        except (yaml.YAMLError, RecursionError) as e:
+            fail(f"--config: {p}: not valid YAML ({type(e).__name__}: {short(str(e), 80)})")
+    else:
+        try:
+            d = read_json(p)
+        except RunDirError as e:
+            fail(f"--config: {e}")
+    try:
+        return RunConfig.from_dict(d)
+    except ConfigError as e:
+        fail(f"--config {p}: {e}")
+    except RecursionError:
+        fail(f"--config {p}: nested too deeply")
+
+
+def _typed(dest: str, raw: Any, default: Any) -> Any:
+    kind = type(default)
+    try:
+        if kind is bool:
+            return _parse_bool(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return str(raw)
+    except (ValueError, OverflowError):
+        fail(f"{dest}: expected {kind.__name__}, got {short(raw)}")
+
+
+def config_from_args(ns: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """Apply ``--section.field`` values from ``ns`` onto ``base`` (else ``--config FILE``, else the
+    default config). ``--model.path`` on the default task (``testbed``, not given) selects
+    ``task.name=text``: RLHF on that pretrained model."""
+    if base is None and getattr(ns, "config", None):
+        base = load_config_file(ns.config)
+    base = base or RunConfig()
+    updates: dict[str, dict[str, Any]] = {}
+    for dest in overrides_of(ns):
+        section, name = dest.split(".", 1)
+        value = _typed(dest, getattr(ns, dest), getattr(getattr(base, section), name))
+        updates.setdefault(section, {})[name] = value
+    # a pretrained model given on the command line, on the default task: the text task (RLHF on that model)
+    new_model = updates.get("model", {}).get("path") and not base.model.path
+    if new_model and "name" not in updates.get("task", {}) and base.task.name == "testbed":
+        updates.setdefault("task", {})["name"] = "text"
+    try:
+        return base.replace(**updates)
+    except ConfigError as e:  # UnknownFieldError included
+        fail(str(e))
+
+
+# ---- paths a run will write ----------------------------------------------------------------------
+def _existing_ancestor(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """``path`` is (or can be created as) a directory this process can write into."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        fail(f"{what}: {p} exists and is not a directory")
+    top = _existing_ancestor(p)
+    if not top.is_dir():
+        fail(f"{what}: {p} cannot be created: {top} is not a directory")
+    if not os.access(top, os.W_OK | os.X_OK):
+        fail(f"{what}: {top} is not writable (read-only or no permission)")
+
+
+def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
+    """The directories a run writes: ``train.out_dir`` (a new run) and the task's cache."""
+    from klrl.tasks.pretrain import cache_root
+
+    if new_run:
+        check_writable_dir(cfg.train.out_dir, "train.out_dir")
+    what = "task.cache_dir" if cfg.task.cache_dir else "the task cache ($KLRL_CACHE or ~/.cache/klrl)"
+    check_writable_dir(cache_root(cfg.task.cache_dir), what)
+
+
+def check_run_dir_writable(run_dir: str | os.PathLike, what: str) -> None:
+    """A run directory (and its files) that a resume or a report writes into."""
+    d = Path(run_dir)
+    if not os.access(d, os.W_OK | os.X_OK):
+        fail(f"{what}: {d} is not writable (read-only or no permission)")
+    for name in ("metrics.jsonl", "config.json", "checkpoints", "events.jsonl", "report.md"):
+        f = d / name
+        if f.exists() and not os.access(f, os.W_OK):
+            fail(f"{what}: {f} is not writable (read-only or no permission)")
+
+
+def check_coordinator(address: str | None) -> None:
+    """``HOST:PORT`` with a port in 1..65535."""
+    if address is None:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        fail(f"--coordinator: expected HOST:PORT with a port in 1..65535, got {short(address)}")

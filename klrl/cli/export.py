@@ -1,0 +1,195 @@
+"""``klrl export RUN_DIR OUT_DIR [--step N]``: a run's policy, out of one of its checkpoints.
+
+What is written (the latest complete checkpoint, or ``--step N``; its digests verified first):
+
+* **A run on a pretrained model** (``model.path``, an HF directory or a GGUF file): the policy at
+  that checkpoint (a value head on it dropped) as an HF directory, by
+  :func:`klrl.models.save_pretrained`: ``config.json``, ``model.safetensors`` (float32),
+  ``generation_config.json`` and the tokenizer files, which
+  ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and :func:`klrl.models.from_pretrained`
+  load. ``model.path`` must still be there (its architecture and tokenizer are read from it).
+* **A run of klrl's own GPT** (the synthetic testbed tasks): not a transformers architecture, so
+  ``model.safetensors`` holds the policy's parameters (float32; its value head dropped) under
+  their flax paths (``wte/embedding``, ...) and ``config.json`` says what they are: ``{"format": "klrl-gpt",
+  "model": the run's model section, "task": the run's task.json, "iteration", "klrl_version",
+  "run_config"}``. :func:`load_gpt` reads both back.
+* **A sweep member** (``SWEEP_DIR/MEMBER``): its slice of the sweep's stacked checkpoint, as above.
+
+A bad ``RUN_DIR``, a missing step, a non-empty ``OUT_DIR`` or a damaged checkpoint is an
+:class:`ExportError` (the command: one line, exit status 2). ``OUT_DIR`` is written as a temporary
+sibling directory and renamed when complete, so it never holds half an export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = "klrl-gpt"
+SAFETENSORS = "model.safetensors"
+
+
+class ExportError(ValueError):
+    """The run directory, the step or the output directory does not allow the export."""
+
+
+def _checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
+    """Where ``run_dir``'s checkpoints are, and its member index (a sweep member) or None."""
+    if (run_dir / "sweep.json").is_file():
+        raise ExportError(
+            f"{run_dir}: a sweep directory; export one member: klrl export {run_dir}/MEMBER OUT_DIR"
+        )
+    parent = run_dir.parent
+    if not (run_dir / "checkpoints").is_dir() and (parent / "sweep.json").is_file():
+        from klrl.io.readers import read_sweep_members
+
+        names = read_sweep_members(parent)
+        if run_dir.name in names:
+            return parent, names.index(run_dir.name)
+    return run_dir, None
+
+
+def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any, int]:
+    """The policy's parameters (host arrays) at ``step`` (default: the latest), and that step."""
+    from klrl.io import checkpoint as ckpt
+
+    mgr = ckpt.manager(root, read_only=True)
+    try:
+        done = ckpt.steps(mgr)
+        if not done:
+            raise ExportError(f"{root}: no complete checkpoint to export")
+        if step is None:
+            step = done[-1]
+        elif step not in done:
+            raise ExportError(
+                f"--step: no checkpoint {step} in {root} (complete: {', '.join(map(str, done))})"
+            )
+        state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
+    finally:
+        mgr.close()
+    try:
+        policy = state["params"]["policy"]
+    except (KeyError, TypeError):
+        raise ExportError(f"checkpoint {step} in {root} holds no policy parameters (params/policy)") from None
+    if member is not None:
+        policy = jax.tree.map(lambda x: np.asarray(x[member]), policy)
+    from klrl.models.heads import detach
+
+    return detach(policy)[0], step
+
+
+def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path) -> str:
+    from safetensors.numpy import save_file
+
+    from klrl.io.checkpoint import version
+    from klrl.io.digest import leaf_name
+    from klrl.io.readers import read_json
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    tensors = {leaf_name(p): np.ascontiguousarray(np.asarray(x), np.float32) for p, x in flat}
+    save_file(tensors, str(out / SAFETENSORS), metadata={"format": FORMAT})
+    task = root / "task.json"
+    doc = {
+        "format": FORMAT,
+        "model": cfg.to_dict()["model"],
+        "task": read_json(task) if task.is_file() else None,
+        "iteration": step,
+        "klrl_version": version(),
+        "run_config": cfg.to_dict(),
+        "tensors": "the policy's float32 parameters under their flax paths; "
+        "klrl.cli.export.load_gpt reads them",
+    }
+    (out / "config.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return f"klrl GPT policy parameters ({len(tensors)} float32 tensors, safetensors) + config.json"
+
+
+def _write_hf(cfg, params: Any, out: Path) -> str:
+    from klrl.models.pretrained import from_pretrained, save_pretrained
+    from klrl.tasks.text import check_model_paths
+
+    check_model_paths(cfg)  # the architecture and the tokenizer come from model.path
+    model, _, tok = from_pretrained(cfg.model.path, tokenizer=True)
+    save_pretrained(model, params, tok, out)
+    return (
+        f"HF directory (transformers-loadable) of the policy, architecture and tokenizer of {cfg.model.path}"
+    )
+
+
+def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> str:
+    """Write ``run_dir``'s policy at checkpoint ``step`` (default: the latest) to ``out_dir``
+    (module docstring); returns a one-line statement of what was written."""
+    from klrl.config import ConfigError
+    from klrl.io.checkpoint import CheckpointError
+    from klrl.io.readers import RunDirError, read_run
+    from klrl.models.hf import CheckpointFormatError
+
+    d, out = Path(run_dir), Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out}: exists and is not an empty directory (nothing is overwritten)")
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    try:
+        root, member = _checkpoint_of(d)
+        cfg, _ = read_run(d)
+        params, step = _policy_params(root, member, step)
+        tmp.mkdir(parents=True)
+        if cfg.model.path:
+            what = _write_hf(cfg, params, tmp)
+        else:
+            what = _write_gpt(cfg, params, step, d, root, tmp)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except (RunDirError, CheckpointError, ConfigError, CheckpointFormatError) as e:
+        raise ExportError(str(e)) from e
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return f"{d}: the policy at iteration {step} exported to {out}: {what}"
+
+
+def load_gpt(out_dir: str | Path) -> tuple[dict, Any]:
+    """``(config.json, params)`` of a GPT export: the parameters as the nested dict of NumPy arrays
+    the policy was trained with (``GPT(...).apply`` takes them)."""
+    from safetensors.numpy import load_file
+
+    out = Path(out_dir)
+    doc = json.loads((out / "config.json").read_text())
+    if doc.get("format") != FORMAT:
+        raise ExportError(f"{out}/config.json: not a {FORMAT} export (format {doc.get('format')!r})")
+    params: dict = {}
+    for name, x in load_file(str(out / SAFETENSORS)).items():
+        *parents, leaf = name.split("/")
+        node = params
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = x
+    return doc, params
+
+
+def main(argv: list[str]) -> int:
+    """``klrl export RUN_DIR OUT_DIR [--step N]``."""
+    from klrl.cli.args import fail
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one line, exit 2
+            fail(f"klrl export: {message}")
+
+    p = Parser(prog="klrl export", description="write a run's policy (a checkpoint) as a model directory")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run (or sweep member) directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) directory to write")
+    p.add_argument(
+        "--step", type=int, default=None, help="the checkpoint (iteration) to export (default: the latest)"
+    )
+    ns = p.parse_args(argv)
+    try:
+        print(export(ns.run_dir, ns.out_dir, ns.step))
+    except ExportError as e:
+        fail(str(e))
+    return 0

@@ -1,0 +1,278 @@
+"""The configuration sections of the algorithm (model, sampling, KL, controller, PPO, optimiser) and
+the field helpers every section uses; :mod:`klrl.config.run` re-exports them with the run's sections
+(task, train, diagnosis, reward, data) and :class:`RunConfig`. Conventions: see :mod:`klrl.config.run`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import field
+from typing import Any
+
+from klrl.config.schema import ConfigError, section
+from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS  # names are checked against these
+
+KL_UNITS = ("seq_sum", "token_mean")
+PLACEMENTS = ("reward", "sequence", "loss", "reward+loss")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _check(cond: bool, name: str, rule: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {rule}")
+
+
+def parse_mesh(spec: str) -> tuple[int, int, int]:
+    """``train.mesh``: ``'data,fsdp,tensor'`` sizes, e.g. ``'-1,2,2'`` (``-1``: the devices left)."""
+    try:
+        sizes = tuple(int(p) for p in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"train.mesh: expected three integers data,fsdp,tensor (got {spec!r})") from None
+    ok = len(sizes) == 3 and all(s >= 1 or s == -1 for s in sizes) and sizes.count(-1) <= 1
+    _check(ok, "train.mesh", f"expected data,fsdp,tensor sizes >= 1, at most one -1 (got {spec!r})")
+    return sizes  # type: ignore[return-value]
+
+
+def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, name, f"must be one of {', '.join(choices)} (got {value!r})")
+
+
+@section("model")
+class ModelConfig:
+    """GPT-2-style decoder: learned positions, pre-LayerNorm blocks, GELU MLP."""
+
+    n_layers: int = _f(2, "number of transformer blocks")
+    n_heads: int = _f(4, "attention heads per block")
+    d_model: int = _f(64, "residual stream width")
+    mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output projection")
+    value_model: str = _f(
+        "head", "value function: 'head' (scalar head on the policy trunk) or 'separate' model"
+    )
+    dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+    ref_dtype: str = _f(
+        "float32",
+        "storage dtype of the frozen KL reference's parameters in the train state: float32 or bfloat16 "
+        "(half the bytes; its forward runs in model.dtype from the rounded weights)",
+    )
+    path: str = _f(
+        "", "pretrained policy and reference: an HF model directory or a .gguf file ('' = klrl GPT above)"
+    )
+    value_path: str = _f(
+        "", "model.value_model=separate with model.path: the value trunk's checkpoint ('' = model.path)"
+    )
+    reward_path: str = _f(
+        "",
+        "task text: the frozen reward model, an HF *ForSequenceClassification directory (its score head) "
+        "or a causal LM (a fresh scalar head); '' = model.path's trunk with a fresh scalar head",
+    )
+    eval_path: str = _f(
+        "", "task text: an independent evaluator LM (HF directory or .gguf, the policy's tokenizer) whose "
+        "perplexity of the samples is logged as eval/independent_ppl ('' = none)",
+    )  # fmt: skip
+    remat: str = _f(
+        "none",
+        "rematerialisation in the PPO update: none, block (each block keeps only its matmul outputs) "
+        "or full (each block keeps only its input; klrl.models.remat)",
+    )
+    logits: str = _f(
+        "auto",
+        "logit-derived quantities (token log-probs, entropy, exact KL): full ([B, T, V] logits), chunked "
+        "(the LM head applied to model.logits_chunk positions at a time; no [B, T, V] buffer) or auto "
+        "(chunked for vocabularies of 32768 or more; klrl.step.chunked)",
+    )
+    logits_chunk: int = _f(128, "model.logits=chunked: positions per chunk ([chunk, V] logits at a time)")
+
+    def __post_init__(self) -> None:
+        _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
+        _check(self.n_heads >= 1, "model.n_heads", "must be >= 1")
+        _check(self.d_model >= 1, "model.d_model", "must be >= 1")
+        _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
+        _check(self.mlp_ratio >= 1, "model.mlp_ratio", "must be >= 1")
+        _choice(self.value_model, "model.value_model", ("head", "separate"))
+        _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        _choice(self.ref_dtype, "model.ref_dtype", ("float32", "bfloat16"))
+        for name in ("path", "value_path", "reward_path"):
+            v = getattr(self, name)
+            _check(v.strip() == v, f"model.{name}", "must not have surrounding spaces")
+        _check(not self.value_path or self.path, "model.value_path", "needs model.path")
+        _choice(self.remat, "model.remat", ("none", "block", "full"))
+        _choice(self.logits, "model.logits", ("auto", "full", "chunked"))
+        _check(self.logits_chunk >= 1, "model.logits_chunk", "must be >= 1")
+
+
+@section("sampling")
+class SamplingConfig:
+    """How responses are sampled in the rollout."""
+
+    response_len: int = _f(16, "maximum number of response tokens")
+    temperature: float = _f(1.0, "sampling temperature; log-probs for PPO and KL use the same temperature")
+    top_k: int = _f(
+        0, "sample from the k most likely tokens only (0 = off); log-probs stay those of the full policy"
+    )
+    use_eos: bool = _f(
+        True, "an EOS token ends a response; if false every response has exactly response_len tokens"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.response_len >= 1, "sampling.response_len", "must be >= 1")
+        _check(self.temperature > 0, "sampling.temperature", "must be > 0")
+        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0")
+
+
+@section("kl")
+class KLConfig:
+    """Where the KL to the reference enters, with which estimator and coefficient."""
+
+    beta: float = _f(0.05, "initial KL coefficient in the reward (the controller starts here)")
+    estimator: str = _f("k1", "per-token estimator in the reward: k1, k2, k3, abs, full")
+    placement: str = _f("reward", "reward (per token), sequence (sum at last token), loss, or reward+loss")
+    loss_coef: float = _f(0.0, "initial coefficient of the KL term in the policy loss")
+    loss_estimator: str = _f("k3", "per-token estimator of the loss term: k1, k2, k3, abs, full")
+    loss_agg: str = _f("token_mean", "aggregation of the loss term: token_mean or seq_mean")
+    clamp: float = _f(0.0, "clamp log-ratios and estimates to +-clamp (0 = off)")
+    ref_update_every: int = _f(
+        0, "move the reference towards the policy every M iterations (0 = frozen reference)"
+    )
+    ref_mix: float = _f(
+        1.0, "reference update weight alpha: ref <- (1 - alpha) ref + alpha policy (1 = copy)"
+    )
+    exact_metric: bool = _f(
+        True,
+        "log kl/exact_* (the exact full-vocabulary KL); false saves its cost: [B, R, V] logits kept by the "
+        "rollout (model.logits=full) or one more LM-head product over the responses (chunked)",
+    )
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.beta) and self.beta >= 0, "kl.beta", "must be >= 0")
+        _choice(self.estimator, "kl.estimator", ESTIMATORS)
+        _choice(self.placement, "kl.placement", PLACEMENTS)
+        _check(math.isfinite(self.loss_coef) and self.loss_coef >= 0, "kl.loss_coef", "must be >= 0")
+        _choice(self.loss_estimator, "kl.loss_estimator", ESTIMATORS)
+        _choice(self.loss_agg, "kl.loss_agg", ("token_mean", "seq_mean"))
+        _check(self.clamp >= 0, "kl.clamp", "must be >= 0")
+        _check(self.ref_update_every >= 0, "kl.ref_update_every", "must be >= 0")
+        _check(0 < self.ref_mix <= 1, "kl.ref_mix", "must be in (0, 1]")
+
+
+@section("ctrl")
+class ControllerConfig:
+    """The beta controller. Its state (beta included) lives in the train state."""
+
+    kind: str = _f("fixed", "fixed, proportional (Ziegler 2019), band (PPO paper), pi, dual (Lagrangian)")
+    target: float = _f(6.0, "KL target, in the unit named by ctrl.unit")
+    unit: str = _f(
+        "seq_sum",
+        "KL unit the controller sees and targets: seq_sum (nats/sequence) or token_mean (nats/token)",
+    )
+    estimator: str = _f(
+        "k1", "per-token estimator whose aggregate feeds the controller: k1, k2, k3, abs, full"
+    )
+    drives: str = _f(
+        "reward", "which coefficient the controller drives: reward (kl.beta) or loss (kl.loss_coef)"
+    )
+    horizon: float = _f(10000.0, "proportional: horizon in sequences")
+    clip: float = _f(0.2, "proportional: clip of the relative error")
+    band: float = _f(1.5, "band: KL above target*band doubles beta, below target/band halves it")
+    factor: float = _f(2.0, "band: multiplicative factor")
+    kp: float = _f(0.1, "pi: proportional gain on e = (KL - target)/target")
+    ki: float = _f(0.01, "pi: integral gain")
+    integral_max: float = _f(10.0, "pi: anti-windup clamp of the error integral")
+    step_clip: float = _f(0.5, "pi: clip of each multiplicative step |Kp e + Ki sum e|")
+    lr: float = _f(0.01, "dual: dual-ascent step size eta")
+    warmup_iters: int = _f(0, "hold beta fixed at warmup_beta for this many iterations, then hand over")
+    warmup_beta: float = _f(0.1, "beta during warm-up (also the handed-over starting value)")
+    beta_min: float = _f(0.0, "lower bound on beta")
+    beta_max: float = _f(1e6, "upper bound on beta")
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, "ctrl.kind", CONTROLLERS)
+        _check(math.isfinite(self.target) and self.target > 0, "ctrl.target", "must be > 0")
+        _choice(self.unit, "ctrl.unit", KL_UNITS)
+        _choice(self.estimator, "ctrl.estimator", ESTIMATORS)
+        _choice(self.drives, "ctrl.drives", ("reward", "loss"))
+        _check(self.horizon > 0, "ctrl.horizon", "must be > 0")
+        _check(self.clip > 0, "ctrl.clip", "must be > 0")
+        _check(self.band > 1, "ctrl.band", "must be > 1")
+        _check(self.factor > 1, "ctrl.factor", "must be > 1")
+        _check(self.kp >= 0, "ctrl.kp", "must be >= 0")
+        _check(self.ki >= 0, "ctrl.ki", "must be >= 0")
+        _check(self.integral_max > 0, "ctrl.integral_max", "must be > 0")
+        _check(0 < self.step_clip < 1, "ctrl.step_clip", "must be in (0, 1)")
+        _check(self.lr > 0, "ctrl.lr", "must be > 0")
+        _check(self.warmup_iters >= 0, "ctrl.warmup_iters", "must be >= 0")
+        _check(self.warmup_beta >= 0, "ctrl.warmup_beta", "must be >= 0")
+        _check(self.beta_min >= 0, "ctrl.beta_min", "must be >= 0")
+        _check(self.beta_max >= self.beta_min, "ctrl.beta_max", "must be >= ctrl.beta_min")
+        if self.warmup_iters > 0:  # the controller would clip it to the bounds without a word
+            bounds = f"[ctrl.beta_min, ctrl.beta_max] = [{self.beta_min}, {self.beta_max}]"
+            inside = self.beta_min <= self.warmup_beta <= self.beta_max
+            _check(inside, "ctrl.warmup_beta", f"must be in {bounds} (got {self.warmup_beta})")
+
+
+@section("ppo")
+class PPOConfig:
+    """PPO update and advantage estimation."""
+
+    epochs: int = _f(4, "PPO epochs over each batch")
+    minibatches: int = _f(4, "minibatches per epoch (must divide the batch)")
+    shuffle: str = _f(
+        "global",
+        "minibatch shuffling: global (over the whole batch, the same maths on any device count) "
+        "or shard (within each data shard: no rows move between devices)",
+    )
+    clip: float = _f(0.2, "policy ratio clip range")
+    vf_clip: float = _f(0.2, "value clip range")
+    vf_coef: float = _f(0.1, "value loss coefficient")
+    ent_coef: float = _f(0.0, "entropy bonus coefficient")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _f(0.95, "GAE lambda")
+    whiten: bool = _f(True, "whiten advantages (masked, over the global batch)")
+    advantage: str = _f("gae", "gae (value function), grpo (group-normalised), rloo (leave-one-out)")
+    group_size: int = _f(1, "responses per prompt (grpo and rloo need >= 2)")
+    group_std: bool = _f(True, "grpo: divide by the group's standard deviation")
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
+        _check(self.minibatches >= 1, "ppo.minibatches", "must be >= 1")
+        _choice(self.shuffle, "ppo.shuffle", ("global", "shard"))
+        _check(self.clip > 0, "ppo.clip", "must be > 0")
+        _check(self.vf_clip > 0, "ppo.vf_clip", "must be > 0")
+        _check(self.vf_coef >= 0, "ppo.vf_coef", "must be >= 0")
+        _check(self.ent_coef >= 0, "ppo.ent_coef", "must be >= 0")
+        _check(0 <= self.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "ppo.lam", "must be in [0, 1]")
+        _choice(self.advantage, "ppo.advantage", ADVANTAGES)
+        _check(self.group_size >= 1, "ppo.group_size", "must be >= 1")
+        if self.advantage in ("grpo", "rloo"):
+            _check(self.group_size >= 2, "ppo.group_size", f"must be >= 2 for ppo.advantage={self.advantage}")
+
+
+@section("optim")
+class OptimConfig:
+    """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
+
+    lr: float = _f(1e-4, "peak learning rate")
+    b1: float = _f(0.9, "Adam beta1")
+    b2: float = _f(0.95, "Adam beta2")
+    eps: float = _f(
+        1e-5,
+        "Adam epsilon (1e-5 as in PPO2 baselines: Adam would amplify float noise in near-zero gradients)",
+    )
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "global-norm gradient clip (0 = off)")
+    schedule: str = _f("constant", "constant, linear (decay to 0) or cosine, after warm-up")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "must be > 0")
+        _check(0 <= self.b1 < 1, "optim.b1", "must be in [0, 1)")
+        _check(0 <= self.b2 < 1, "optim.b2", "must be in [0, 1)")
+        _check(self.eps > 0, "optim.eps", "must be > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
+        _choice(self.schedule, "optim.schedule", ("constant", "linear", "cosine"))
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

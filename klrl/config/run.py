@@ -1,0 +1,380 @@
+"""Frozen, keyword-only configuration dataclasses, validated in ``__post_init__``.
+
+Every field carries a ``help`` string in its metadata; the command line
+(:mod:`klrl.cli.args`) is generated from these classes, so ``--kl.beta 0.05`` sets
+``RunConfig.kl.beta``. A bad value raises :class:`ConfigError` (a ``ValueError``)
+whose message starts with the dotted field name, before anything compiles.
+
+KL units are explicit everywhere: ``seq_sum`` is the per-sequence sum of the
+per-token estimate over response tokens (nats per sequence), ``token_mean`` is
+that sum divided by the number of response tokens (nats per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from klrl.config.fields import (
+    KL_UNITS,
+    PLACEMENTS,
+    ControllerConfig,
+    KLConfig,
+    ModelConfig,
+    OptimConfig,
+    PPOConfig,
+    SamplingConfig,
+    _check,
+    _choice,
+    _f,
+    parse_mesh,
+)
+from klrl.config.inputs import FORMATS, TRUNCATE, DataConfig, RewardConfig
+from klrl.config.schema import ConfigError, UnknownFieldError, section, short, strict_init, unknown_field
+from klrl.registry import TASKS  # names are checked against these
+
+__all__ = [
+    "FORMATS", "TRUNCATE", "KL_UNITS", "PLACEMENTS", "ConfigError", "ControllerConfig", "DataConfig",
+    "DiagnosisConfig",
+    "KLConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RunConfig", "SamplingConfig",
+    "TaskConfig", "TaskShape", "TrainConfig", "UnknownFieldError", "check_devices", "check_task",
+    "config_warnings", "field_names", "parse_mesh",
+]  # fmt: skip
+
+
+@section("task")
+class TaskConfig:
+    """The built-in task: a synthetic language, a pretrained reference, a reward."""
+
+    name: str = _f(
+        "testbed", "task: testbed (proxy reward model, exact gold) or wordclass (fraction of positive words)"
+    )
+    seed: int = _f(0, "seed of the synthetic language")
+    prompt_len: int = _f(8, "prompt length in tokens (left-padded)")
+    prompt_pool: int = _f(4096, "number of distinct prompts sampled from the language")
+    pretrain_steps: int = _f(600, "reference pretraining steps")
+    pretrain_batch: int = _f(64, "reference pretraining batch (sequences)")
+    pretrain_lr: float = _f(3e-3, "reference pretraining learning rate")
+    pretrain_len: int = _f(32, "reference pretraining sequence length")
+    cache_dir: str = _f("", "where pretrained models are cached ('' = $KLRL_CACHE or ~/.cache/klrl)")
+    rm_pairs: int = _f(4096, "testbed: Bradley-Terry preference pairs of reference responses")
+    rm_heldout: int = _f(512, "testbed: held-out pairs for the reward model's accuracy")
+    rm_epochs: int = _f(6, "testbed: reward model epochs over the pairs")
+    rm_lr: float = _f(1e-3, "testbed: reward model learning rate")
+    rm_label_temp: float = _f(0.1, "testbed: label noise, P(a > b) = sigmoid((gold_a - gold_b) / temp)")
+    indep_d_model: int = _f(48, "testbed: width of the independent evaluator LM")
+    rm_scale: float = _f(
+        0.3, "testbed: proxy reward standardised to this std (mean 0) on reference responses"
+    )
+    gold_quantile: float = _f(
+        0.001, "testbed: gold fluency threshold = this quantile of real per-token log-lik"
+    )
+    gold_fluency_weight: float = _f(1.0, "testbed: gold penalty per nat/token below the fluency threshold")
+
+    def __post_init__(self) -> None:
+        _choice(self.name, "task.name", TASKS)
+        _check(self.seed >= 0, "task.seed", "must be >= 0")
+        _check(self.prompt_len >= 1, "task.prompt_len", "must be >= 1")
+        _check(self.prompt_pool >= 1, "task.prompt_pool", "must be >= 1")
+        _check(self.pretrain_steps >= 0, "task.pretrain_steps", "must be >= 0")
+        _check(self.pretrain_batch >= 1, "task.pretrain_batch", "must be >= 1")
+        _check(self.pretrain_lr > 0, "task.pretrain_lr", "must be > 0")
+        _check(self.pretrain_len >= 2, "task.pretrain_len", "must be >= 2")
+        _check(self.rm_pairs >= 64, "task.rm_pairs", "must be >= 64")
+        _check(self.rm_heldout >= 1, "task.rm_heldout", "must be >= 1")
+        _check(self.rm_epochs >= 1, "task.rm_epochs", "must be >= 1")
+        _check(self.rm_lr > 0, "task.rm_lr", "must be > 0")
+        _check(self.rm_label_temp > 0, "task.rm_label_temp", "must be > 0")
+        _check(self.indep_d_model >= 1, "task.indep_d_model", "must be >= 1")
+        _check(self.rm_scale > 0, "task.rm_scale", "must be > 0")
+        _check(0 < self.gold_quantile < 1, "task.gold_quantile", "must be in (0, 1)")
+        _check(self.gold_fluency_weight >= 0, "task.gold_fluency_weight", "must be >= 0")
+
+
+@section("train")
+class TrainConfig:
+    """The outer loop."""
+
+    iterations: int = _f(100, "PPO iterations")
+    batch_size: int = _f(64, "global batch: sequences sampled per iteration (prompts x group_size)")
+    seed: int = _f(0, "seed of the run (parameters of a fresh value model, sampling, minibatch order)")
+    devices: int = _f(0, "devices on the 'data' mesh axis (0 = all local devices)")
+    mesh: str = _f(
+        "",
+        "mesh axis sizes data,fsdp,tensor, e.g. -1,2,2 (-1: the devices left; '' = train.devices x 1 x 1)",
+    )
+    out_dir: str = _f("runs", "parent directory of new run directories")
+    name: str = _f("", "run directory name ('' = timestamp)")
+    log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
+    quiet: bool = _f(False, "print only the summary")
+    checkpoint_every: int = _f(
+        10, "save a checkpoint every this many iterations (0 = only at the end and on SIGTERM/SIGINT)"
+    )
+    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints")
+    max_consecutive_skips: int = _f(
+        5, "stop the run after this many consecutive iterations skipped by the non-finite guard (0 = never)"
+    )
+    rollback_metric: str = _f(
+        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl_floored' ('' = rollback off)"
+    )
+    rollback_threshold: float = _f(
+        1.1,
+        "roll back when rollback_metric crosses this ratio to its iteration-0 value "
+        "(> 1: rising above it is bad; < 1: falling below it is bad)",
+    )
+    rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
+    max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
+    metric_aliases: str = _f(
+        "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
+    )
+    samples_every: int = _f(
+        10, "write decoded samples (samples.jsonl, TensorBoard text, report) every this many iterations, "
+        "also at the first and last (0 = off)",
+    )  # fmt: skip
+    samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 1, "train.iterations", "must be >= 1")
+        _choice(self.metric_aliases, "train.metric_aliases", ("", "trl", "verl"))
+        _check(self.seed >= 0, "train.seed", "must be >= 0")
+        _check(self.out_dir != "", "train.out_dir", "must not be empty")
+        bad_name = "/" in self.name or "\\" in self.name or self.name in (".", "..")
+        _check(not bad_name, "train.name", f"must be a single directory name (got {self.name!r})")
+        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _check(self.devices >= 0, "train.devices", "must be >= 0")
+        if self.mesh:
+            parse_mesh(self.mesh)
+        _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+        _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
+        _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
+        _check(
+            math.isfinite(self.rollback_threshold) and self.rollback_threshold > 0
+            and self.rollback_threshold != 1,
+            "train.rollback_threshold", "must be > 0 and != 1",
+        )  # fmt: skip
+        factor_ok = math.isfinite(self.rollback_factor) and self.rollback_factor > 1
+        _check(factor_ok, "train.rollback_factor", "must be > 1")
+        _check(self.max_rollbacks >= 0, "train.max_rollbacks", "must be >= 0")
+        _check(self.rollback_metric.strip() == self.rollback_metric, "train.rollback_metric",
+               "must not have surrounding spaces")  # fmt: skip
+
+
+@section("diag")
+class DiagnosisConfig:
+    """Thresholds of the regime diagnosis (frozen / hacking / healthy), over a trailing window."""
+
+    window: int = _f(20, "iterations in the trailing window")
+    kl_floor: float = _f(0.1, "frozen: mean KL (exact, nats/sequence) under this")
+    proxy_min_gain: float = _f(0.05, "frozen: and the proxy improved by less than this across the window")
+    trend_min: float = _f(0.05, "hacking: proxy up and gold down by more than this across the window")
+    ppl_margin: float = _f(
+        0.5, "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
+        "its start",
+    )  # fmt: skip
+    distinct_drop: float = _f(
+        0.5, "hacking (text runs): text/distinct_2 over the window this fraction below its start"
+    )
+    beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
+    trend_t: float = _f(3.0, "hacking: both trends must also exceed this many standard errors")
+    persist: int = _f(10, "a new regime or beta trend is reported once it has held this many iterations")
+
+    def __post_init__(self) -> None:
+        _check(self.window >= 4, "diag.window", "must be >= 4")
+        _check(self.kl_floor >= 0, "diag.kl_floor", "must be >= 0")
+        _check(self.proxy_min_gain >= 0, "diag.proxy_min_gain", "must be >= 0")
+        _check(self.trend_min >= 0, "diag.trend_min", "must be >= 0")
+        _check(self.ppl_margin > 0, "diag.ppl_margin", "must be > 0")
+        _check(0 < self.distinct_drop < 1, "diag.distinct_drop", "must be in (0, 1)")
+        _check(self.beta_trend > 0, "diag.beta_trend", "must be > 0")
+        _check(self.trend_t >= 0, "diag.trend_t", "must be >= 0")
+        _check(self.persist >= 1, "diag.persist", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a run needs. Cross-field rules are checked here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    ctrl: ControllerConfig = field(default_factory=ControllerConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    diag: DiagnosisConfig = field(default_factory=DiagnosisConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            want = type(f.default_factory())  # type: ignore[misc]
+            if not isinstance(getattr(self, f.name), want):
+                raise ConfigError(f"{f.name}: expected a {want.__name__}, got {short(getattr(self, f.name))}")
+        if self.reward.fn.strip():
+            _check(self.task.name == "text", "reward.fn",
+                   f"host text rewards need task.name=text (got task.name={self.task.name})")  # fmt: skip
+        b = self.train.batch_size
+        _check(
+            b % self.ppo.minibatches == 0,
+            "ppo.minibatches",
+            f"must divide train.batch_size ({b} % {self.ppo.minibatches} != 0)",
+        )
+        _check(
+            b % self.ppo.group_size == 0,
+            "ppo.group_size",
+            f"must divide train.batch_size ({b} % {self.ppo.group_size} != 0)",
+        )
+        if self.ppo.group_size > 1:
+            mb = b // self.ppo.minibatches
+            _check(mb >= 1, "ppo.minibatches", "leaves empty minibatches")
+        c = self.ctrl
+        start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
+        if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently
+            _check(c.beta_min <= start[1] <= c.beta_max, start[0],
+                   f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
+                   f"(ctrl.drives={c.drives}), got {start[1]}")  # fmt: skip
+
+    # ---- helpers -------------------------------------------------------
+    def replace(self, **sections: Any) -> RunConfig:
+        """``cfg.replace(kl={'beta': 0.1})`` returns a new, re-validated config.
+
+        An unknown section or field raises :class:`UnknownFieldError` naming it and the valid names."""
+        new = {}
+        for name, value in sections.items():
+            if name not in SECTIONS:
+                raise UnknownFieldError(_unknown_section(name))
+            if isinstance(value, dict):
+                value = dataclasses.replace(getattr(self, name), **value)
+            new[name] = value
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """The inverse of :meth:`to_dict`; a missing section or field takes its default.
+
+        Anything else than ``{section: {field: value}}`` with known names raises :class:`ConfigError`."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config: expected an object of sections, got {type(d).__name__}")
+        kwargs = {}
+        for name, sub in d.items():
+            if name not in SECTIONS:
+                raise UnknownFieldError(_unknown_section(str(name)))
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{name}: expected an object of fields, got {type(sub).__name__}")
+            kwargs[name] = SECTIONS[name](**{str(k): v for k, v in sub.items()})
+        return cls(**kwargs)
+
+    def hash(self, *sections: str) -> str:
+        """A stable short hash of the named sections (all if none)."""
+        d = self.to_dict()
+        if sections:
+            d = {k: d[k] for k in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+strict_init(RunConfig, "", "config section")
+
+# the section classes (the default factories are the classes: nothing is instantiated at import,
+# when the registries that validate names may not be filled yet)
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(RunConfig)
+}
+
+
+def _unknown_section(name: str) -> str:
+    return unknown_field("", name, SECTIONS, "config section")
+
+
+def field_names() -> list[str]:
+    """Every ``section.field`` name, in order."""
+    return [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
+
+
+class TaskShape(NamedTuple):
+    """What :func:`check_task` needs of a task (a :class:`klrl.tasks.base.Task` has these too)."""
+
+    vocab_size: int
+    prompt_len: int
+    max_len: int
+
+
+def check_task(cfg: RunConfig, task: Any) -> None:
+    """Rules that need the task (its vocabulary and lengths): run right after the task is built
+    (or on :func:`klrl.tasks.base.builtin_task_shape` before), before anything of the iteration compiles."""
+    s, v = cfg.sampling, int(task.vocab_size)
+    _check(s.top_k <= v, "sampling.top_k",
+           f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip
+    total = int(task.prompt_len) + s.response_len
+    _check(total <= int(task.max_len), "sampling.response_len",
+           f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
+           f"max_len {task.max_len}")  # fmt: skip
+
+
+def check_devices(cfg: RunConfig, n_devices: int) -> None:
+    """Rules that need the device count; run before anything compiles."""
+    b = cfg.train.batch_size
+    _check(
+        b % n_devices == 0,
+        "train.batch_size",
+        f"must be divisible by the device count ({b} % {n_devices} != 0)",
+    )
+    _check(
+        (b // cfg.ppo.minibatches) % n_devices == 0,
+        "ppo.minibatches",
+        f"each minibatch ({b // cfg.ppo.minibatches}) must split evenly over {n_devices} devices",
+    )
+    _check(
+        (b // n_devices) % cfg.ppo.group_size == 0,
+        "ppo.group_size",
+        f"each device's share ({b // n_devices}) must hold whole groups of {cfg.ppo.group_size}",
+    )
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Known-bad or suspicious combinations: legal, but usually a mistake. One line each."""
+    out = []
+    k, c = cfg.kl, cfg.ctrl
+    in_loss = k.placement in ("loss", "reward+loss")
+    in_reward = k.placement in ("reward", "sequence", "reward+loss")
+    if in_loss and k.loss_estimator == "k1":
+        out.append(
+            "kl.loss_estimator=k1: as a loss term k1's expected gradient on-policy is zero; "
+            "use k2 (its gradient is that of KL(pi||ref)) or k3"
+        )
+    if in_loss and k.loss_estimator == "k3":
+        out.append(
+            "kl.loss_estimator=k3: as a loss term its expected gradient is that of the forward KL(ref||pi), "
+            "not of KL(pi||ref); k2 gives the reverse-KL gradient"
+        )
+    if k.loss_coef > 0 and not in_loss:
+        out.append(f"kl.loss_coef={k.loss_coef} has no effect with kl.placement={k.placement}")
+    if c.kind != "fixed":
+        if c.drives == "loss" and not in_loss:
+            out.append(
+                f"ctrl.drives=loss but kl.placement={k.placement} has no KL loss term: nothing uses beta"
+            )
+        if c.drives == "reward" and not in_reward:
+            out.append(f"ctrl.drives=reward but kl.placement={k.placement} puts no KL in the reward")
+        if c.unit == "token_mean" and c.target >= 1.0:
+            out.append(
+                f"ctrl.target={c.target} nats/token with ctrl.unit=token_mean looks like a per-sequence "
+                "target (lm-human-preferences' 6 nats is a per-sequence sum)"
+            )
+        if c.unit == "seq_sum" and c.target < 0.2 and cfg.sampling.response_len >= 8:
+            out.append(
+                f"ctrl.target={c.target} nats/sequence with ctrl.unit=seq_sum looks like a per-token target "
+                "(verl and OpenRLHF feed the controller per-token means)"
+            )
+    return out

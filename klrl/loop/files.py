@@ -1,0 +1,144 @@
+"""The run directory side of :func:`klrl.loop.driver.drive`: what it creates, cuts back and writes at the end.
+
+A single run keeps everything in its run directory; a sweep keeps ``sweep.json``, ``task.json`` and
+``checkpoints/`` in the sweep directory and one directory (config, metrics, events, summary) per
+member. Only process 0 writes (klrl.distributed); every process reads the same lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from klrl.analysis.results import RunResult, columns, member_names, sweep_axes
+from klrl.config import RunConfig
+from klrl.io import checkpoint as ckpt
+from klrl.io import readers
+from klrl.io.logging import MetricsWriter, hparams_of
+from klrl.io.resume import Resume, complete_lines, replace_file
+from klrl.io.samples import trim_samples
+from klrl.loop.metrics import final_metrics
+
+ROLLED_BACK = "metrics.rolled_back.jsonl"
+SAMPLES_ROLLED_BACK = "samples.rolled_back.jsonl"
+
+
+def member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: bool = False) -> list[Path]:
+    """A run's directory, or a sweep's member directories: after the swept values
+    (:func:`klrl.analysis.results.member_names`) for a new sweep, those ``sweep.json`` lists for an
+    ``existing`` one (older sweeps: ``member-XX``)."""
+    if not stacked:
+        return [root]
+    names = readers.read_sweep_members(root) if existing else member_names(cfgs)
+    if len(names) != len(cfgs):
+        raise ckpt.CheckpointError(f"{root}/sweep.json lists {len(names)} members, the sweep has {len(cfgs)}")
+    return [root / n for n in names]
+
+
+def create_dirs(
+    root: Path, cfgs: list[RunConfig], stacked: bool, swept: list[str], task_info: dict[str, Any]
+) -> list[MetricsWriter]:
+    """A new run's (or sweep's) files: ``config.json`` per member, ``sweep.json`` (a sweep) and
+    ``task.json``; returns one metrics writer per member (process 0 only)."""
+    writers = []
+    dirs = member_dirs(root, cfgs, stacked)
+    for j, d in enumerate(dirs):
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfgs[j].to_dict(), indent=1))
+        writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
+    if stacked:
+        index = {"members": [d.name for d in dirs], "axes": sweep_axes(cfgs)}
+        (root / "sweep.json").write_text(json.dumps(index, indent=1, default=str))
+    (root / "task.json").write_text(json.dumps(task_info, indent=1, default=str))
+    return writers
+
+
+def cut_to_checkpoint(
+    resume: Resume,
+    n_lines: int,
+    cfgs: list[RunConfig],
+    dirs: list[Path],
+    swept: list[str],
+    alias_names: set[str],
+    main: bool,
+) -> tuple[list[list[dict[str, Any]]], list[MetricsWriter], str]:
+    """A valid resume's files cut back to its checkpoint (``n_lines`` metrics rows), atomically:
+    metrics and samples of the iterations after it dropped, ``config.json`` rewritten (process 0);
+    returns every member's rows (aliases left out), the writers (process 0) and the first member's
+    resume message (process 0; empty on the others)."""
+    rows: list[list[dict[str, Any]]] = []
+    writers: list[MetricsWriter] = []
+    msg = ""
+    for j, d in enumerate(dirs):
+        lines = complete_lines(d / "metrics.jsonl")
+        kept_rows = [json.loads(line) for line in lines[:n_lines]]
+        rows.append([{k: v for k, v in r.items() if k not in alias_names} for r in kept_rows])
+        if main:
+            if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
+                replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
+            replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
+            if (d / "samples.jsonl").is_file():  # samples of iterations after the checkpoint: rewritten
+                kept = [x for x in complete_lines(d / "samples.jsonl")
+                        if json.loads(x).get("iteration", 0) < n_lines]  # fmt: skip
+                replace_file(d / "samples.jsonl", b"".join(kept))
+            writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
+            dropped = len(lines) - n_lines
+            m = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
+            writers[-1].event(resume.step, "resume", m)
+            msg = msg or m  # the first member's, for the log
+    return rows, writers, msg
+
+
+def rollback_bases(meta: dict[str, Any], metric: str, traces: list[list[float]]) -> list[float | None]:
+    """Each member's rollback reference (the metric at iteration 0) as a resumed checkpoint saved it,
+    or its first row's value (a checkpoint of another metric or of an older version)."""
+    saved = meta.get("rollback_base") or {}
+    values = saved.get("values", [saved.get("value")])
+    bases: list[float | None] = []
+    for j, trace in enumerate(traces):
+        ok = saved.get("metric") == metric and j < len(values)
+        bases.append(values[j] if ok else (trace[0] if trace else None))
+    return bases
+
+
+def move_rolled_back(dirs: list[Path], target: int, main: bool) -> None:
+    """A rollback to ``target``: the metrics rows after it move to ``metrics.rolled_back.jsonl``
+    (appended, never lost), the samples of those iterations to ``samples.rolled_back.jsonl``."""
+    if not main:
+        return
+    for d in dirs:
+        path = d / "metrics.jsonl"
+        lines = complete_lines(path)
+        with open(d / ROLLED_BACK, "ab") as f:
+            f.write(b"".join(lines[target:]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.truncate(path, sum(map(len, lines[:target])))  # the writer appends (O_APPEND) from here
+        trim_samples(d / "samples.jsonl", target, d / SAMPLES_ROLLED_BACK)
+
+
+def results(
+    cfgs: list[RunConfig],
+    dirs: list[Path | None],
+    rows: list[list[dict[str, Any]]],
+    state: Any,
+    stacked: bool,
+    info: dict[str, Any],
+    writers: list[MetricsWriter],
+    last_step: int,
+) -> list[RunResult]:
+    """One :class:`RunResult` per member (its slice of a stacked state); process 0 closes the writers
+    with the final metrics and writes each member's ``summary.json``."""
+    out = []
+    for j, c in enumerate(cfgs):
+        member_state = jax.tree.map(lambda x, j=j: x[j], state) if stacked else state
+        r = RunResult(c, dirs[j], columns(rows[j]), member_state, dict(info))
+        if writers:  # process 0 only
+            writers[j].close(final_metrics(r.metrics, cfgs[j].diag.window), step=last_step)
+            (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
+        out.append(r)
+    return out

@@ -1,0 +1,420 @@
+"""The types the stages of :mod:`klrl.step.train` exchange, the models and the frozen context they read,
+the initial state, the optimiser and the iteration's keys and coefficients.
+
+Stages pass NamedTuples, not string-keyed dicts: :class:`~klrl.models.rollout.Rollout` (rollout) ->
+:class:`Scores` (scoring) -> :class:`Advantages` with its :class:`Batch` (what the update reads)
+-> the update's statistics (:mod:`klrl.step.update`); :func:`klrl.step.metrics.iteration_metrics`
+turns one iteration into the flat metrics dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from klrl.algo.advantages import needs_critic
+from klrl.algo.control import Controller, ControllerState
+from klrl.config import RunConfig
+from klrl.models.base import CausalLM
+from klrl.models.heads import ValueHead, attach
+from klrl.models.registry import get_family
+from klrl.models.remat import with_remat
+from klrl.registry import ESTIMATORS
+from klrl.step.chunked import use_chunks
+from klrl.step.parallel import SWEEP, param_specs
+from klrl.tasks.base import Task
+
+Array = jax.Array
+
+
+class TrainState(NamedTuple):
+    params: Any  # {'policy': ..., 'value': ... or None}: what the optimiser trains
+    ref_params: Any  # frozen reference policy (a copy of the initial policy)
+    opt_state: Any
+    ctrl: ControllerState  # beta and the controller's own state
+    other_coef: Array  # float32: the KL coefficient the controller does not drive
+    rng: Array  # base PRNG key of the run; iteration keys are fold_in(rng, iteration)
+    iteration: Array  # int32
+    skipped: Array  # int32: consecutive iterations skipped by the non-finite guard
+
+
+class Scores(NamedTuple):
+    """The scoring stage: reference and old values over the sampled sequences, task reward, evals."""
+
+    tokens: Array  # [B, P + R] prompt + response
+    key_mask: Array  # [B, P + R]
+    ref_logits: Array | None  # [B, R, V] tempered reference logits (model.logits=full), else None
+    ref_logp: Array  # [B, R] reference log-probs of the sampled tokens (0 where masked)
+    value: Array  # [B, R] old values (zeros without a critic)
+    task_reward: Array  # [B] float32
+    evals: dict[str, Array]  # per-example evaluations {name: [B]}
+    # model.logits=chunked (klrl.step.chunked): no [B, R, V] logits; what is read of them instead
+    ref_hidden: Array | None = None  # [B, R, D] reference hidden states (a logits KL in the loss)
+    exact: Array | None = None  # [B, R] exact full-vocabulary KL(pi || pi_ref), no clamp
+    full_kl: Array | None = None  # [B, R] the same under kl.clamp (what the estimator `full` gives)
+
+
+class Batch(NamedTuple):
+    """What the PPO update reads, per sequence (minibatches are row slices of it)."""
+
+    tokens: Array
+    key_mask: Array
+    response: Array  # [B, R]
+    mask: Array  # [B, R]
+    logp: Array  # [B, R] behaviour log-probs
+    ref_logp: Array  # [B, R]
+    adv: Array  # [B, R]
+    ret: Array  # [B, R] value targets
+    value: Array  # [B, R] old values
+    ref_logits: Array | None  # [B, R, V] only for a logits-based KL estimator in the loss
+    ref_hidden: Array | None = None  # [B, R, D] instead of ref_logits on the chunked path
+
+
+class Advantages(NamedTuple):
+    """The advantage stage: the update's batch and the KL terms the metrics and controller read."""
+
+    batch: Batch
+    rewards: Array  # [B, R] shaped rewards
+    kl_reward: Array  # [B, R] per-token KL of kl.estimator
+    kl_ctrl: Array  # [B, R] per-token KL of ctrl.estimator (what the controller sees)
+    k1: Array  # [B, R]
+    exact: Array | None  # [B, R] exact per-position KL from the full logits (None: kl.exact_metric off)
+
+
+class Phases(NamedTuple):
+    """The stages ``step`` is composed of, as per-shard functions (call them under ``shard_map``
+    over ``'data'``, as the step does; ``benchmarks/`` times each one compiled on its own)."""
+
+    rollout: Any  # (state, env) -> Rollout
+    score: Any  # (state, env, rollout) -> Scores
+    advantages: Any  # (state, rollout, scores) -> Advantages
+    update: Any  # (state, batch) -> (params, opt_state, stats): PPO epochs x minibatches
+    control: Any  # (state, kl_ctrl, mask) -> (controller state, observed KL)
+
+
+class Train(NamedTuple):
+    init: Any  # (seed | key, beta=None) -> TrainState (a frozen reference: the task's arrays, not a copy)
+    place: Any  # host (restored) TrainState -> placed as ``init``'s, a frozen reference adopted likewise
+    step: Any  # jitted (state, env) -> (state, metrics): donates the state but a frozen reference
+    shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping (donate no init'ed ref)
+    loss: Any  # (params, minibatch: Batch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss
+    policy: Any  # the policy's CausalLM
+    value_model: Any  # the separate value trunk, or None
+    mesh: Any
+    phases: Phases
+    context: Any = None  # the frozen klrl.step.train.Context every stage reads
+    state_shardings: Any = None  # NamedSharding pytree of the TrainState on ``mesh`` (step's in/out)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` with the clip as one scalar factor: ``g * min(1, c / ||g||)``
+    (optax computes ``g / ||g|| * c`` per element; the two differ by float32 rounding when the clip
+    triggers and not at all when it does not). XLA counts a division as expensive and so wrote optax's
+    clipped gradients into buffers of their own (1.0 GiB on SmolLM2 with a separate value model) for
+    Adam's two moment updates to read; a multiplication by a scalar is fused into each of them. The
+    step's peak then lies elsewhere: its temporaries fell by 0.25 GiB with ``model.remat=block`` and
+    by less than 0.01 GiB with ``none`` (``benchmarks/step_memory.py --compile-only``)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        g_norm = optax.tree.norm(updates)
+        factor = jnp.where(g_norm < max_norm, 1.0, max_norm / g_norm)
+        return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """Adam(W) with global-norm clipping and a schedule; the peak learning rate is an
+    injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr) so a
+    sweep can give each member its own."""
+    o = cfg.optim
+    total_steps = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.minibatches
+    decay = max(total_steps - o.warmup_steps, 1)
+    if o.schedule == "constant":
+        shape = optax.constant_schedule(1.0)
+    elif o.schedule == "linear":
+        shape = optax.linear_schedule(1.0, 0.0, decay)
+    else:
+        shape = optax.cosine_decay_schedule(1.0, decay)
+    if o.warmup_steps:
+        shape = optax.join_schedules(
+            [optax.linear_schedule(0.0, 1.0, o.warmup_steps), shape], [o.warmup_steps]
+        )
+    parts = [clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm > 0 else []
+    parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
+    if o.weight_decay > 0:
+        parts += [optax.add_decayed_weights(o.weight_decay)]
+    parts += [optax.scale_by_schedule(shape), optax.inject_hyperparams(optax.scale)(step_size=-o.lr)]
+    return optax.chain(*parts)
+
+
+def set_learning_rate(opt_state: Any, lr: Array | float) -> Any:
+    """Return ``opt_state`` with the peak learning rate replaced (see :func:`make_optimizer`)."""
+    last = opt_state[-1]
+    hp = dict(last.hyperparams, step_size=-jnp.asarray(lr, jnp.float32))
+    return (*opt_state[:-1], last._replace(hyperparams=hp))
+
+
+def where(ok: Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def all_finite(tree: Any) -> Array:
+    leaves = [
+        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+class Models(NamedTuple):
+    """The networks of a run. ``value_head`` sits on the policy trunk (``model.value_model=head``)
+    or on ``value`` (``separate``); both are None without a critic."""
+
+    policy: CausalLM
+    value: CausalLM | None
+    value_head: ValueHead | None
+
+
+def build_models(cfg: RunConfig, policy: CausalLM, family: str = "gpt") -> Models:
+    """The one factory: the value trunk (a ``family`` model of ``cfg.model`` without LM head, as
+    long as the policy) and the value head, as ``cfg.ppo.advantage`` and ``cfg.model.value_model`` ask."""
+    if not needs_critic(cfg.ppo.advantage):
+        return Models(policy, None, None)
+    if cfg.model.value_model == "head":
+        return Models(policy, None, ValueHead(policy.hidden_size))
+    value = get_family(family)(cfg.model, policy.vocab_size, policy.max_len, lm_head=False)
+    return Models(policy, value, ValueHead(value.hidden_size))
+
+
+@dataclass(frozen=True)
+class Context:
+    """What ``make_train`` fixed; every stage is a function of it."""
+
+    cfg: RunConfig
+    task: Task
+    models: Models
+    policy_params: Any  # the initial policy = the reference
+    value_params: Any  # initial separate value model (trunk + head), or None: a fresh one
+    stop_ids: tuple[int, ...]
+    controller: Controller
+    optimizer: optax.GradientTransformation
+    n_dev: int
+    log_target: bool = False  # log ``ctrl/target``: some run of this program has an adaptive controller
+    samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.step.samples)
+
+    # shapes and modes, all static
+    @property
+    def b_glob(self) -> int:
+        return self.cfg.train.batch_size
+
+    @property
+    def b_loc(self) -> int:
+        return self.b_glob // self.n_dev
+
+    @property
+    def mb_glob(self) -> int:
+        return self.b_glob // self.cfg.ppo.minibatches
+
+    @property
+    def p_len(self) -> int:
+        return self.task.prompt_len
+
+    @property
+    def r_len(self) -> int:
+        return self.cfg.sampling.response_len
+
+    @property
+    def critic(self) -> bool:
+        return self.models.value_head is not None
+
+    @property
+    def head(self) -> bool:
+        return self.critic and self.models.value is None
+
+    @property
+    def separate(self) -> bool:
+        return self.models.value is not None
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.cfg.kl.placement in ("loss", "reward+loss")
+
+    @property
+    def drives_reward(self) -> bool:
+        return self.cfg.ctrl.drives == "reward"
+
+    # the logits' path (klrl.step.chunked) and rematerialisation (klrl.models.remat)
+    @property
+    def chunked(self) -> bool:
+        """Logit-derived terms from hidden states in chunks (``model.logits``; auto: V >= 32768)."""
+        return use_chunks(self.cfg.model.logits, self.models.policy.vocab_size)
+
+    @property
+    def full_estimators(self) -> bool:
+        """Some KL estimator that is used reads the full logits (``full``)."""
+        kl, c = self.cfg.kl, self.cfg.ctrl
+        names = [kl.estimator, c.estimator] + ([kl.loss_estimator] if self.kl_in_loss else [])
+        return any(ESTIMATORS.meta(n)["inputs"] == "logits" for n in names)
+
+    @property
+    def full_in_loss(self) -> bool:
+        """The KL term of the loss reads the full logits (a ``full`` ``kl.loss_estimator``)."""
+        return self.kl_in_loss and ESTIMATORS.meta(self.cfg.kl.loss_estimator)["inputs"] == "logits"
+
+    @property
+    def exact_kl(self) -> bool:
+        """The exact full-vocabulary KL is computed (for the metric or an estimator)."""
+        return self.cfg.kl.exact_metric or self.full_estimators
+
+    @property
+    def keep_logits(self) -> bool:
+        """The rollout keeps its ``[B, R, V]`` tempered logits (the full path's exact KL)."""
+        return self.exact_kl and not self.chunked
+
+    @property
+    def keep_hidden(self) -> bool:
+        """The rollout keeps its ``[B, R, D]`` hidden states (the chunked path's exact KL)."""
+        return self.exact_kl and self.chunked
+
+    @property
+    def update_policy(self) -> CausalLM:
+        """The policy as the update differentiates it (``model.remat``)."""
+        return with_remat(self.models.policy, self.cfg.model.remat)
+
+    @property
+    def update_value(self) -> CausalLM | None:
+        """The separate value trunk as the update differentiates it (``model.remat``)."""
+        return None if self.models.value is None else with_remat(self.models.value, self.cfg.model.remat)
+
+    @property
+    def ref_dtype(self) -> Any:
+        """The reference's storage dtype of floating leaves (``model.ref_dtype``)."""
+        return jnp.bfloat16 if self.cfg.model.ref_dtype == "bfloat16" else jnp.float32
+
+    @property
+    def ref_frozen(self) -> bool:
+        """The reference never changes (``kl.ref_update_every`` 0): the step passes it through."""
+        return self.cfg.kl.ref_update_every <= 0
+
+    @property
+    def reward_on_reference(self) -> bool:
+        """The task's reward model reads the frozen reference's trunk, so the scoring takes the reward
+        from the reference's forward (``JaxReward.from_hidden``) instead of running its trunk again:
+        its ``trunk`` is the policy model and the very arrays of ``policy_params`` (the reference's
+        initial parameters), the reference stays frozen (``kl.ref_update_every`` 0) and is stored in
+        those arrays' dtype (``model.ref_dtype``). The same numbers, one trunk forward less. (The reward
+        then reads the state's reference: a ``state.ref_params`` replaced by hand moves it too.)"""
+        r = self.task.reward
+        trunk = getattr(r, "trunk", None)
+        if getattr(r, "from_hidden", None) is None or trunk is None or not self.ref_frozen:
+            return False
+        model, params = trunk
+        if model is not self.models.policy and model != self.models.policy:
+            return False
+        mine, theirs = jax.tree.leaves(params), jax.tree.leaves(self.policy_params)
+        if jax.tree.structure(params) != jax.tree.structure(self.policy_params):
+            return False
+        floating = [x for x in theirs if jnp.issubdtype(x.dtype, jnp.floating)]
+        return all(a is b for a, b in zip(mine, theirs, strict=True)) and all(
+            x.dtype == self.ref_dtype for x in floating
+        )
+
+
+# ---- per-iteration pieces ---------------------------------------------------------------------------
+
+
+def iteration_keys(state: TrainState) -> tuple[Array, Array, Array]:
+    """(prompt, sampling, minibatch-permutation) keys of this iteration."""
+    k_prompt, k_sample, k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)
+    return k_prompt, k_sample, k_perm
+
+
+def coefs(ctx: Context, state: TrainState) -> tuple[Array, Array]:
+    """(reward-side beta, loss-side coefficient)."""
+    if ctx.drives_reward:
+        return state.ctrl.beta, state.other_coef
+    return state.other_coef, state.ctrl.beta
+
+
+# ---- init -------------------------------------------------------------------------------------------
+
+
+def as_ref_dtype(ctx: Context, tree: Any) -> Any:
+    """``tree``'s floating leaves in the reference's storage dtype (``model.ref_dtype``). A refreshed
+    reference gets new buffers (the step donates it); a frozen one (``kl.ref_update_every`` 0) keeps
+    the arrays already in that dtype: the step neither donates nor returns it
+    (:func:`klrl.step.parallel.shard_step`'s ``kept``), so the reference and the task's loaded parameters
+    are one copy in memory."""
+    dt = ctx.ref_dtype
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+    same = jnp.asarray if ctx.ref_frozen else jnp.copy
+    return jax.tree.map(lambda x: x.astype(dt) if floating(x) and x.dtype != dt else same(x), tree)
+
+
+def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | None = None) -> TrainState:
+    """The train state of ``seed``: policy = a copy of the reference (plus a fresh value head),
+    a fresh separate value model, the optimiser and the controller at ``beta`` (default ``kl.beta``)."""
+    # raw uint32 keys: plain arrays that checkpoint, vmap and compare like any other leaf
+    key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    k_head, k_value, k_run = jax.random.split(key, 3)
+    m, kl_cfg = ctx.models, ctx.cfg.kl
+    pol = jax.tree.map(jnp.copy, ctx.policy_params)  # own buffers: the step donates the state
+    if ctx.head:  # graft a fresh value head onto the pretrained trunk
+        pol = attach(pol, m.value_head.init(k_head))
+    value = None
+    if ctx.separate:
+        value = ctx.value_params
+        if value is None:
+            value = attach(m.value.init(k_value), m.value_head.init(k_value))
+        value = jax.tree.map(jnp.copy, value)
+    params = {"policy": pol, "value": value}
+    b_r = kl_cfg.beta if beta is None else beta
+    driven, other = (b_r, kl_cfg.loss_coef) if ctx.drives_reward else (kl_cfg.loss_coef, b_r)
+    return TrainState(
+        params=params,
+        ref_params=as_ref_dtype(ctx, ctx.policy_params),
+        opt_state=ctx.optimizer.init(params),
+        ctrl=jax.tree.map(jnp.copy, ctx.controller.init(jnp.asarray(driven, jnp.float32))),  # own buffers
+        other_coef=jnp.asarray(other, jnp.float32),
+        rng=k_run,
+        iteration=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def state_shardings(ctx: Context, mesh: Any, sweep: bool = False) -> Any:
+    """The :class:`NamedSharding` pytree of the train state on ``mesh``: parameters, reference,
+    optimiser moments and the separate value model placed on ``fsdp``/``tensor`` by the families'
+    :meth:`~klrl.models.base.CausalLM.partition_rules` (first match on the leaf's path; policy
+    rules, then the value model's), fitted to the mesh (:func:`klrl.step.parallel.fit_spec`: a
+    dimension an axis does not divide stays replicated); everything else replicated. With
+    ``sweep`` every leaf has the members' leading axis on ``'sweep'``. On a mesh with
+    ``fsdp = tensor = 1`` every leaf is replicated (or split over ``sweep``) as before."""
+    rules = tuple(ctx.models.policy.partition_rules())
+    if ctx.models.value is not None:
+        rules += tuple(ctx.models.value.partition_rules())
+    # the models' parameters as arguments: they may be abstract (jax.ShapeDtypeStruct)
+    abstract = jax.eval_shape(
+        lambda p, v: initial_state(replace(ctx, policy_params=p, value_params=v), 0),
+        ctx.policy_params, ctx.value_params,
+    )  # fmt: skip
+    specs = param_specs(rules, abstract, mesh)
+    if sweep:
+        specs = jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), specs)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def init_state(
+    ctx: Context, mesh: Any, seed: int | Array = 0, beta: float | Array | None = None
+) -> TrainState:
+    """:func:`initial_state` placed on ``mesh`` as ``step`` takes and returns it
+    (:func:`state_shardings`): otherwise the second call recompiles."""
+    return jax.device_put(initial_state(ctx, seed, beta), state_shardings(ctx, mesh))

@@ -1,0 +1,345 @@
+"""``make_train(cfg, task, *, policy=..., ...)``: pure ``init`` and the one compiled PPO-KL iteration.
+
+One call of ``step(state, env) -> (state, metrics)`` does, inside one jitted
+``shard_map`` over the ``'data'`` axis:
+
+  prompts -> rollout (KV-cache ``lax.scan``) -> reference and reward scoring
+  -> per-token KL shaping -> advantages -> PPO epochs x minibatches (nested
+  ``lax.scan``) -> beta controller update -> reference refresh -> guard.
+
+Each stage is a module-level function of a frozen :class:`Context` (what ``make_train`` fixed:
+config, models, task, shapes, optimiser, controller); stages exchange NamedTuples
+(:class:`~klrl.models.rollout.Rollout`, :class:`Scores`, :class:`Batch`, :class:`Advantages`), and the
+metrics of an iteration are computed by :func:`klrl.step.metrics.iteration_metrics`; the PPO loss
+and update live in :mod:`klrl.step.update`. The models are any
+:class:`klrl.models.base.CausalLM` (train.py knows no family): the policy comes with the task or
+is passed in, the value trunk and heads are built by :func:`build_models`.
+
+beta lives in ``state.ctrl.beta`` (float32) and is only ever used as an array.
+
+Device invariance: every example's prompt and sampling key come from its *global* index, and
+with ``ppo.shuffle=global`` minibatches are drawn from the *global* batch (each device fetches its
+slice of every global minibatch from the rows' owners, never the whole batch), so a run on 1 or N
+devices does the same maths up to reduction order; ``ppo.shuffle=shard`` draws them within each
+device's shard (no rows move). On a mesh with ``fsdp``/``tensor`` axes (:mod:`klrl.step.parallel`) the
+state is sharded by the models' partition rules and XLA partitions the body over those axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from klrl import distributed
+from klrl.algo import kl as kl_lib
+from klrl.algo.advantages import ADVANTAGES, AdvantageInputs, whiten
+from klrl.algo.control import ControllerState, from_config
+from klrl.algo.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
+from klrl.config import ConfigError, RunConfig
+from klrl.models.base import CausalLM, forward
+from klrl.models.gpt import token_logprobs
+from klrl.models.heads import ValueHead, detach
+from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
+from klrl.step.heads import score_terms, value_out
+from klrl.step.metrics import iteration_metrics
+from klrl.step.parallel import DATA, average, mesh_from_config, shard_step
+from klrl.step.parts import (
+    Advantages,
+    Batch,
+    Context,
+    Models,
+    Phases,
+    Scores,
+    Train,
+    TrainState,
+    all_finite,
+    as_ref_dtype,
+    build_models,
+    coefs,
+    init_state,
+    iteration_keys,
+    make_optimizer,
+    set_learning_rate,
+    state_shardings,
+    where,
+)
+from klrl.step.samples import sample_rows
+from klrl.step.update import ppo_loss, update_phase
+from klrl.tasks.base import JaxReward, Task, check_task
+
+Array = jax.Array
+
+__all__ = [
+    "Advantages", "Batch", "Context", "Models", "Phases", "Scores", "Train", "TrainState",
+    "build_models", "make_optimizer", "make_train", "ppo_loss", "set_learning_rate", "update_phase",
+]  # fmt: skip
+
+
+def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
+    """Prompts and responses for this device's share of the global batch; ``prompt_idx`` holds the
+    rows of the prompt pool each example was drawn from (host rewards read their columns by it)."""
+    k_prompt, k_sample, _ = iteration_keys(state)
+    b_loc, group = ctx.b_loc, ctx.cfg.ppo.group_size
+    g_idx = jax.lax.axis_index(DATA) * b_loc + jnp.arange(b_loc)
+    n_pool = env["prompts"].shape[0]
+    p_idx = jax.vmap(lambda g: jax.random.randint(jax.random.fold_in(k_prompt, g // group), (), 0, n_pool))(
+        g_idx
+    )
+    ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
+    head = ctx.models.value_head if ctx.head else None
+    ro = generate(
+        ctx.models.policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
+        ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
+        keep_hidden=ctx.keep_hidden,
+    )  # fmt: skip
+    return ro._replace(prompt_idx=p_idx.astype(jnp.int32))
+
+
+def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:
+    """Reference log-probs (and logits, or on the chunked path the exact KL from hidden states), old
+    values, task reward (less ``reward.missing_eos_penalty`` for a response without a stop token) and
+    evaluations."""
+    mask = ro.mask
+    tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
+    ref_hidden = exact = full = None
+    if ctx.chunked:  # no [B, R, V] logits (klrl.step.chunked)
+        ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask, logits=False)
+        ref_h = response_slice(ref_out.hidden, ctx.p_len, ctx.r_len)
+        ref_logits, (ref_logp, exact, full) = None, score_terms(ctx, state, ro, ref_h)
+        ref_hidden = ref_h if ctx.full_in_loss else None
+    else:
+        ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask)
+        ref_logits = response_slice(ref_out.logits, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
+        ref_logp = token_logprobs(ref_logits, ro.response) * mask
+    if ctx.separate:
+        old_value = value_out(ctx, state.params["value"], tokens, key_mask) * mask
+    elif ctx.head:
+        old_value = ro.value
+    else:
+        old_value = jnp.zeros_like(mask)
+    evaluate = ctx.task.eval_fn
+    if ctx.reward_on_reference:  # its trunk is the reference's: read from the forward above
+        task_reward = ctx.task.reward.from_hidden(env, ro, ref_out.hidden)
+    else:
+        task_reward = ctx.task.reward_fn(env, ro)
+    if ctx.cfg.reward.missing_eos_penalty:  # static: off leaves the program as it was
+        task_reward = missing_eos_penalty(
+            task_reward, ro.response, mask, ctx.stop_ids, ctx.cfg.reward.missing_eos_penalty
+        )
+    return Scores(
+        tokens=tokens,
+        key_mask=key_mask,
+        ref_logits=ref_logits,
+        ref_logp=ref_logp,
+        value=old_value,
+        task_reward=task_reward,
+        evals=evaluate(env, ro) if evaluate is not None else {},
+        ref_hidden=ref_hidden,
+        exact=exact,
+        full_kl=full,
+    )
+
+
+def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) -> Advantages:
+    """KL estimates, shaped rewards, advantages and returns; ``batch`` is this device's share of
+    what the update reads."""
+    mask, kl_cfg = ro.mask, ctx.cfg.kl
+    beta_r, _ = coefs(ctx, state)
+
+    def estimate(name):
+        if ctx.chunked and kl_lib.ESTIMATORS.meta(name)["inputs"] == "logits":
+            return sc.full_kl  # the exact KL under kl.clamp, from hidden states (score_phase)
+        return kl_lib.estimate(name, ro.logp, sc.ref_logp, mask, ro.logits, sc.ref_logits, kl_cfg.clamp)
+
+    kl_reward = estimate(kl_cfg.estimator)
+    rewards = shaped_rewards(sc.task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+    seq_ret = sequence_returns(sc.task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+    inputs = AdvantageInputs(rewards, seq_ret, sc.value, mask)
+    advantages, returns = ADVANTAGES.get(ctx.cfg.ppo.advantage)(inputs, ctx.cfg.ppo)
+    if ctx.cfg.ppo.whiten:
+        advantages = whiten(advantages, mask, DATA)
+    full_in_loss = ctx.kl_in_loss and kl_lib.ESTIMATORS.meta(kl_cfg.loss_estimator)["inputs"] == "logits"
+    batch = Batch(
+        tokens=sc.tokens, key_mask=sc.key_mask, response=ro.response, mask=mask, logp=ro.logp,
+        ref_logp=sc.ref_logp, adv=advantages, ret=returns, value=sc.value,
+        ref_logits=sc.ref_logits if full_in_loss else None, ref_hidden=sc.ref_hidden,
+    )  # fmt: skip
+    exact = None  # kl.exact_metric off (and no `full` estimator)
+    if ctx.exact_kl:
+        exact = sc.exact if ctx.chunked else kl_lib.full_kl(ro.logits, sc.ref_logits, mask)
+    return Advantages(
+        batch=batch,
+        rewards=rewards,
+        kl_reward=kl_reward,
+        kl_ctrl=estimate(ctx.cfg.ctrl.estimator),
+        k1=estimate("k1"),
+        exact=exact,
+    )
+
+
+def control_phase(
+    ctx: Context, state: TrainState, kl_ctrl: Array, mask: Array
+) -> tuple[ControllerState, Array]:
+    """The controller's update from this iteration's KL (in ``ctrl.unit``, averaged over the
+    global batch). Returns (controller state, the KL it saw)."""
+    kl_seen = average(jnp.mean(kl_lib.reduce(kl_ctrl, mask, ctx.cfg.ctrl.unit)))
+    return ctx.controller.update(state.ctrl, kl_seen, jnp.float32(ctx.b_glob)), kl_seen
+
+
+def refresh_reference(ctx: Context, state: TrainState, policy: Any) -> Any:
+    """Every ``kl.ref_update_every`` iterations, ``ref <- (1 - ref_mix) ref + ref_mix policy`` (mixed
+    in float32, stored back in the reference's dtype, ``model.ref_dtype``)."""
+    kl_cfg = ctx.cfg.kl
+    if kl_cfg.ref_update_every <= 0:
+        return state.ref_params
+    refresh = (state.iteration + 1) % kl_cfg.ref_update_every == 0
+    mix = jnp.where(refresh, kl_cfg.ref_mix, 0.0)
+    trunk = detach(policy)[0] if ctx.head else policy
+    return jax.tree.map(
+        lambda r, p: ((1 - mix) * r.astype(p.dtype) + mix * p).astype(r.dtype), state.ref_params, trunk
+    )
+
+
+def guard(ctx: Context, state: TrainState, new: TrainState, ok: Array) -> TrainState:
+    """The non-finite guard's bookkeeping: ``new`` if ``ok``, else the old controller, reference and
+    coefficients with one more consecutive skip. The parameters and optimiser state are ``new``'s
+    either way: :func:`update_phase` already left them untouched from the first non-finite
+    minibatch on (and entirely when the rollout or scores were non-finite or the skip limit was
+    reached). Once ``train.max_consecutive_skips`` skips are counted the step is a no-op (the
+    iteration counter stops too), so the run loop (which sees the metrics one step late) stops
+    after exactly that many."""
+
+    def small(s: TrainState) -> tuple:
+        return s.ref_params, s.ctrl, s.other_coef, s.iteration, s.skipped
+
+    kept = (state.ref_params, state.ctrl, state.other_coef, state.iteration + 1, state.skipped + 1)
+    out = where(ok, small(new), kept)
+    limit = ctx.cfg.train.max_consecutive_skips
+    if limit > 0:
+        out = where(state.skipped >= limit, small(state), out)
+    ref_params, ctrl, other_coef, iteration, skipped = out
+    return new._replace(ref_params=ref_params, ctrl=ctrl, other_coef=other_coef, iteration=iteration,
+                        skipped=skipped)  # fmt: skip
+
+
+def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
+    """One iteration on this device's shard (see the module docstring)."""
+    ro = rollout_phase(ctx, state, env)
+    sc = score_phase(ctx, state, env, ro)
+    ad = advantage_phase(ctx, state, ro, sc)
+    ctrl, kl_seen = control_phase(ctx, state, ad.kl_ctrl, ro.mask)
+    # the rollout's per-row numbers (not the [B, R, V] logits: a NaN there reaches the loss, which
+    # update_phase checks per minibatch)
+    ok = all_finite((sc.task_reward, ad.kl_reward, ad.batch.adv, ad.batch.ret, kl_seen))
+    ok = jax.lax.pmin(ok.astype(jnp.int32), DATA) > 0
+    limit = ctx.cfg.train.max_consecutive_skips
+    go = ok & (state.skipped < limit) if limit > 0 else ok
+    params, opt_state, stats = update_phase(ctx, state, ad.batch, go)
+    ok = ok & (stats["guard/minibatches_applied"] == 1.0)
+    ref_params = refresh_reference(ctx, state, params["policy"])
+    new = TrainState(params, ref_params, opt_state, ctrl, state.other_coef, state.rng,
+                     state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
+    out = guard(ctx, state, new, ok)
+    metrics = iteration_metrics(ctx, env, state, out, ok, ro, sc, ad, stats, kl_seen)
+    if ctx.samples:  # a few rows' token ids for the host to decode (klrl.samples), not logged
+        metrics.update(sample_rows(ctx.samples, ro, sc.task_reward, ad.k1, ad.exact, sc.ref_logp))
+    return out, metrics
+
+
+# ---- the entry point ------------------------------------------------------------------------------
+
+
+def make_train(
+    cfg: RunConfig,
+    task: Task,
+    mesh: Any = None,
+    *,
+    policy: CausalLM | None = None,
+    policy_params: Any = None,
+    value: CausalLM | None = None,
+    value_params: Any = None,
+    reward: JaxReward | None = None,
+    stop_ids: tuple[int, ...] | None = None,
+    log_target: bool | None = None,
+    samples: int = 0,
+) -> Train:
+    """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
+
+    Any causal LM trains here, whatever its family: ``policy`` (default ``task.policy``) is a
+    :class:`klrl.models.base.CausalLM` and ``policy_params`` (default ``task.policy_params``) its
+    initial parameters, which are also the frozen KL reference. ``value`` (a trunk without LM head)
+    and ``value_params`` (its parameters with a :class:`~klrl.models.heads.ValueHead` attached) set
+    the separate value model of ``model.value_model=separate``; by default :func:`build_models`
+    builds a fresh klrl GPT of ``cfg.model``. ``reward`` replaces the task's reward (its parameters
+    then travel in ``train.context.task.env``, the env to step with). ``stop_ids`` (default: the
+    task's tokenizer's) is the set of tokens that end a response. The task's parts are checked
+    against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
+    :class:`ConfigError` naming the part. ``log_target`` (default: ``cfg.ctrl.kind != 'fixed'``) logs
+    ``ctrl/target`` (a sweep sets it when any member is adaptive; fixed members then log NaN).
+    ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
+    as ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them).
+    """
+    mesh = mesh_from_config(cfg.train) if mesh is None else mesh
+    task = task if reward is None else dataclasses.replace(task, reward=reward)
+    policy = task.policy if policy is None else policy
+    models = build_models(cfg, policy)
+    if value is not None:
+        if not models.value:
+            raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
+        models = Models(policy, value, ValueHead(value.hidden_size))
+    n_dev = mesh.shape[DATA]
+    check_task(task, policy, cfg.sampling.response_len, cfg.train.batch_size // n_dev)
+    ctx = Context(
+        cfg=cfg,
+        task=task,
+        models=models,
+        policy_params=task.policy_params if policy_params is None else policy_params,
+        value_params=value_params,
+        stop_ids=stop_set(task.stop_ids if stop_ids is None else stop_ids),
+        controller=from_config(cfg.ctrl),
+        optimizer=make_optimizer(cfg),
+        n_dev=n_dev,
+        log_target=cfg.ctrl.kind != "fixed" if log_target is None else log_target,
+        samples=min(int(samples), cfg.train.batch_size),
+    )
+    one = partial(step_fn, ctx)
+    phases = Phases(
+        partial(rollout_phase, ctx), partial(score_phase, ctx), partial(advantage_phase, ctx),
+        partial(update_phase, ctx), partial(control_phase, ctx),
+    )  # fmt: skip
+    shardings = state_shardings(ctx, mesh)
+    return Train(
+        init=partial(init_state, ctx, mesh),
+        place=partial(place_state, ctx, shardings),
+        step=shard_step(one, mesh, state_shardings=shardings, kept="ref_params" if ctx.ref_frozen else None),
+        shard_step=one,
+        loss=partial(ppo_loss, ctx),
+        policy=policy,
+        value_model=models.value,
+        mesh=mesh,
+        phases=phases,
+        context=ctx,
+        state_shardings=shardings,
+    )
+
+
+def place_state(ctx: Context, shardings: Any, state: TrainState) -> TrainState:
+    """``state`` (host values, e.g. a restored checkpoint) laid out like ``init``'s
+    (:func:`klrl.distributed.put` onto ``shardings``). A frozen reference equal to the task's loaded
+    parameters then takes those very arrays, as ``init``'s does: a resumed or rolled-back run holds
+    one copy of them, not two (one process; with several the restored copy is kept)."""
+    placed = distributed.put(state, shardings)
+    if not ctx.ref_frozen or distributed.is_multiprocess():
+        return placed
+    ref_sh = shardings if isinstance(shardings, jax.sharding.Sharding) else shardings.ref_params
+    loaded = jax.device_put(as_ref_dtype(ctx, ctx.policy_params), ref_sh)
+    if jax.tree.structure(loaded) != jax.tree.structure(placed.ref_params):
+        return placed
+    pairs = list(zip(jax.tree.leaves(placed.ref_params), jax.tree.leaves(loaded), strict=True))
+    if all(a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(a, b)) for a, b in pairs):
+        return placed._replace(ref_params=loaded)
+    return placed
