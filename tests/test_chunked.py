@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from klrl.algo.logprobs import entropy, token_logprobs
 from klrl.config import ConfigError, ModelConfig, RunConfig
 from klrl.models.base import forward
-from klrl.models.gpt import GPT, entropy, token_logprobs
+from klrl.models.gpt import GPT
 from klrl.models.hf import load_hf
 from klrl.step.chunked import CHUNK_MIN_VOCAB, head_terms, lm_head, map_positions, use_chunks
 

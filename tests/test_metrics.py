@@ -1,4 +1,4 @@
-"""distinct_n, perplexity and spearman against hand-computed and NumPy values."""
+"""perplexity and spearman against hand-computed and NumPy values (distinct-n: test_textmetrics)."""
 
 from __future__ import annotations
 
@@ -7,39 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klrl.algo.metrics import distinct_n, perplexity, spearman
-
-
-def _distinct_ref(tokens: np.ndarray, mask: np.ndarray, n: int) -> float:
-    grams = [tuple(r[i : i + n]) for r, m in zip(tokens, mask, strict=True)
-             for i in range(len(r) - n + 1) if np.all(m[i : i + n] > 0)]  # fmt: skip
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def test_distinct_n_hand_computed():
-    tok = jnp.array([[1, 2, 1, 2, 9], [1, 2, 3, 0, 0]])
-    mask = jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], jnp.float32)
-    # unigrams 1 2 1 2 | 1 2 3 -> {1, 2, 3} / 7; bigrams 12 21 12 | 12 23 -> 3 / 5; trigrams 3 / 3
-    assert float(distinct_n(tok, mask, 1)) == pytest.approx(3 / 7)
-    assert float(distinct_n(tok, mask, 2)) == pytest.approx(3 / 5)
-    assert float(distinct_n(tok, mask, 3)) == pytest.approx(1.0)
-    assert float(distinct_n(tok, mask, 5)) == 0.0  # no complete 5-gram inside the mask
-    assert float(distinct_n(tok, mask, 6)) == 0.0  # longer than the sequences
-    # a masked hole breaks n-grams; n-grams never cross rows
-    hole = jnp.array([[5, 6, 7, 5, 6]])
-    assert float(distinct_n(hole, jnp.array([[1, 1, 0, 1, 1]]), 2)) == pytest.approx(1 / 2)
-    rows = jnp.array([[4, 4], [4, 4]])
-    assert float(distinct_n(rows, jnp.ones((2, 2)), 2)) == pytest.approx(1 / 2)
-    assert float(distinct_n(rows, jnp.zeros((2, 2)), 1)) == 0.0
-
-
-def test_distinct_n_matches_reference_on_random_batches():
-    rng = np.random.default_rng(0)
-    tok = rng.integers(0, 4, size=(6, 12))
-    mask = (rng.random((6, 12)) < 0.8).astype(np.float32)
-    f = jax.jit(distinct_n, static_argnums=2)
-    for n in (1, 2, 3, 4):
-        assert float(f(tok, mask, n)) == pytest.approx(_distinct_ref(tok, mask, n), abs=1e-6)
+from klrl.algo.metrics import perplexity, spearman
 
 
 def test_perplexity_hand_computed():

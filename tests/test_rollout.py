@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
+from klrl.algo.logprobs import token_logprobs
 from klrl.config import SamplingConfig
 from klrl.models.base import forward
-from klrl.models.gpt import token_logprobs
 from klrl.models.heads import ValueHead, attach, detach
 from klrl.models.rollout import generate, is_stop, response_slice, sequence
 

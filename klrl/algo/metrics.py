@@ -1,44 +1,16 @@
-"""Evaluation metrics in JAX (batched, jit-able, no Python branching on array values)."""
+"""Evaluation metrics in JAX (batched, jit-able, no Python branching on array values).
+
+Text diversity (distinct-n, seq-rep-n) lives in :mod:`klrl.algo.textmetrics`.
+"""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
 # ---------------------------------------------------------------------------------------------------
-# Text-quality and ranking metrics: distinct_n, perplexity, spearman.
+# Quality and ranking metrics: perplexity, spearman.
 # ---------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("n",))
-def distinct_n(tokens: jax.Array, mask: jax.Array, n: int) -> jax.Array:
-    """Distinct-n: ``#distinct n-grams / #n-grams`` over the whole batch (0 if there are none).
-
-    An n-gram is ``tokens[b, i : i + n]`` with ``mask[b, i : i + n]`` all non-zero (it never crosses
-    rows). Counting is exact (no hashing): the n-grams, as rows of an ``[B * (T - n + 1), n]``
-    table, are sorted lexicographically (``jnp.lexsort``) with invalid ones replaced by a sentinel
-    row of -1 that sorts first; a valid sorted row is new if it differs from its predecessor.
-    ``n`` is static.
-    """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    on = jnp.asarray(mask) > 0
-    b, t = tokens.shape
-    if n < 1:
-        raise ValueError(f"n must be >= 1 (got {n})")
-    if n > t:
-        return jnp.zeros((), jnp.float32)
-    w = t - n + 1
-    grams = jnp.stack([tokens[:, j : j + w] for j in range(n)], axis=-1).reshape(b * w, n)
-    valid = jnp.stack([on[:, j : j + w] for j in range(n)], axis=-1).all(-1).reshape(b * w)
-    grams = jnp.where(valid[:, None], grams, -1)
-    order = jnp.lexsort(tuple(grams[:, j] for j in reversed(range(n))))  # last key is primary
-    g, v = grams[order], valid[order]
-    differs = jnp.concatenate([jnp.ones((1,), bool), (g[1:] != g[:-1]).any(-1)])
-    distinct = (v & differs).sum()
-    total = v.sum()
-    return (distinct / jnp.maximum(total, 1)).astype(jnp.float32)
 
 
 @jax.jit

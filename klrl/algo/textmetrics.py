@@ -1,6 +1,6 @@
 """Diversity and degeneration metrics of sampled responses, on token ids ``[B, R]`` + ``mask``.
 
-An n-gram is ``n`` consecutive positions that are all valid (``mask > 0``).
+An n-gram is ``n`` consecutive positions that are all valid (``mask > 0``); it never crosses rows.
 
 - ``distinct_n`` (Li et al. 2016, "A Diversity-Promoting Objective Function for Neural
   Conversation Models"): the number of distinct n-grams over the whole batch divided by the number
@@ -12,9 +12,10 @@ An n-gram is ``n`` consecutive positions that are all valid (``mask > 0``).
 - ``response_length``: valid tokens per response (``mask.sum(-1)``); ``stop_rate``: the fraction
   of responses whose last valid token is a stop id (the rest ran out of budget).
 
-Each has a NumPy version (host) and a JAX version (``*_jax``; jit/vmap-safe, exact: n-grams are
-sorted lexicographically with ``lax.sort`` over ``n`` keys, no hashing). ``text_metrics``
-(NumPy) returns the flat ``text/...`` metric dict.
+``distinct_n``, ``rep_n`` and ``response_length`` are JAX (jit/vmap-safe) and exact: the n-grams
+are sorted lexicographically with ``lax.sort`` over ``n`` keys, no hashing; they are the one
+implementation the train step, the evaluators and the host share. ``text_metrics`` returns the
+flat ``text/...`` metric dict of one batch as Python floats.
 """
 
 from __future__ import annotations
@@ -26,70 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _ngrams(tokens: np.ndarray, mask: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """``grams [B, R-n+1, n]`` and ``valid [B, R-n+1]`` (all n positions valid)."""
-    b, r = tokens.shape
-    if r < n:
-        return np.zeros((b, 0, n), tokens.dtype), np.zeros((b, 0), bool)
-    grams = np.stack([tokens[:, k : r - n + 1 + k] for k in range(n)], axis=-1)
-    valid = np.stack([mask[:, k : r - n + 1 + k] > 0 for k in range(n)], axis=-1).all(-1)
+def _ngrams(tokens: jax.Array, mask: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """``grams [..., R-n+1, n]`` and ``valid [..., R-n+1]`` (all ``n`` positions valid); ``R >= n``."""
+    r = tokens.shape[-1]
+    grams = jnp.stack([tokens[..., k : r - n + 1 + k] for k in range(n)], axis=-1)
+    valid = jnp.stack([mask[..., k : r - n + 1 + k] > 0 for k in range(n)], axis=-1).all(-1)
     return grams, valid
-
-
-def distinct_n(tokens, mask, n: int) -> float:
-    """Distinct n-grams in the batch / n-grams in the batch (0.0 if there are none)."""
-    grams, valid = _ngrams(np.asarray(tokens), np.asarray(mask), n)
-    g = grams[valid]
-    return float(len(np.unique(g, axis=0)) / len(g)) if len(g) else 0.0
-
-
-def rep_n_per_sequence(tokens, mask, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(rep [B], has [B])``: each response's ``1 - distinct/total`` n-grams; ``has``: total > 0."""
-    grams, valid = _ngrams(np.asarray(tokens), np.asarray(mask), n)
-    rep, has = np.zeros(len(grams)), valid.any(-1)
-    for i in np.flatnonzero(has):
-        g = grams[i][valid[i]]
-        rep[i] = 1.0 - len(np.unique(g, axis=0)) / len(g)
-    return rep, has
-
-
-def rep_n(tokens, mask, n: int = 4) -> float:
-    """Mean seq-rep-n over responses with at least one n-gram (0.0 if none has)."""
-    rep, has = rep_n_per_sequence(tokens, mask, n)
-    return float(rep[has].mean()) if has.any() else 0.0
-
-
-def response_length(mask) -> np.ndarray:
-    """Valid tokens per response, ``[B]``."""
-    return (np.asarray(mask) > 0).sum(-1)
-
-
-def stop_rate(tokens, mask, stop_ids: Sequence[int]) -> float:
-    """Fraction of responses whose last valid token is one of ``stop_ids``."""
-    tokens, valid = np.asarray(tokens), np.asarray(mask) > 0
-    n = valid.sum(-1)
-    last = tokens[np.arange(len(tokens)), np.maximum(n - 1, 0)]
-    return float(np.mean((n > 0) & np.isin(last, list(stop_ids)))) if len(tokens) else 0.0
-
-
-def text_metrics(tokens, mask, *, stop_ids: Sequence[int] = (), rep: int = 4) -> dict[str, float]:
-    """``text/distinct_1``, ``text/distinct_2``, ``text/rep_<rep>``, ``text/length_{mean,min,max}``
-    and (with ``stop_ids``) ``text/stop_rate`` of one batch of responses."""
-    lengths = response_length(mask)
-    out = {
-        "text/distinct_1": distinct_n(tokens, mask, 1),
-        "text/distinct_2": distinct_n(tokens, mask, 2),
-        f"text/rep_{rep}": rep_n(tokens, mask, rep),
-        "text/length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-        "text/length_min": float(lengths.min()) if len(lengths) else 0.0,
-        "text/length_max": float(lengths.max()) if len(lengths) else 0.0,
-    }
-    if stop_ids:
-        out["text/stop_rate"] = stop_rate(tokens, mask, stop_ids)
-    return out
-
-
-# ---- JAX ----------------------------------------------------------------------------------------
 
 
 def _count_distinct(grams: jax.Array, valid: jax.Array) -> jax.Array:
@@ -103,24 +46,32 @@ def _count_distinct(grams: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.sum(new & (inv == 0))
 
 
-def _ngrams_jax(tokens: jax.Array, mask: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    r = tokens.shape[-1]
-    grams = jnp.stack([tokens[..., k : r - n + 1 + k] for k in range(n)], axis=-1)
-    valid = jnp.stack([mask[..., k : r - n + 1 + k] > 0 for k in range(n)], axis=-1).all(-1)
-    return grams, valid
+def _check_n(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n must be >= 1 (got {n})")
 
 
-def distinct_n_jax(tokens: jax.Array, mask: jax.Array, n: int) -> jax.Array:
-    """:func:`distinct_n` in JAX: a float32 scalar (``tokens [B, R]``, ``R >= n``)."""
-    grams, valid = _ngrams_jax(tokens, mask, n)
+def distinct_n(tokens: jax.Array, mask: jax.Array, n: int) -> jax.Array:
+    """Distinct n-grams in the batch / n-grams in the batch, a float32 scalar (0 if there are none,
+    as when ``R < n``). ``n`` is static."""
+    _check_n(n)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    if tokens.shape[-1] < n:
+        return jnp.zeros((), jnp.float32)
+    grams, valid = _ngrams(tokens, mask, n)
     total = jnp.sum(valid)
     d = _count_distinct(grams.reshape(-1, n), valid.reshape(-1))
     return jnp.where(total > 0, d / jnp.maximum(total, 1), 0.0).astype(jnp.float32)
 
 
-def rep_n_jax(tokens: jax.Array, mask: jax.Array, n: int = 4) -> jax.Array:
-    """:func:`rep_n` in JAX: a float32 scalar (``tokens [B, R]``, ``R >= n``)."""
-    grams, valid = _ngrams_jax(tokens, mask, n)
+def rep_n(tokens: jax.Array, mask: jax.Array, n: int = 4) -> jax.Array:
+    """Mean seq-rep-n over responses with at least one n-gram, a float32 scalar (0 if none has, as
+    when ``R < n``). ``n`` is static."""
+    _check_n(n)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    if tokens.shape[-1] < n:
+        return jnp.zeros((), jnp.float32)
+    grams, valid = _ngrams(tokens, mask, n)
     total = jnp.sum(valid, axis=-1)
     d = jax.vmap(_count_distinct)(grams, valid)
     has = total > 0
@@ -128,6 +79,31 @@ def rep_n_jax(tokens: jax.Array, mask: jax.Array, n: int = 4) -> jax.Array:
     return (jnp.sum(rep) / jnp.maximum(jnp.sum(has), 1)).astype(jnp.float32)
 
 
-def response_length_jax(mask: jax.Array) -> jax.Array:
+def response_length(mask: jax.Array) -> jax.Array:
     """Valid tokens per response, ``[B]`` float32."""
-    return jnp.sum(mask > 0, axis=-1).astype(jnp.float32)
+    return jnp.sum(jnp.asarray(mask) > 0, axis=-1).astype(jnp.float32)
+
+
+def stop_rate(tokens, mask, stop_ids: Sequence[int]) -> float:
+    """Fraction of responses whose last valid token is one of ``stop_ids`` (host, NumPy)."""
+    tokens, valid = np.asarray(tokens), np.asarray(mask) > 0
+    n = valid.sum(-1)
+    last = tokens[np.arange(len(tokens)), np.maximum(n - 1, 0)]
+    return float(np.mean((n > 0) & np.isin(last, list(stop_ids)))) if len(tokens) else 0.0
+
+
+def text_metrics(tokens, mask, *, stop_ids: Sequence[int] = (), rep: int = 4) -> dict[str, float]:
+    """``text/distinct_1``, ``text/distinct_2``, ``text/rep_<rep>``, ``text/length_{mean,min,max}``
+    and (with ``stop_ids``) ``text/stop_rate`` of one batch of responses, as Python floats."""
+    lengths = np.asarray(response_length(mask))
+    out = {
+        "text/distinct_1": float(distinct_n(tokens, mask, 1)),
+        "text/distinct_2": float(distinct_n(tokens, mask, 2)),
+        f"text/rep_{rep}": float(rep_n(tokens, mask, rep)),
+        "text/length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+        "text/length_min": float(lengths.min()) if len(lengths) else 0.0,
+        "text/length_max": float(lengths.max()) if len(lengths) else 0.0,
+    }
+    if stop_ids:
+        out["text/stop_rate"] = stop_rate(tokens, mask, stop_ids)
+    return out

@@ -193,18 +193,6 @@ def build_gpt(cfg: ModelConfig, vocab_size: int, max_len: int, *, lm_head: bool 
 # ---- helpers shared by rollout, scoring and the update ----------------------
 
 
-def token_logprobs(logits: Array, tokens: Array) -> Array:
-    """``log softmax(logits)[..., token]`` in float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-
-
-def entropy(logits: Array) -> Array:
-    """Entropy of the softmax over the last axis, in nats."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-
-
 def matmul_flops(cfg: ModelConfig, vocab: int, tokens: int, context: int, lm_head: bool = True) -> int:
     """Matmul FLOPs (2 per multiply-add) of a forward over ``tokens`` positions.
 

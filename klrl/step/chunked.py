@@ -10,8 +10,8 @@ same product its ``apply`` computes) gives ``[chunk, V]`` logits, and only per-p
 leave the chunk:
 
 * ``policy_logp``, ``ref_logp``: ``log softmax(z / tau)[y_t]`` of the sampled token ``y_t``
-  (:func:`klrl.models.gpt.token_logprobs`);
-* ``policy_entropy``: ``-sum_v p_v log p_v`` of the tempered policy (:func:`klrl.models.gpt.entropy`);
+  (:func:`klrl.algo.logprobs.token_logprobs`);
+* ``policy_entropy``: ``-sum_v p_v log p_v`` of the tempered policy (:func:`klrl.algo.logprobs.entropy`);
 * ``kl``: the exact full-vocabulary ``KL(pi || pi_ref)`` per position, :func:`klrl.algo.kl.full_kl` of the
   two tempered logits chunks (one output per clamp asked for).
 
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from klrl.algo import kl as kl_lib
-from klrl.models.gpt import entropy, token_logprobs
+from klrl.algo.logprobs import entropy, token_logprobs
 
 Array = jax.Array
 CHUNK_MIN_VOCAB = 32768

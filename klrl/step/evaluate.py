@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from klrl.algo import kl as kl_lib
+from klrl.algo.logprobs import token_logprobs
 from klrl.algo.shaping import missing_eos_penalty
-from klrl.algo.textmetrics import distinct_n_jax, rep_n_jax
+from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.models.base import forward
-from klrl.models.gpt import token_logprobs
 from klrl.models.rollout import generate, response_slice, sequence
 
 PREFIX = "eval/heldout/"
@@ -65,12 +65,12 @@ def heldout_metrics(train: Any, state: Any, env: Any) -> dict[str, jax.Array]:
         "kl_k1_seq_sum": jnp.mean(kl_lib.seq_sum(ro.logp - ref_logp, m)),
         "ref_ppl": jnp.exp(-jnp.sum(ref_logp) / jnp.maximum(jnp.sum(m), 1.0)),
         "length": jnp.mean(jnp.sum(m, axis=-1)),
-        "distinct_1": distinct_n_jax(ro.response, m, 1),
+        "distinct_1": distinct_n(ro.response, m, 1),
     }
     if r >= 2:
-        out["distinct_2"] = distinct_n_jax(ro.response, m, 2)
+        out["distinct_2"] = distinct_n(ro.response, m, 2)
     if r >= 4:
-        out["rep_4"] = rep_n_jax(ro.response, m, 4)
+        out["rep_4"] = rep_n(ro.response, m, 4)
     return {PREFIX + k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 

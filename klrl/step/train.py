@@ -38,10 +38,10 @@ from klrl import distributed
 from klrl.algo import kl as kl_lib
 from klrl.algo.advantages import ADVANTAGES, AdvantageInputs, whiten
 from klrl.algo.control import ControllerState, from_config
+from klrl.algo.logprobs import token_logprobs
 from klrl.algo.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.config import ConfigError, RunConfig
 from klrl.models.base import CausalLM, forward
-from klrl.models.gpt import token_logprobs
 from klrl.models.heads import ValueHead, detach
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.step.heads import score_terms, value_out

@@ -14,7 +14,7 @@ import optax
 
 from klrl.algo import kl as kl_lib
 from klrl.algo import losses
-from klrl.models.gpt import entropy, token_logprobs
+from klrl.algo.logprobs import entropy, token_logprobs
 from klrl.step.heads import policy_out, policy_terms, value_out
 from klrl.step.parallel import DATA, average, take_rows, total
 from klrl.step.parts import Batch, Context, TrainState, all_finite, coefs, iteration_keys

@@ -17,9 +17,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from klrl.algo.logprobs import token_logprobs
 from klrl.config import ModelConfig
 from klrl.models.base import CausalLM, forward
-from klrl.models.gpt import token_logprobs
 
 Array = jax.Array
 CACHE_VERSION = 1

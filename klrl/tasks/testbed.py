@@ -25,10 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from klrl.algo import metrics as M
+from klrl.algo.logprobs import token_logprobs
+from klrl.algo.metrics import spearman
+from klrl.algo.textmetrics import distinct_n
 from klrl.config import RunConfig, SamplingConfig
 from klrl.models.base import CausalLM, forward
-from klrl.models.gpt import GPT, token_logprobs
+from klrl.models.gpt import GPT
 from klrl.models.heads import ScalarHead, attach, detach
 from klrl.models.rollout import generate, sequence
 from klrl.tasks import gold as G
@@ -142,14 +144,10 @@ def train_reward_model(cfg: RunConfig, lang, ref_model, ref_params, gold_params,
     return params, info
 
 
-@register_task("testbed")
-def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
+def _gold(cfg: RunConfig, lang) -> G.GoldParams:
+    """The gold reward's parameters (its own key: task seed + 5000)."""
     t = cfg.task
-    lang = L.make_language(t.seed)
-    max_len = max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len)
-    ref_params, ref_info = reference_policy(cfg, lang, max_len, log)
-    ref_model = GPT(cfg.model, lang.vocab_size, max_len)
-    gold_params = G.make_gold_params(
+    return G.make_gold_params(
         lang,
         jax.random.key(t.seed + 5000),
         prompt_len=t.prompt_len,
@@ -157,6 +155,11 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
         quantile=t.gold_quantile,
         fluency_weight=t.gold_fluency_weight,
     )
+
+
+def _proxy_rm(cfg: RunConfig, lang, ref_model, ref_params, ref_info: dict, gold_params, log) -> tuple:
+    """``(params, info)`` of the Bradley-Terry proxy, cached by everything that determines it."""
+    t = cfg.task
     rm_payload = {
         "kind": "reward_model",
         "reference": ref_info.get("payload"),
@@ -167,14 +170,19 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
             for k in ("rm_pairs", "rm_heldout", "rm_epochs", "rm_lr", "rm_label_temp", "prompt_len")
         },
     }
-    rm_params, rm_info = cached(
+    return cached(
         "rm",
         rm_payload,
         lambda: train_reward_model(cfg, lang, ref_model, ref_params, gold_params, log),
         t.cache_dir,
         log,
     )
-    # the independent evaluator: other seed, other width, same data-generating language
+
+
+def _independent_lm(cfg: RunConfig, lang, max_len: int, log) -> tuple:
+    """``(model, params, info)`` of the independent evaluator: other seed, other width, same
+    data-generating language (cached)."""
+    t = cfg.task
     ind_cfg = dataclasses.replace(cfg.model, d_model=t.indep_d_model, n_heads=max(1, t.indep_d_model // 16))
     ind_model = GPT(ind_cfg, lang.vocab_size, max_len)
     ind_payload = {
@@ -198,22 +206,23 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
         t.cache_dir,
         log,
     )
-    rm = GPT(cfg.model, lang.vocab_size, max_len, lm_head=False)
-    prompts, pmask = L.prompts(lang, jax.random.key(t.seed + 2000), t.prompt_pool, t.prompt_len)
-    info = {
-        "reference_loss": ref_info.get("eval_loss"),
-        "independent_loss": ind_info.get("eval_loss"),
-        "entropy_rate": L.entropy_rate(lang, jax.random.key(t.seed + 3000), 2048, 128),
-        "gold_ll_threshold": float(gold_params.ll_threshold),
-        **{k: v for k, v in rm_info.items() if k != "payload"},
-    }
-    info["reference_gap"] = info["reference_loss"] - info["entropy_rate"]
-    # the proxy is standardised on reference responses: mean 0, std task.rm_scale
-    norm = jnp.array([rm_info["rm_ref_mean"], t.rm_scale / max(rm_info["rm_ref_std"], 1e-6)], jnp.float32)
+    return ind_model, ind_params, ind_info
+
+
+def _proxy_reward(rm: CausalLM, rm_params: Any, rm_info: dict, rm_scale: float) -> JaxReward:
+    """The proxy reward, standardised on reference responses: mean 0, std ``rm_scale``."""
+    norm = jnp.array([rm_info["rm_ref_mean"], rm_scale / max(rm_info["rm_ref_std"], 1e-6)], jnp.float32)
 
     def reward_fn(env, ro):
         raw = rm_score(rm, env["rm"], ro.prompt, ro.prompt_mask, ro.response, ro.mask)
         return (raw - env["rm_norm"][0]) * env["rm_norm"][1]
+
+    return JaxReward(reward_fn, {"rm": rm_params, "rm_norm": norm})
+
+
+def _eval_fn(ind_model: CausalLM) -> Callable:
+    """Per example: the gold reward and its terms, the oracle's and the independent LM's
+    log-likelihoods (``_``-prefixed: reduced by :func:`_batch_eval_fn`)."""
 
     def eval_fn(env, ro):
         terms = G.gold_terms(env["lang"], ro.prompt, ro.prompt_mask, ro.response, ro.mask, env["gold"])
@@ -234,28 +243,54 @@ def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Ta
             ),
         }
 
-    def batch_eval_fn(env, ro, proxy, ev):
-        n_tok = jnp.maximum(jnp.sum(ro.mask), 1.0)
-        return {
-            "reward/proxy": jnp.mean(proxy),
-            "eval/oracle_ppl_floored": jnp.exp(-jnp.sum(ev["_oracle_ll"]) / n_tok),
-            "eval/oracle_zero_prob_token_frac": jnp.sum(ev["_oracle_n_zero"]) / n_tok,
-            "eval/independent_ppl": jnp.exp(-jnp.sum(ev["_indep_ll"]) / n_tok),
-            "eval/distinct_1": M.distinct_n(ro.response, ro.mask, 1),
-            "eval/distinct_2": M.distinct_n(ro.response, ro.mask, 2),
-            "reward/proxy_gold_spearman": M.spearman(proxy, ev["reward/gold"]),
-        }
+    return eval_fn
 
+
+def _batch_eval_fn(env, ro, proxy, ev):
+    """Over the batch: the perplexities, distinct-n and the proxy-gold rank correlation."""
+    n_tok = jnp.maximum(jnp.sum(ro.mask), 1.0)
+    return {
+        "reward/proxy": jnp.mean(proxy),
+        "eval/oracle_ppl_floored": jnp.exp(-jnp.sum(ev["_oracle_ll"]) / n_tok),
+        "eval/oracle_zero_prob_token_frac": jnp.sum(ev["_oracle_n_zero"]) / n_tok,
+        "eval/independent_ppl": jnp.exp(-jnp.sum(ev["_indep_ll"]) / n_tok),
+        "eval/distinct_1": distinct_n(ro.response, ro.mask, 1),
+        "eval/distinct_2": distinct_n(ro.response, ro.mask, 2),
+        "reward/proxy_gold_spearman": spearman(proxy, ev["reward/gold"]),
+    }
+
+
+@register_task("testbed")
+def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
+    """The testbed task of ``cfg`` (module docstring): every model trained or read from the cache."""
+    t = cfg.task
+    lang = L.make_language(t.seed)
+    max_len = max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len)
+    ref_params, ref_info = reference_policy(cfg, lang, max_len, log)
+    ref_model = GPT(cfg.model, lang.vocab_size, max_len)
+    gold_params = _gold(cfg, lang)
+    rm_params, rm_info = _proxy_rm(cfg, lang, ref_model, ref_params, ref_info, gold_params, log)
+    ind_model, ind_params, ind_info = _independent_lm(cfg, lang, max_len, log)
+    rm = GPT(cfg.model, lang.vocab_size, max_len, lm_head=False)
+    prompts, pmask = L.prompts(lang, jax.random.key(t.seed + 2000), t.prompt_pool, t.prompt_len)
+    info = {
+        "reference_loss": ref_info.get("eval_loss"),
+        "independent_loss": ind_info.get("eval_loss"),
+        "entropy_rate": L.entropy_rate(lang, jax.random.key(t.seed + 3000), 2048, 128),
+        "gold_ll_threshold": float(gold_params.ll_threshold),
+        **{k: v for k, v in rm_info.items() if k != "payload"},
+    }
+    info["reference_gap"] = info["reference_loss"] - info["entropy_rate"]
     return Task(
         name="testbed",
         tokenizer=tokenizer(lang),
         prompts=TokenPool(prompts, pmask),
         prompt_len=t.prompt_len,
-        reward=JaxReward(reward_fn, {"rm": rm_params, "rm_norm": norm}),
+        reward=_proxy_reward(rm, rm_params, rm_info, t.rm_scale),
         policy=ref_model,
         policy_params=ref_params,
         evaluators=Evaluators(
-            eval_fn, batch_eval_fn, {"lang": lang, "gold": gold_params, "indep": ind_params}
+            _eval_fn(ind_model), _batch_eval_fn, {"lang": lang, "gold": gold_params, "indep": ind_params}
         ),
         info=info,
     )

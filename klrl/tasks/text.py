@@ -33,11 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from klrl.algo.logprobs import token_logprobs
+from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.config import ConfigError, RunConfig
+from klrl.data.prompts import load_prompts
 from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
-from klrl.models.rollout import Rollout, sequence
+from klrl.models.pretrained import from_pretrained, save_pretrained
+from klrl.models.rollout import Rollout, response_slice, sequence
+from klrl.rewards import make_host_reward, parse_specs
 from klrl.tasks.base import Evaluators, HeldOut, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
@@ -67,8 +72,6 @@ def is_sequence_classifier(path: str | Path) -> bool:
 
 
 def _load(path: str, dtype: Any, tokenizer: bool = False):
-    from klrl.models.pretrained import from_pretrained
-
     return from_pretrained(path, dtype=dtype, tokenizer=tokenizer)
 
 
@@ -121,8 +124,6 @@ def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> Ja
     indices; the dataset's other columns are passed by the same index). A failing function scores NaN
     on every row, so the step's guard rejects the iteration; the run loop then calls the reward's
     ``check`` (its message: :class:`klrl.rewards.RewardFunctionError`) and ends the run."""
-    from klrl.rewards import make_host_reward, parse_specs
-
     specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
     host = make_host_reward(specs, weights, tok, texts, columns, stop_after_error=True)
 
@@ -146,9 +147,6 @@ def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None)
       log p_eval(y_bt | prompt, y_<t) / sum_b sum_t m_bt)`` over the batch, its token-weighted
       perplexity of the samples (the reference's is ``eval/ref_ppl``, logged by every run).
     """
-    from klrl.algo.textmetrics import distinct_n_jax, rep_n_jax
-    from klrl.models.gpt import token_logprobs
-    from klrl.models.rollout import response_slice
 
     def per_example(env: Any, ro: Rollout) -> dict[str, Array]:
         if eval_model is None:
@@ -161,11 +159,11 @@ def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None)
 
     def batch(env: Any, ro: Rollout, reward: Array, evals: dict[str, Array]) -> dict[str, Array]:
         out = {
-            "text/distinct_1": distinct_n_jax(ro.response, ro.mask, 1),
-            "text/distinct_2": distinct_n_jax(ro.response, ro.mask, 2) if r_len >= 2 else jnp.float32(0.0),
+            "text/distinct_1": distinct_n(ro.response, ro.mask, 1),
+            "text/distinct_2": distinct_n(ro.response, ro.mask, 2) if r_len >= 2 else jnp.float32(0.0),
         }
         if r_len >= 4:
-            out["text/rep_4"] = rep_n_jax(ro.response, ro.mask, 4)
+            out["text/rep_4"] = rep_n(ro.response, ro.mask, 4)
         if "_eval_nll_sum" in evals:
             n = jnp.maximum(jnp.sum(evals["_eval_len"]), 1.0)
             out["eval/independent_ppl"] = jnp.exp(jnp.sum(evals["_eval_nll_sum"]) / n)
@@ -204,8 +202,6 @@ def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
 
 def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None = None) -> Task:
     """The text task of ``cfg`` (module docstring); ``prompts`` replaces the ``data`` section's pool."""
-    from klrl.data.prompts import load_prompts
-
     check_model_paths(cfg)
     policy, params, tok = _load(cfg.model.path, compute_dtype(cfg), tokenizer=True)
     if tok is None:
@@ -258,7 +254,5 @@ def make_text(cfg: RunConfig, log: Any = None) -> Task:
 
 def save_policy(task: Task, state: Any, out_dir: str | Path) -> Path:
     """The final policy (value head dropped) as an HF directory (:func:`klrl.models.save_pretrained`)."""
-    from klrl.models.pretrained import save_pretrained
-
     trunk = detach(jax.device_get(state.params["policy"]))[0]
     return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)
