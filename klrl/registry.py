@@ -1,4 +1,5 @@
-"""Registries by name: controllers, KL estimators, advantage estimators, tasks, model families.
+"""Registries by name: controllers, KL estimators, advantage estimators, tasks, model families,
+built-in rewards.
 
 A :class:`Registry` maps a name to an implementation and its metadata. The implementations
 register themselves where they are written (``@CONTROLLERS.register("pi")`` in
@@ -6,7 +7,9 @@ register themselves where they are written (``@CONTROLLERS.register("pi")`` in
 live here, in a leaf module that imports nothing of klrl, so the config (which validates names),
 the plots and the report can read them without importing the implementations (no import cycle).
 A registry knows its implementation module (``home``) and imports it on first lookup, so
-:meth:`Registry.names` is complete whoever asks first.
+:meth:`Registry.names` is complete whoever asks first. These registries are the only lists of the
+names: the config's help strings and checks, the metric aliases, the plots' labels and the tests
+read them (``names(where=...)`` filters by metadata, ``describe()`` lists them for a help string).
 """
 
 from __future__ import annotations
@@ -42,9 +45,15 @@ class Registry:
     def _load(self) -> None:
         importlib.import_module(self.home)
 
-    def names(self) -> tuple[str, ...]:
+    def names(self, where: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, ...]:
+        """The names in registration order; with ``where``, those whose metadata it accepts
+        (``ADVANTAGES.names(where=lambda m: m["grouped"])``)."""
         self._load()
-        return tuple(self._items)
+        return tuple(n for n, (_, m) in self._items.items() if where is None or where(m))
+
+    def describe(self, where: Callable[[dict[str, Any]], bool] | None = None) -> str:
+        """``'a, b (its help), c'``: the names with their ``help`` metadata, for help strings."""
+        return ", ".join(f"{n} ({h})" if (h := self.meta(n).get("help")) else n for n in self.names(where))
 
     def __contains__(self, name: object) -> bool:
         return name in self.names()
@@ -76,3 +85,4 @@ ESTIMATORS = Registry("KL estimator", "klrl.algo.kl")
 ADVANTAGES = Registry("advantage estimator", "klrl.algo.advantages")
 TASKS = Registry("task", "klrl.tasks")
 FAMILIES = Registry("model family", "klrl.models")
+REWARDS = Registry("built-in reward", "klrl.rewards.text")

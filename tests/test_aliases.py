@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from klrl.config import RunConfig, aliases
+from klrl.registry import ESTIMATORS
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC_DICTS = {
@@ -31,7 +32,7 @@ def _config_fields() -> set[str]:
 
 
 # the modules of the compiled step that name its metrics
-TRAIN_SOURCES = [ROOT / "klrl" / f for f in ("train.py", "train_parts.py", "train_metrics.py", "update.py")]
+TRAIN_SOURCES = [ROOT / "klrl" / "step" / f for f in ("train.py", "parts.py", "metrics.py", "update.py")]
 
 
 def _source_metric_names() -> tuple[set[str], list[re.Pattern]]:
@@ -100,6 +101,21 @@ def test_klrl_metrics_are_what_the_source_writes():
         if isinstance(k, ast.Constant) and isinstance(k.value, str) and "/" in k.value
     }
     assert in_dicts and in_dicts <= aliases.KLRL_METRICS
+
+
+def test_estimator_names_are_the_registry_s():
+    assert aliases.ESTIMATORS == ESTIMATORS.names() and "full" in aliases.ESTIMATORS
+    per_estimator = {m for m in aliases.KLRL_METRICS if m.startswith("kl/reward_")}
+    assert per_estimator == {f"kl/reward_{e}_{u}" for e in ESTIMATORS for u in ("seq_sum", "token_mean")}
+    # a registered estimator is a metric klrl writes (kl/reward_<kl.estimator>_<unit>) until removed
+    ESTIMATORS.register("k9", inputs="logp")(len)
+    try:
+        assert {"kl/reward_k9_seq_sum", "kl/reward_k9_token_mean"} <= aliases.KLRL_METRICS
+    finally:
+        ESTIMATORS.remove("k9")
+    assert "kl/reward_k9_seq_sum" not in aliases.KLRL_METRICS
+    with pytest.raises(AttributeError):
+        aliases.NOT_A_NAME  # noqa: B018
 
 
 def test_lookup_normalises():

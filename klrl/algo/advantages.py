@@ -8,7 +8,9 @@
 
 The trainer reaches them through the :data:`ADVANTAGES` registry, one signature for all:
 ``estimator(inputs: AdvantageInputs, cfg: PPOConfig) -> (advantages [B, T], returns [B, T])``,
-registered with ``critic=True`` when it reads a value function (the trainer then builds one).
+registered with ``critic=True`` when it reads a value function (the trainer then builds one),
+``grouped=True`` when it compares the responses to one prompt (the config then asks for
+``ppo.group_size >= 2``) and a ``help`` for ``ppo.advantage``'s help string.
 A new estimator is one registered function plus its test (``docs/extending.md``).
 """
 
@@ -112,20 +114,20 @@ def whiten(x: Array, mask: Array, axis_name: str | None = None, shift_mean: bool
 # ---- the registry: one signature for the trainer --------------------------------------------------
 
 
-@ADVANTAGES.register("gae", critic=True)
+@ADVANTAGES.register("gae", critic=True, grouped=False, help="value function")
 def gae_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     """:func:`gae` of the shaped per-token rewards with ``ppo.gamma``, ``ppo.lam``."""
     return gae(x.rewards, x.values, x.mask, cfg.gamma, cfg.lam)
 
 
-@ADVANTAGES.register("grpo", critic=False)
+@ADVANTAGES.register("grpo", critic=False, grouped=True, help="group-normalised")
 def grpo_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     """:func:`grpo` of the sequence returns, broadcast over the response; no returns (no critic)."""
     a = grpo(x.seq_returns, cfg.group_size, cfg.group_std)
     return a[:, None] * x.mask, jnp.zeros_like(x.mask)
 
 
-@ADVANTAGES.register("rloo", critic=False)
+@ADVANTAGES.register("rloo", critic=False, grouped=True, help="leave-one-out")
 def rloo_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     """:func:`rloo` of the sequence returns, broadcast over the response; no returns (no critic)."""
     a = rloo(x.seq_returns, cfg.group_size)

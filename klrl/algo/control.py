@@ -89,7 +89,7 @@ class Controller(NamedTuple):
 def make_params(cfg: ControllerConfig) -> ControllerParams:
     """The :class:`ControllerParams` of a (validated) config, as scalar arrays."""
     values: dict[str, Any] = {f: getattr(cfg, f) for f in ControllerParams._fields if f != "kind"}
-    values["kind"] = KINDS.index(cfg.kind)
+    values["kind"] = kinds().index(cfg.kind)
     return ControllerParams(
         **{k: jnp.asarray(v, jnp.int32 if k in _INT_FIELDS else jnp.float32) for k, v in values.items()}
     )
@@ -145,19 +145,20 @@ def dual_step(beta: Array, kl: Array, p: ControllerParams) -> Array:
 
 # The registry of controllers: each kind is one ``lax.switch`` branch
 # ``(beta, integral, kl, n, params) -> (beta, integral)``, registered here with a ``label`` (the gains
-# plots and reports print); its index in :data:`KINDS` is its registration order. A new kind is one
-# more decorated function below (plus its test); its knobs are fields of ControllerConfig/Params.
-@CONTROLLERS.register("fixed")
+# plots and reports print), a ``help`` (``ctrl.kind``'s help string) and ``adaptive=False`` for the
+# one kind that never moves beta; its index is its registration order (:func:`kinds`). A new kind is
+# one more decorated function (plus its test); its knobs are fields of ControllerConfig/Params.
+@CONTROLLERS.register("fixed", adaptive=False)
 def _b_fixed(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return beta, integral
 
 
-@CONTROLLERS.register("proportional", label=lambda c: f"horizon={c.horizon:g}")
+@CONTROLLERS.register("proportional", label=lambda c: f"horizon={c.horizon:g}", help="Ziegler 2019")
 def _b_prop(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return proportional_step(beta, kl, n, p), integral
 
 
-@CONTROLLERS.register("band", label=lambda c: f"band={c.band:g} x{c.factor:g}")
+@CONTROLLERS.register("band", label=lambda c: f"band={c.band:g} x{c.factor:g}", help="PPO paper")
 def _b_band(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return band_step(beta, kl, p), integral
 
@@ -167,13 +168,18 @@ def _b_pi(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams
     return pi_step(beta, integral, kl, p)
 
 
-@CONTROLLERS.register("dual", label=lambda c: f"lr={c.lr:g}")
+@CONTROLLERS.register("dual", label=lambda c: f"lr={c.lr:g}", help="Lagrangian")
 def _b_dual(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return dual_step(beta, kl, p), integral
 
 
-KINDS: tuple[str, ...] = CONTROLLERS.names()  # ("fixed", "proportional", "band", "pi", "dual")
-_BRANCHES = tuple(CONTROLLERS.get(k) for k in KINDS)
+KINDS: tuple[str, ...] = CONTROLLERS.names()  # the built-in kinds: fixed, proportional, band, pi, dual
+
+
+def kinds() -> tuple[str, ...]:
+    """Every registered kind, a later registration (a kind written outside this module) included:
+    ``ControllerParams.kind`` indexes this tuple."""
+    return CONTROLLERS.names()
 
 
 # ---- init / update (shared by every kind) -------------------------------------------------------
@@ -214,8 +220,9 @@ def update(state: ControllerState, observed_kl: ArrayLike, n_sequences: ArrayLik
     n = jnp.asarray(n_sequences, jnp.float32)
     finite = jnp.isfinite(kl)
     kl_safe = jnp.where(finite, kl, p.target)  # keep nan/inf out of every branch
-    index = jnp.clip(jnp.asarray(p.kind, jnp.int32), 0, len(KINDS) - 1)
-    beta, integral = lax.switch(index, _BRANCHES, state.beta, state.integral, kl_safe, n, p)
+    branches = tuple(CONTROLLERS.get(k) for k in kinds())
+    index = jnp.clip(jnp.asarray(p.kind, jnp.int32), 0, len(branches) - 1)
+    beta, integral = lax.switch(index, branches, state.beta, state.integral, kl_safe, n, p)
     warm = state.steps < p.warmup_iters
     move = finite & ~warm
     beta = jnp.where(warm, p.warmup_beta, jnp.where(move, beta, state.beta))
@@ -298,11 +305,12 @@ def with_warmup(ctrl: Controller, warmup_iters: int, warmup_beta: float) -> Cont
 def kind_name(state_or_params: ControllerState | ControllerParams) -> str:
     """The kind of a concrete (not traced, not stacked) state or params, as a string."""
     p = state_or_params.params if isinstance(state_or_params, ControllerState) else state_or_params
-    return KINDS[int(p.kind)]
+    return kinds()[int(p.kind)]
 
 
 __all__ = [
     "KINDS",
+    "kinds",
     "Controller",
     "ControllerParams",
     "ControllerState",

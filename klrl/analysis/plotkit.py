@@ -30,16 +30,18 @@ def label(r: RunResult | RunConfig) -> str:
     """A short label from the config: the controller, its target and gains, or the fixed beta."""
     cfg = r.config if isinstance(r, RunResult) else r
     c, beta = cfg.ctrl, cfg.kl.beta
-    if c.kind == "fixed":
-        return f"fixed beta={beta:g}"
-    gains = CONTROLLERS.meta(c.kind).get("label", lambda c: "")(c)  # the controller registry's label
+    meta = CONTROLLERS.meta(c.kind)  # the controller registry's label and whether the kind moves beta
+    if not meta.get("adaptive", True):
+        return f"{c.kind} beta={beta:g}"
+    gains = meta.get("label", lambda c: "")(c)
     unit = "/tok" if c.unit == "token_mean" else ""
     warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
     return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}".replace("  ", " ")
 
 
 def adaptive(g: Group | RunResult) -> bool:
-    return g.config.ctrl.kind != "fixed"
+    """Whether the run's controller moves beta (the registry's ``adaptive``, true unless declared)."""
+    return CONTROLLERS.meta(g.config.ctrl.kind).get("adaptive", True)
 
 
 def groups(results: RunResult | Sequence[RunResult]) -> tuple[list[Group], list[str], list[Any]]:

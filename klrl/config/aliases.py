@@ -1,5 +1,7 @@
 """Other frameworks' names for klrl's metrics and config knobs: data for ``train.metric_aliases`` and
-for "did you mean" hints. Imports nothing (not even klrl).
+for "did you mean" hints. Imports nothing of klrl but :mod:`klrl.registry`: the KL estimators'
+names (in ``kl/reward_<estimator>_<unit>``) are the registry's, read when :data:`ESTIMATORS` or
+:data:`KLRL_METRICS` is first asked for (the registry then imports :mod:`klrl.algo.kl`).
 
 Read from each framework's source (``docs/names.md`` has the table, the differences in meaning and
 the defaults):
@@ -20,13 +22,16 @@ A metric is listed only where the quantity is the same up to what ``docs/names.m
 
 from __future__ import annotations
 
-ESTIMATORS = ("k1", "k2", "k3", "abs", "full")
+from typing import Any
+
+from klrl import registry
+
 UNITS = ("seq_sum", "token_mean")
 LOSS_AGGS = ("token_mean", "seq_mean")
 
 # The metric names klrl writes (klrl/step/metrics.py's metrics dict, klrl/step/update.py's statistics, the
 # tasks' evaluations, the non-finite guard); templated names expanded over their allowed values.
-KLRL_METRICS: frozenset[str] = frozenset(
+_FIXED_METRICS: frozenset[str] = frozenset(
     {
         "reward/task",
         "reward/shaped_mean",
@@ -64,10 +69,26 @@ KLRL_METRICS: frozenset[str] = frozenset(
         "guard/consecutive_skips",
         "guard/minibatches_applied",
     }  # fmt: skip
-    | {f"kl/reward_{e}_{u}" for e in ESTIMATORS for u in UNITS}
     | {f"ctrl/kl_observed_{u}" for u in UNITS}
     | {f"kl/loss_{a}" for a in LOSS_AGGS}
 )
+
+
+def klrl_metrics() -> frozenset[str]:
+    """The metric names klrl writes: the fixed ones and ``kl/reward_<estimator>_<unit>`` over every
+    registered KL estimator."""
+    est = registry.ESTIMATORS.names()
+    return _FIXED_METRICS | {f"kl/reward_{e}_{u}" for e in est for u in UNITS}
+
+
+def __getattr__(name: str) -> Any:
+    """``ESTIMATORS`` (the KL estimators' names) and ``KLRL_METRICS``, read from the registry when
+    asked for, not at import (the config imports this module before the estimators exist)."""
+    if name == "ESTIMATORS":
+        return registry.ESTIMATORS.names()
+    if name == "KLRL_METRICS":
+        return klrl_metrics()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # trl.experimental.ppo.PPOTrainer (TRL 1.x; the PPOTrainer of 0.12 onwards used the same names)
 TRL_METRICS: dict[str, str] = {

@@ -6,6 +6,7 @@ the field helpers every section uses; :mod:`klrl.config.run` re-exports them wit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
@@ -16,8 +17,32 @@ KL_UNITS = ("seq_sum", "token_mean")
 PLACEMENTS = ("reward", "sequence", "loss", "reward+loss")
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
+class Help:
+    """A help string that names a registry's entries, written when read (``str``, ``format``): a
+    registry imports its implementations on first lookup, which must not happen while the config
+    is being imported (they import the config)."""
+
+    def __init__(self, text: Callable[[], str]):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+
+def _f(default: Any, help: str | Help, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
+
+
+def grouped_advantages() -> tuple[str, ...]:
+    """The advantage estimators that compare the responses to one prompt (``grouped=True``):
+    they need ``ppo.group_size >= 2``."""
+    return ADVANTAGES.names(where=lambda m: m.get("grouped", False))
 
 
 def _check(cond: bool, name: str, rule: str) -> None:
@@ -128,10 +153,12 @@ class KLConfig:
     """Where the KL to the reference enters, with which estimator and coefficient."""
 
     beta: float = _f(0.05, "initial KL coefficient in the reward (the controller starts here)")
-    estimator: str = _f("k1", "per-token estimator in the reward: k1, k2, k3, abs, full")
+    estimator: str = _f("k1", Help(lambda: f"per-token estimator in the reward: {ESTIMATORS.describe()}"))
     placement: str = _f("reward", "reward (per token), sequence (sum at last token), loss, or reward+loss")
     loss_coef: float = _f(0.0, "initial coefficient of the KL term in the policy loss")
-    loss_estimator: str = _f("k3", "per-token estimator of the loss term: k1, k2, k3, abs, full")
+    loss_estimator: str = _f(
+        "k3", Help(lambda: f"per-token estimator of the loss term: {ESTIMATORS.describe()}")
+    )
     loss_agg: str = _f("token_mean", "aggregation of the loss term: token_mean or seq_mean")
     clamp: float = _f(0.0, "clamp log-ratios and estimates to +-clamp (0 = off)")
     ref_update_every: int = _f(
@@ -162,14 +189,15 @@ class KLConfig:
 class ControllerConfig:
     """The beta controller. Its state (beta included) lives in the train state."""
 
-    kind: str = _f("fixed", "fixed, proportional (Ziegler 2019), band (PPO paper), pi, dual (Lagrangian)")
+    kind: str = _f("fixed", Help(CONTROLLERS.describe))
     target: float = _f(6.0, "KL target, in the unit named by ctrl.unit")
     unit: str = _f(
         "seq_sum",
         "KL unit the controller sees and targets: seq_sum (nats/sequence) or token_mean (nats/token)",
     )
     estimator: str = _f(
-        "k1", "per-token estimator whose aggregate feeds the controller: k1, k2, k3, abs, full"
+        "k1",
+        Help(lambda: f"per-token estimator whose aggregate feeds the controller: {ESTIMATORS.describe()}"),
     )
     drives: str = _f(
         "reward", "which coefficient the controller drives: reward (kl.beta) or loss (kl.loss_coef)"
@@ -231,8 +259,10 @@ class PPOConfig:
     gamma: float = _f(1.0, "discount")
     lam: float = _f(0.95, "GAE lambda")
     whiten: bool = _f(True, "whiten advantages (masked, over the global batch)")
-    advantage: str = _f("gae", "gae (value function), grpo (group-normalised), rloo (leave-one-out)")
-    group_size: int = _f(1, "responses per prompt (grpo and rloo need >= 2)")
+    advantage: str = _f("gae", Help(ADVANTAGES.describe))
+    group_size: int = _f(
+        1, Help(lambda: f"responses per prompt ({' and '.join(grouped_advantages())} need >= 2)")
+    )
     group_std: bool = _f(True, "grpo: divide by the group's standard deviation")
 
     def __post_init__(self) -> None:
@@ -247,7 +277,7 @@ class PPOConfig:
         _check(0 <= self.lam <= 1, "ppo.lam", "must be in [0, 1]")
         _choice(self.advantage, "ppo.advantage", ADVANTAGES)
         _check(self.group_size >= 1, "ppo.group_size", "must be >= 1")
-        if self.advantage in ("grpo", "rloo"):
+        if self.advantage in grouped_advantages():
             _check(self.group_size >= 2, "ppo.group_size", f"must be >= 2 for ppo.advantage={self.advantage}")
 
 

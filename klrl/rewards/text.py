@@ -1,8 +1,11 @@
-"""Built-in text rewards with TRL's ``reward_funcs`` signature, and their registry.
+"""Built-in text rewards with TRL's ``reward_funcs`` signature, registered in
+:data:`klrl.registry.REWARDS`.
 
 Each is ``fn(prompts, completions, **columns) -> list[float | None]`` (one value per completion;
 ``None``: no opinion, skipped in the weighted sum, as TRL does). ``get(name, **params)`` returns
-one by name: ``positivity``, ``length`` (``target``, ``unit``), ``arithmetic``.
+one by name: ``positivity``, ``length`` (``target``, ``unit``), ``arithmetic``. A reward is
+registered as the function itself, or (``factory=True``) as a function of its parameters that
+returns one (``length``).
 
 - ``positivity``: a lexicon score, ``(n_pos - n_neg) / sqrt(max(n_words, 1))`` over lower-cased
   words; a polar word within two words after a negator ("not", "never", "isn't", ...) counts with
@@ -21,6 +24,8 @@ import math
 import re
 from collections.abc import Callable
 from typing import Any
+
+from klrl.registry import REWARDS
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -70,11 +75,13 @@ def positivity_score(text: str) -> float:
     return total / math.sqrt(max(len(ws), 1))
 
 
+@REWARDS.register("positivity")
 def positivity(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
     """The lexicon positivity of each completion (see the module docstring)."""
     return [positivity_score(c) for c in completions]
 
 
+@REWARDS.register("length", factory=True)
 def length_target(target: float = 20.0, unit: str = "words") -> RewardFn:
     """A reward ``-|n - target| / target``, ``n`` the completion's length in ``unit`` (words or chars)."""
     if not (target > 0 and math.isfinite(target)):
@@ -107,6 +114,7 @@ def _as_number(x: Any) -> float | None:
         return None
 
 
+@REWARDS.register("arithmetic")
 def arithmetic(
     prompts: list[Any], completions: list[str], answer: list[Any] | None = None, **columns: Any
 ) -> list[float | None]:
@@ -121,19 +129,19 @@ def arithmetic(
     return out
 
 
-_REGISTRY: dict[str, Callable[..., RewardFn]] = {
-    "positivity": lambda: positivity,
-    "length": length_target,
-    "arithmetic": lambda: arithmetic,
-}
-
-
 def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    """The built-in rewards' names (:data:`klrl.registry.REWARDS`)."""
+    return REWARDS.names()
 
 
 def get(name: str, **params: Any) -> RewardFn:
-    """The built-in reward ``name`` (``params`` for the parametrised ones, e.g. ``length``'s target)."""
-    if name not in _REGISTRY:
-        raise KeyError(f"no built-in reward {name!r} (built-in: {', '.join(_REGISTRY)})")
-    return _REGISTRY[name](**params)
+    """The built-in reward ``name`` (``params`` for the parametrised ones, e.g. ``length``'s target);
+    ``KeyError`` naming the built-ins for an unknown name."""
+    if name not in REWARDS:
+        raise KeyError(f"no built-in reward {name!r} (built-in: {', '.join(REWARDS.names())})")
+    fn, meta = REWARDS.entry(name)
+    if meta.get("factory"):
+        return fn(**params)
+    if params:
+        raise TypeError(f"built-in reward {name!r} takes no parameters (got {', '.join(params)})")
+    return fn
