@@ -15,6 +15,7 @@ is split over devices.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -98,6 +99,90 @@ def is_stop(tok: Array, stop_ids: tuple[int, ...]) -> Array:
     return hit
 
 
+def _values(value_head: ValueHead | None, head_params: Any, out: Any) -> Array | None:
+    """The value head's ``V`` of ``out.hidden`` (None without a head)."""
+    return None if value_head is None else value_head.apply(head_params, out.hidden)
+
+
+def _prefill(
+    model: CausalLM, params: Any, prompt: Array, prompt_mask: Array, r: int, keep_hidden: bool, values
+) -> tuple[Array, Array, tuple]:
+    """The prompt's forward into a fresh cache of ``S = P + r`` slots: ``(full_mask [B, S, S],
+    positions [B, S], carry)``, the decode scan's first carry ``(cache, logits, hid, value, done)``
+    read at the last prompt slot (``value`` 0 without a head)."""
+    b, p = prompt.shape
+    s = p + r
+    key_mask = jnp.concatenate([prompt_mask, jnp.ones((b, r), prompt_mask.dtype)], axis=1)
+    full_mask = causal_mask(key_mask)  # [B, S, S]
+    positions = positions_from_mask(key_mask)  # [B, S]
+    cache = model.init_cache(b, s)
+
+    out = model.apply(params, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
+    cache = out.cache
+    logits = out.logits[:, -1]
+    hid = out.hidden[:, -1] if keep_hidden else None
+    v0 = values(out)
+    value = v0[:, -1] if v0 is not None else jnp.zeros((b,), jnp.float32)
+    done = jnp.zeros((b,), bool)
+    return full_mask, positions, (cache, logits, hid, value, done)
+
+
+def _sample_step(
+    logits: Array,
+    hid: Array | None,
+    value: Array,
+    done: Array,
+    t: Array | int,
+    *,
+    keys: Array,
+    cfg: SamplingConfig,
+    stops: tuple[int, ...],
+    pad_id: int,
+    keep_logits: bool,
+) -> tuple[Array, Array, tuple]:
+    """Step ``t``'s draw from ``logits``: ``(done, token, ys)``; ``ys`` is what the step records
+    (token, mask, log-prob, value, tempered logits or None, hidden or None). A finished row draws PAD."""
+    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+    tok, logp, scaled = _sample(logits, step_keys, cfg.temperature, cfg.top_k)
+    valid = ~done
+    tok = jnp.where(valid, tok, pad_id)
+    new_done = done | (valid & is_stop(tok, stops)) if cfg.use_eos else done
+    ys = (tok, valid.astype(jnp.float32), logp, value, scaled if keep_logits else None, hid)
+    return new_done, tok, ys
+
+
+def _decode(
+    model: CausalLM,
+    params: Any,
+    carry: tuple,
+    full_mask: Array,
+    positions: Array,
+    r: int,
+    step,
+    values,
+    keep_hidden: bool,
+    unroll: int,
+) -> tuple:
+    """The ``lax.scan`` over steps ``0 .. r-2`` (each samples a token, then feeds it through the model
+    at slot ``P + t``) and the last step's draw: the recorded ``ys`` stacked to ``[B, r, ...]``."""
+    p = full_mask.shape[-1] - r
+
+    def body(carry, t):
+        cache, logits, hid, value, done = carry
+        done, tok, ys = step(logits, hid, value, done, t)
+        slot = p + t
+        mask_t = jax.lax.dynamic_slice_in_dim(full_mask, slot, 1, axis=1)  # [B, 1, S]
+        pos_t = jax.lax.dynamic_slice_in_dim(positions, slot, 1, axis=1)
+        o = model.apply(params, tok[:, None], pos_t, mask_t, cache, slot)
+        vo = values(o)
+        v = vo[:, 0] if vo is not None else value
+        return (o.cache, o.logits[:, 0], o.hidden[:, 0] if keep_hidden else None, v, done), ys
+
+    (cache, logits, hid, value, done), ys = jax.lax.scan(body, carry, jnp.arange(r - 1), unroll=unroll)
+    _, _, last = step(logits, hid, value, done, r - 1)
+    return jax.tree.map(lambda a, x: jnp.concatenate([jnp.moveaxis(a, 0, 1), x[:, None]], axis=1), ys, last)
+
+
 def generate(
     model: CausalLM,
     params: Any,
@@ -129,53 +214,13 @@ def generate(
     head_params = None
     if value_head is not None:
         params, head_params = detach(params)
-
-    def values(out):
-        return None if value_head is None else value_head.apply(head_params, out.hidden)
-
-    b, p = prompt.shape
+    values = functools.partial(_values, value_head, head_params)
     r = cfg.response_len
-    s = p + r
-    key_mask = jnp.concatenate([prompt_mask, jnp.ones((b, r), prompt_mask.dtype)], axis=1)
-    full_mask = causal_mask(key_mask)  # [B, S, S]
-    positions = positions_from_mask(key_mask)  # [B, S]
-    cache = model.init_cache(b, s)
-
-    out = model.apply(params, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
-    cache = out.cache
-    logits = out.logits[:, -1]
-    hid = out.hidden[:, -1] if keep_hidden else None
-    v0 = values(out)
-    value = v0[:, -1] if v0 is not None else jnp.zeros((b,), jnp.float32)
-    done = jnp.zeros((b,), bool)
-
-    def sample_step(logits, hid, value, done, t):
-        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
-        tok, logp, scaled = _sample(logits, step_keys, cfg.temperature, cfg.top_k)
-        valid = ~done
-        tok = jnp.where(valid, tok, pad_id)
-        new_done = done | (valid & is_stop(tok, stops)) if cfg.use_eos else done
-        ys = (tok, valid.astype(jnp.float32), logp, value, scaled if keep_logits else None, hid)
-        return new_done, tok, ys
-
-    def body(carry, t):
-        cache, logits, hid, value, done = carry
-        done, tok, ys = sample_step(logits, hid, value, done, t)
-        slot = p + t
-        mask_t = jax.lax.dynamic_slice_in_dim(full_mask, slot, 1, axis=1)  # [B, 1, S]
-        pos_t = jax.lax.dynamic_slice_in_dim(positions, slot, 1, axis=1)
-        o = model.apply(params, tok[:, None], pos_t, mask_t, cache, slot)
-        vo = values(o)
-        v = vo[:, 0] if vo is not None else value
-        return (o.cache, o.logits[:, 0], o.hidden[:, 0] if keep_hidden else None, v, done), ys
-
-    (cache, logits, hid, value, done), ys = jax.lax.scan(
-        body, (cache, logits, hid, value, done), jnp.arange(r - 1), unroll=unroll
+    full_mask, positions, carry = _prefill(model, params, prompt, prompt_mask, r, keep_hidden, values)
+    step = functools.partial(
+        _sample_step, keys=keys, cfg=cfg, stops=stops, pad_id=pad_id, keep_logits=keep_logits
     )
-    _, _, last = sample_step(logits, hid, value, done, r - 1)
-    stacked = jax.tree.map(
-        lambda a, x: jnp.concatenate([jnp.moveaxis(a, 0, 1), x[:, None]], axis=1), ys, last
-    )
+    stacked = _decode(model, params, carry, full_mask, positions, r, step, values, keep_hidden, unroll)
     tok, valid, logp, val, lg, hs = stacked
     return Rollout(
         prompt=prompt,
