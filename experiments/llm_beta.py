@@ -82,9 +82,9 @@ def text_stats(texts: list[str], ids: list[list[int]]) -> dict[str, float]:
     tok, mask = pad_ids(ids)
     return {
         "positivity": float(np.mean([positivity_score(t) for t in texts])) if texts else 0.0,
-        "distinct_1": distinct_n(tok, mask, 1),
-        "distinct_2": distinct_n(tok, mask, 2),
-        "rep_2": rep_n(tok, mask, 2),
+        "distinct_1": float(distinct_n(tok, mask, 1)),
+        "distinct_2": float(distinct_n(tok, mask, 2)),
+        "rep_2": float(rep_n(tok, mask, 2)),
         "positive_word_frac": positive_fraction(texts),
         "length": float(mask.sum(-1).mean()) if len(ids) else 0.0,
     }
@@ -276,7 +276,6 @@ def main(argv=None) -> int:
     labels = [label(m) for m in members]
     from klrl.api import build_task
     from klrl.io.logging import new_run_dir
-    from klrl.sweep import sweep
 
     me = sys.modules.get(Path(__file__).stem) or importlib.import_module(Path(__file__).stem)
     log = None if base.train.quiet else (lambda msg: print(msg, flush=True))
@@ -301,7 +300,7 @@ def main(argv=None) -> int:
         me.RECORD.clear()
         t1 = time.time()
         stamps: list[float] = []
-        results = sweep(
+        results = klrl.sweep(
             group,
             task=task,
             out_dir=out if len(groups) == 1 else out / f"run-{g}",

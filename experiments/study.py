@@ -22,7 +22,6 @@ from klrl.analysis.diagnosis import final_regime, timeline  # noqa: E402
 from klrl.cli.args import build_parser, config_from_args, fail  # noqa: E402
 from klrl.config import ConfigError  # noqa: E402
 from klrl.io.logging import new_run_dir  # noqa: E402
-from klrl.sweep import sweep  # noqa: E402
 
 
 def parser(description: str, iterations: int) -> argparse.ArgumentParser:
@@ -216,7 +215,7 @@ def run_study(
                    for r in load_sweep(out)]  # fmt: skip
         return results, out
     out = new_run_dir(members[0])
-    results = sweep(members, out_dir=out)
+    results = klrl.sweep(members, out_dir=out)
     stopped = results[0].info.get("stopped") if results else None
     if stopped:  # SIGTERM/SIGINT: checkpointed, nothing to tabulate yet
         n = len(results[0].metrics.get("reward/gold", ()))
