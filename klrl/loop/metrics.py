@@ -12,6 +12,7 @@ import numpy as np
 from klrl import distributed
 from klrl.analysis.aggregate import tail_mean
 from klrl.analysis.results import SUMMARY_KEYS
+from klrl.config import aliases
 
 FINAL_KEYS = (*SUMMARY_KEYS, "reward/gold", "eval/ref_ppl", "eval/oracle_ppl_floored", "eval/independent_ppl")
 
@@ -48,8 +49,6 @@ def tokens_per_s(response_length: float, batch_size: int, seconds: float) -> flo
 def alias_map(kind: str) -> dict[str, str]:
     """``train.metric_aliases``: klrl metric name -> TRL's (``trl``, its PPOTrainer) or verl's names
     (:mod:`klrl.config.aliases`); ``''``: none."""
-    from klrl.config import aliases
-
     return {"": {}, "trl": aliases.TRL_METRICS, "verl": aliases.VERL_METRICS}[kind]
 
 

@@ -28,6 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from klrl.io import checkpoint as ckpt
+from klrl.io.lock import RunLock
+
 
 class RunStopped(RuntimeError):
     """The run stopped on purpose (guard or rollback limit); ``str(e)`` is a one-line reason.
@@ -121,8 +126,6 @@ def rollback_beta(restored: float, current: float, factor: float) -> float:
 def rollback_betas(restored: Any, current: Any, members: Sequence[int], factor: float) -> Any:
     """The restored state's beta (``[]`` or ``[members]`` float32) with :func:`rollback_beta` applied
     to the ``members`` whose metric crossed (``current``: the beta in force when it crossed)."""
-    import numpy as np
-
     old = np.asarray(restored, np.float32).reshape(-1)
     now = np.asarray(current, np.float32).reshape(-1)
     beta = old.copy()
@@ -227,8 +230,6 @@ class RunGuard:
 
     def hold(self, run_dir: Any) -> None:
         """Lock ``run_dir`` (an existing directory) for the rest of the guard's life."""
-        from klrl.io.lock import RunLock
-
         if self._lock is None:
             self._lock = RunLock(run_dir).acquire()
         self.dir = run_dir
@@ -242,8 +243,6 @@ class RunGuard:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
             if isinstance(exc, Exception):
-                from klrl.io import checkpoint as ckpt
-
                 if not isinstance(exc, ckpt.DiskFull) and ckpt.is_disk_full(exc):
                     if self.dir is not None:
                         raise ckpt.disk_full_error(self.dir) from exc

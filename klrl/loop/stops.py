@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from klrl.loop.reliability import Rollback
+from klrl.rewards.host import RewardFunctionError
 
 
 def skips_message(n_skips: int, max_skips: int, where: str) -> str:
@@ -65,8 +66,6 @@ def reward_error(check: Callable[[], None] | None) -> Exception | None:
     (also for no ``check``)."""
     if check is None:
         return None
-    from klrl.rewards.host import RewardFunctionError
-
     try:
         check()
     except RewardFunctionError as e:

@@ -1,0 +1,420 @@
+"""What :func:`klrl.loop.driver.drive` does around each step, as hook objects over one :class:`Loop`.
+
+The driver steps the program and records each step's row (one step late, see :mod:`klrl.loop.driver`);
+everything else is a hook, each a small class with ``on_step(loop, row)`` (a row was recorded) and
+``on_stop(loop)`` (the loop ended, on every way out), in the manner of Levanter's ``Trainer.add_hook``:
+
+* :class:`Checkpoints`: the whole (stacked) state every ``train.checkpoint_every`` iterations and at
+  the end (``every=``), its metadata, where the last one is (:meth:`Checkpoints.where_saved`);
+* :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard event file of each member (with
+  ``train.metric_aliases``), ``timing.jsonl`` (wall time between two rows) and the ``on_step`` callback;
+* :class:`Samples`: the decoded samples (:class:`klrl.step.samples.SampleLog`);
+* :class:`ProgressLine`: the tqdm bar or the plain progress lines;
+* :class:`QualityRollback`: the rollback metric's trace, its reference at iteration 0 and the rollback
+  itself (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
+* :class:`HeldOut`: the held-out evaluation of the state before a step, merged into that row;
+* :class:`RewardFailure`: a host reward function that failed (on a row the guard rejected, or in the
+  held-out evaluation) ends the run with the last good state saved;
+* :class:`Signals`: SIGTERM/SIGINT (:class:`klrl.loop.reliability.StopSignals`), polled by the driver.
+
+:class:`Loop` is the state they share (the train state, the rows, the iteration, how the run ended);
+:class:`Row` is one recorded row as the hooks see it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from klrl import distributed
+from klrl.config import RunConfig
+from klrl.io import checkpoint as ckpt
+from klrl.io.logging import MetricsWriter, Progress, sweep_progress
+from klrl.loop import reliability
+from klrl.loop.files import move_rolled_back
+from klrl.loop.metrics import latest, learning_rates, timings, with_aliases
+from klrl.loop.program import Program
+from klrl.loop.stops import (
+    base_message,
+    give_up_message,
+    restamp,
+    reward_error,
+    reward_failure,
+    rollback_message,
+)
+from klrl.step.samples import SampleLog, due
+
+
+@dataclass
+class Loop:
+    """Where the loop stands: what the driver and the hooks share, in plain fields (a hook's own
+    bookkeeping, e.g. the checkpoints' last step or the rollback's traces, stays in the hook)."""
+
+    prog: Program
+    root: Path | None  # the run's (or sweep's) directory; None: nothing written
+    dirs: list[Path | None]  # one per member (None: nothing written)
+    writers: list[MetricsWriter]  # one per member on process 0 when writing; [] otherwise
+    state: Any  # the train state the next step takes
+    rows: list[list[dict[str, Any]]]  # every member's recorded rows (aliases left out)
+    start: int  # iterations done before this process started (a resume's)
+    rollbacks: int = 0
+    main: bool = True  # process 0 (klrl.distributed): the only one that writes files
+    lrs: Any = None  # the learning rate per member (klrl.loop.metrics.learning_rates)
+    i: int = -1  # iterations stepped (default: ``start``)
+    pending: tuple[int, Any] | None = None  # the newest step's (iteration, metrics), not yet fetched
+    stopped: str | None = None  # the signal that stopped the run
+    stop_error: str | None = None  # why a guard or the rollback limit stopped it
+    reward_stop: str | None = None  # why a failed reward function stopped it
+    t0: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.i < 0:
+            self.i = self.start
+
+    @property
+    def configs(self) -> list[RunConfig]:
+        return self.prog.configs
+
+    @property
+    def stacked(self) -> bool:
+        return self.prog.stacked
+
+    @property
+    def iterations(self) -> int:
+        return self.prog.configs[0].train.iterations
+
+    @property
+    def recorded(self) -> int:
+        """Rows recorded (the first member's; every member has as many)."""
+        return len(self.rows[0])
+
+
+@dataclass(frozen=True)
+class Row:
+    """One recorded row: the step's host ``metrics`` (held-out metrics merged, samples taken out; a
+    sweep's values over members), each member's row as recorded and the step's ``samples`` rows."""
+
+    it: int
+    metrics: dict[str, Any]
+    members: list[dict[str, float]]
+    samples: dict[str, Any] = field(default_factory=dict)
+
+
+class Hook:
+    """A hook: nothing to do by default."""
+
+    def on_step(self, loop: Loop, row: Row) -> None:
+        """A row was recorded (``loop.rows`` ends with it)."""
+
+    def on_stop(self, loop: Loop) -> None:
+        """The loop ended (also on an exception)."""
+
+
+class Signals(Hook):
+    """SIGTERM/SIGINT while the loop runs (a context manager around it): the driver polls
+    :attr:`received` before every iteration, then checkpoints and returns. ``signals``: those a
+    :class:`~klrl.loop.reliability.RunGuard` installed before anything was built; default: new ones."""
+
+    def __init__(self, signals: reliability.StopSignals | None, log: Callable[[str], None]):
+        self.signals = signals if signals is not None else reliability.StopSignals(log)
+
+    @property
+    def received(self) -> int | None:
+        return self.signals.received
+
+    @property
+    def name(self) -> str | None:
+        return self.signals.name
+
+    def __enter__(self) -> Signals:
+        self.signals.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.signals.__exit__(*exc)
+
+
+class Checkpoints(Hook):
+    """The whole state every ``every`` iterations, at the last one and at a stop (:meth:`save`), into
+    ``mgr`` (None: ``write=False``, nothing saved); ``base_meta()``: the rollback reference to save."""
+
+    def __init__(self, mgr: Any, every: int, iterations: int, restore_to: Any,
+                 base_meta: Callable[[], Any], last_saved: int = -1):  # fmt: skip
+        self.mgr, self.every, self.iterations = mgr, every, iterations
+        self.restore_to, self.base_meta = restore_to, base_meta
+        self.last_saved = last_saved  # the newest step saved (-1: none)
+
+    def due(self, i: int) -> bool:
+        """Whether the state after ``i`` iterations is saved (its metrics fetched at once)."""
+        return i == self.iterations or (self.every > 0 and i % self.every == 0)
+
+    def save(self, loop: Loop, step: int) -> None:
+        """``loop.state`` as checkpoint ``step`` (once), with the rows recorded so far in its metadata."""
+        if self.mgr is None or step == self.last_saved:
+            return
+        meta = {"config": loop.configs[0].to_dict(), "version": ckpt.version(), "iteration": step,
+                "metrics_lines": loop.recorded, "rollbacks": loop.rollbacks,
+                "rollback_base": self.base_meta()}  # fmt: skip
+        if loop.stacked:
+            meta["members"] = [c.to_dict() for c in loop.configs]
+        ckpt.save(self.mgr, step, loop.state, meta)
+        self.last_saved = step
+
+    def where_saved(self) -> str:
+        """Where the last good state is, for the stop lines."""
+        if self.mgr is None:
+            return "not saved (write=False)"
+        return f"checkpoint {self.last_saved} in {self.mgr.directory}" if self.last_saved >= 0 else "none yet"
+
+    def steps(self) -> list[int]:
+        """The complete checkpoints (after the saves in flight)."""
+        self.mgr.wait_until_finished()
+        return ckpt.steps(self.mgr)
+
+    def restore(self, step: int) -> Any:
+        return ckpt.restore(self.mgr, self.restore_to, step)[0]
+
+    def drop_after(self, step: int) -> None:
+        """Delete the checkpoints after ``step`` (a rollback to it; 0: the initial state)."""
+        for s in ckpt.steps(self.mgr):
+            if s > step:
+                self.mgr.delete(s)
+        self.last_saved = step if step > 0 else -1
+
+    def on_stop(self, loop: Loop) -> None:
+        if self.mgr is not None:
+            ckpt.finish(self.mgr)  # wait + close; a second error on the way out is dropped
+
+
+class MetricsSink(Hook):
+    """Each member's row to its ``metrics.jsonl`` and event file (``aliases``: other frameworks' names,
+    there only), the wall time since the previous row to ``timing.jsonl`` (the first row of this
+    process, or after a restore, holds the compile and is not timed), then ``callback(it, metrics)``
+    on process 0 (:func:`klrl.loop.metrics.latest`)."""
+
+    def __init__(self, aliases: dict[str, str], callback: Callable[[int, dict[str, Any]], Any] | None):
+        self.aliases, self.callback = aliases, callback
+        self.last: float | None = None  # when the previous row was recorded
+
+    def restart_clock(self) -> None:
+        """The next row follows a restore: not timed."""
+        self.last = None
+
+    def on_step(self, loop: Loop, row: Row) -> None:
+        now = time.time()
+        dt = None if self.last is None else now - self.last
+        self.last = now
+        for j, w in enumerate(loop.writers):
+            mj = row.members[j]
+            if dt is not None and dt > 0:
+                w.write_timing(row.it, timings(mj, loop.configs[j].train.batch_size, dt))
+            w.write(row.it, with_aliases(mj, self.aliases) if self.aliases else mj)
+        if self.callback is not None and loop.main:
+            self.callback(row.it, latest(loop.rows, loop.stacked))
+
+
+class Samples(Hook):
+    """The step's samples, decoded and written every ``train.samples_every`` iterations (None: off)."""
+
+    def __init__(self, log: SampleLog | None):
+        self.log = log
+
+    @classmethod
+    def of(cls, loop: Loop) -> Samples:
+        """For a writing process 0 whose task has a tokenizer and ``train.samples_every > 0``."""
+        prog, tc = loop.prog, loop.configs[0].train
+        if not loop.writers or prog.tokenizer is None or tc.samples_every <= 0:
+            return cls(None)
+        return cls(SampleLog(prog.tokenizer, loop.dirs, loop.writers, tc.samples_every, tc.iterations,
+                             prog.prompt_texts))  # fmt: skip
+
+    def on_step(self, loop: Loop, row: Row) -> None:
+        if self.log is not None:
+            self.log.write(row.it, row.samples, loop.stacked)
+
+    def on_stop(self, loop: Loop) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+class ProgressLine(Hook):
+    """The progress bar (a terminal) or lines (``train.log_every``); a sweep's shows member means."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def on_step(self, loop: Loop, row: Row) -> None:
+        if loop.stacked:
+            means, text = sweep_progress(row.metrics)
+            self.progress.update(row.it, means, extra=text)
+        else:
+            self.progress.update(row.it, {k: float(v) for k, v in row.metrics.items()})
+
+    def on_stop(self, loop: Loop) -> None:
+        self.progress.close()
+
+
+class QualityRollback(Hook):
+    """``train.rollback_metric``'s trace per member, its reference (the value at iteration 0) and the
+    rollback: back to the newest checkpoint good for every member whose metric crossed, with those
+    members' beta x ``train.rollback_factor``; inert without a metric. ``initial``: a host copy of the
+    state a rollback to step 0 restores (``init`` cannot be re-run once ``step`` donated its arrays)."""
+
+    def __init__(self, tc: Any, stacked: bool, log: Callable[[str], None], traces: list[list[float]],
+                 bases: list[float | None], initial: Any = None):  # fmt: skip
+        self.tc, self.metric, self.stacked, self.log = tc, tc.rollback_metric, stacked, log
+        self.traces, self.bases, self.initial = traces, bases, initial
+
+    def base_meta(self) -> dict[str, Any] | None:
+        """The references a checkpoint's metadata keeps (a resume reads them back)."""
+        if not self.metric:
+            return None
+        b = [x if x is not None and math.isfinite(x) else None for x in self.bases]
+        if self.stacked:
+            return {"metric": self.metric, "values": b}
+        return {"metric": self.metric, "value": b[0]}
+
+    def who(self, j: int) -> str:
+        return f"member {j:02d}: " if self.stacked else ""
+
+    def on_step(self, loop: Loop, row: Row) -> None:
+        if not self.metric:
+            return
+        for j, mj in enumerate(row.members):
+            self.traces[j].append(mj.get(self.metric, math.nan))
+            if self.bases[j] is None:
+                self.bases[j] = self.traces[j][0]
+                msg = base_message(self.metric, self.bases[j])
+                if msg is not None:
+                    msg = self.who(j) + msg
+                    self.log(msg)
+                    if loop.writers:
+                        loop.writers[j].event(row.it, "rollback_off", msg)
+
+    def crossed(self) -> bool:
+        """Whether a member's newest metric is past the threshold."""
+        t = self.tc.rollback_threshold
+        return bool(self.metric) and any(
+            reliability.is_bad(tr[-1], b, t) for tr, b in zip(self.traces, self.bases, strict=True)
+        )
+
+    def roll_back(self, loop: Loop, ckpts: Checkpoints) -> str | None:
+        """Restore the newest checkpoint good for every crossed member (the others replay exactly) and
+        set ``loop.i`` to its step; returns the stop line instead after ``train.max_rollbacks``."""
+        steps = ckpts.steps()
+        decs = {}
+        for j, trace in enumerate(self.traces):
+            d = reliability.decide_rollback(trace, steps, self.tc.rollback_threshold, self.bases[j])
+            if d is not None:
+                decs[j] = d
+        j0, d0 = next(iter(decs.items()))
+        if loop.rollbacks >= self.tc.max_rollbacks:
+            return give_up_message(self.who(j0), self.metric, d0, self.tc.rollback_threshold, loop.rollbacks)
+        target = min(d.step for d in decs.values())
+        old, beta = self._restore(loop, ckpts, target, list(decs))
+        move_rolled_back(loop.dirs, target, loop.main)  # rows (and samples) after it: *.rolled_back.jsonl
+        for j, trace in enumerate(self.traces):
+            del loop.rows[j][target:], trace[target:]
+        loop.rollbacks += 1
+        tc = self.tc
+        for j, d in decs.items():
+            msg = rollback_message(loop.rollbacks, tc.max_rollbacks, self.who(j), self.metric, d,
+                                   tc.rollback_threshold, target, float(old[j]), float(beta[j]))  # fmt: skip
+            if loop.writers:
+                loop.writers[j].event(d.crossing, "rollback", msg)
+            self.log(msg)
+        loop.i = target
+        return None
+
+    def _restore(self, loop: Loop, ckpts: Checkpoints, target: int, members: list[int]) -> tuple[Any, Any]:
+        """``loop.state`` := checkpoint ``target`` with the crossed ``members``' beta raised; returns
+        the restored and the new beta per member (flat)."""
+        failed = np.asarray(distributed.to_host(loop.state.ctrl.beta), np.float32)  # beta when it crossed
+        new = self.initial if target == 0 else ckpts.restore(target)
+        old = np.asarray(distributed.to_host(new.ctrl.beta), np.float32)
+        new_beta = reliability.rollback_betas(old, failed, members, self.tc.rollback_factor)
+        new = new._replace(ctrl=new.ctrl._replace(beta=new_beta))
+        loop.state = loop.prog.place(new)
+        loop.lrs = learning_rates(new, len(loop.configs))
+        ckpts.drop_after(target)
+        return old.reshape(-1), new_beta.reshape(-1)
+
+
+class HeldOut(Hook):
+    """The held-out evaluation (``prog.evaluate``) of the state after ``i`` updates, every
+    ``data.eval_every`` iterations, before the step donates it; merged into row ``i``."""
+
+    def __init__(self, prog: Program):
+        self.evaluate = prog.evaluate
+        self.every, self.iterations = prog.configs[0].data.eval_every, prog.configs[0].train.iterations
+        self.rows: dict[int, Any] = {}  # held-out metrics waiting for their row
+
+    def before_step(self, loop: Loop) -> bool:
+        """Evaluate ``loop.state`` if iteration ``loop.i`` is due; whether it was."""
+        if self.evaluate is None or not due(loop.i, self.every, self.iterations):
+            return False
+        self.rows[loop.i] = jax.block_until_ready(self.evaluate(loop.state, loop.prog.env))
+        return True
+
+    def take(self, it: int) -> dict[str, Any]:
+        """Row ``it``'s held-out metrics on the host ({} if it has none)."""
+        return distributed.to_host(self.rows.pop(it)) if it in self.rows else {}
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Iteration ``it`` was rejected by the guard (``skipped``, per member) and a host reward function
+    failed (``error``)."""
+
+    it: int
+    error: Exception
+    skipped: np.ndarray
+
+    def accepted_none(self) -> bool:
+        """Whether no member accepted the iteration: several sweep device groups call the reward
+        concurrently, and a group scored before the failure may have accepted it (then only an older
+        checkpoint is good for every member)."""
+        return bool((self.skipped > 0).all())
+
+
+class RewardFailure(Hook):
+    """A host reward function that failed: on a row the guard rejected (``prog.reward_check``), the run
+    ends with the state (the last good parameters) saved as the state after the rows recorded; in the
+    held-out evaluation (``prog.heldout_check``), with the state as it is."""
+
+    def __init__(self, prog: Program):
+        self.check, self.heldout_check = prog.reward_check, prog.heldout_check
+
+    def rejected(self, it: int, m: Any) -> Rejected | None:
+        """Whether row ``it`` (the step's metrics ``m``) was rejected because a host reward failed."""
+        if self.check is None:
+            return None
+        skipped = np.asarray(distributed.to_host(m["guard/skipped"])).reshape(-1)
+        e = reward_failure(self.check, skipped)
+        return None if e is None else Rejected(it, e, skipped)
+
+    def stop(self, loop: Loop, ckpts: Checkpoints, r: Rejected) -> None:
+        """End the run at ``r``: the iteration (and any after it, see :mod:`klrl.rewards.host`) was
+        rejected, so the state holds the last good parameters."""
+        if ckpts.mgr is not None and r.accepted_none():
+            loop.state = loop.prog.place(restamp(ckpt.host_copy(loop.state), loop.rows))
+            ckpts.save(loop, loop.recorded)
+        loop.reward_stop = f"{r.error}; last good state: {ckpts.where_saved()}"
+        loop.i = loop.recorded
+
+    def heldout_failed(self, loop: Loop, ckpts: Checkpoints) -> bool:
+        """Whether the held-out rows' reward failed; then the run ends with the state saved (it is
+        good: only the evaluation's reward failed)."""
+        err = reward_error(self.heldout_check)
+        if err is None:
+            return False
+        ckpts.save(loop, loop.recorded)
+        loop.reward_stop = f"{err} (held-out evaluation); last good state: {ckpts.where_saved()}"
+        return True

@@ -1,0 +1,452 @@
+"""klrl.loop.hooks, each hook driven directly (fake rows, writers and states; no model, no step):
+checkpoints (every=, the metadata, where_saved, drop/restore), the metrics sink (rows, aliases,
+timing, the on_step callback), samples, progress, the quality rollback, the held-out evaluation,
+the reward failure and the signals; against hand values."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+
+import klrl.loop.hooks as H
+from klrl.config import RunConfig
+from klrl.io import checkpoint as ckpt
+from klrl.loop.hooks import (
+    Checkpoints,
+    HeldOut,
+    Loop,
+    MetricsSink,
+    ProgressLine,
+    QualityRollback,
+    Rejected,
+    RewardFailure,
+    Row,
+    Samples,
+    Signals,
+)
+from klrl.loop.program import Program
+from klrl.loop.reliability import StopSignals
+from klrl.rewards.host import RewardFunctionError
+from klrl.step.samples import SampleLog
+
+
+def _cfg(**train: Any) -> RunConfig:
+    return RunConfig().replace(train={"iterations": 6, **train})
+
+
+def _prog(cfgs: list[RunConfig], stacked: bool = False, **kw: Any) -> Program:
+    return Program(configs=cfgs, stacked=stacked, init=lambda: None, step=lambda s, e: (s, {}),
+                   place=kw.pop("place", lambda s: s), env="env", **kw)  # fmt: skip
+
+
+def _loop(cfgs: list[RunConfig], stacked: bool = False, rows: Any = None, **kw: Any) -> Loop:
+    prog = _prog(cfgs, stacked, **kw.pop("prog", {}))
+    rows = rows if rows is not None else [[] for _ in cfgs]
+    return Loop(prog, kw.pop("root", None), kw.pop("dirs", [None] * len(cfgs)), kw.pop("writers", []),
+                kw.pop("state", None), rows, start=kw.pop("start", len(rows[0])), **kw)  # fmt: skip
+
+
+class _Writer:
+    """A MetricsWriter that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def write(self, it: int, m: dict) -> None:
+        self.calls.append(("write", it, dict(m)))
+
+    def write_timing(self, it: int, m: dict) -> None:
+        self.calls.append(("timing", it, dict(m)))
+
+    def event(self, it: int, kind: str, msg: str) -> None:
+        self.calls.append(("event", it, kind, msg))
+
+
+def _row(loop: Loop, it: int, members: list[dict], metrics: dict | None = None, samples: Any = None) -> Row:
+    """Row ``it`` appended to the loop's rows, as the driver records it."""
+    for j, mj in enumerate(members):
+        loop.rows[j].append({"iteration": it, **mj})
+    return Row(it, metrics or {}, members, samples or {})
+
+
+def test_loop_starts_at_its_start_and_reads_the_program():
+    loop = _loop([_cfg(), _cfg()], stacked=True, rows=[[{}, {}], [{}, {}]])
+    assert (loop.i, loop.start, loop.recorded, loop.iterations, loop.stacked) == (2, 2, 2, 6, True)
+    assert (loop.pending, loop.stopped, loop.stop_error, loop.reward_stop) == (None, None, None, None)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+
+def test_checkpoints_due_every_and_at_the_end():
+    c = Checkpoints(None, 3, 7, None, lambda: None)
+    assert [i for i in range(1, 8) if c.due(i)] == [3, 6, 7]
+    assert [i for i in range(1, 8) if Checkpoints(None, 0, 7, None, lambda: None).due(i)] == [7]
+
+
+def test_checkpoints_without_a_manager_save_nothing():
+    c = Checkpoints(None, 1, 4, None, lambda: None)
+    c.save(_loop([_cfg()]), 2)
+    assert c.last_saved == -1 and c.where_saved() == "not saved (write=False)"
+    c.on_stop(_loop([_cfg()]))  # nothing to close
+
+
+def test_checkpoints_save_once_with_the_rows_in_the_meta(tmp_path):
+    mgr = ckpt.manager(tmp_path, keep=5, async_save=True)
+    base = {"metric": "m", "value": 0.5}
+    c = Checkpoints(mgr, 2, 6, {"w": np.zeros(3, np.float32)}, lambda: base)
+    loop = _loop(
+        [_cfg()], rows=[[{"a": 1.0}, {"a": 2.0}]], rollbacks=1, state={"w": np.arange(3.0, dtype=np.float32)}
+    )
+    assert c.where_saved() == "none yet"
+    c.save(loop, 2)
+    loop.rows[0].append({"a": 3.0})
+    c.save(loop, 2)  # the same step: not saved again
+    loop.state = {"w": np.full(3, 7.0, np.float32)}
+    c.save(loop, 3)
+    assert c.steps() == [2, 3] and c.last_saved == 3
+    assert c.where_saved() == f"checkpoint 3 in {mgr.directory}"
+    meta = ckpt.read_meta(mgr, 2)
+    assert meta["iteration"] == 2 and meta["metrics_lines"] == 2 and meta["rollbacks"] == 1
+    assert meta["rollback_base"] == base and meta["config"] == _cfg().to_dict() and "members" not in meta
+    assert ckpt.read_meta(mgr, 3)["metrics_lines"] == 3
+    np.testing.assert_array_equal(c.restore(2)["w"], [0.0, 1.0, 2.0])
+    c.drop_after(2)
+    assert ckpt.steps(mgr) == [2] and c.last_saved == 2
+    c.drop_after(0)
+    assert ckpt.steps(mgr) == [] and c.last_saved == -1
+    c.on_stop(loop)
+
+
+def test_checkpoints_of_a_sweep_keep_every_members_config(tmp_path):
+    mgr = ckpt.manager(tmp_path, keep=2, async_save=False)
+    cfgs = [_cfg(), _cfg().replace(kl={"beta": 0.5})]
+    c = Checkpoints(mgr, 1, 6, None, lambda: None)
+    c.save(_loop(cfgs, stacked=True, state={"w": np.zeros(2)}), 1)
+    meta = ckpt.read_meta(mgr, 1)
+    assert meta["members"] == [x.to_dict() for x in cfgs] and meta["rollback_base"] is None
+    c.on_stop(None)
+
+
+# ---- metrics sink -----------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def test_sink_writes_each_member_with_aliases_times_rows_and_calls_back(monkeypatch):
+    writers = [_Writer(), _Writer()]
+    cfgs = [_cfg(batch_size=4), _cfg(batch_size=8)]
+    loop = _loop(cfgs, stacked=True, writers=writers)
+    seen = []
+    sink = MetricsSink({"ctrl/beta": "coef", "x": "y"}, lambda it, m: seen.append((it, m)))
+    monkeypatch.setattr(H.time, "time", _Clock(10.0, 12.5, 12.5, 20.0))
+    members = [{"ctrl/beta": 0.1, "response/length": 5.0}, {"ctrl/beta": 1.0}]
+    for it in range(4):
+        if it == 3:
+            sink.restart_clock()  # a restore: the next row is not timed
+        sink.on_step(loop, _row(loop, it, members))
+    w0 = writers[0].calls
+    assert w0[0] == ("write", 0, {"ctrl/beta": 0.1, "response/length": 5.0, "coef": 0.1})
+    # iteration 1: 2.5 s after iteration 0; 5 tokens x 4 sequences / 2.5 s; iteration 2 took 0 s
+    assert w0[1] == ("timing", 1, {"train/iteration_s": 2.5, "perf/tokens_per_s": 8.0})
+    assert [c[:2] for c in w0] == [("write", 0), ("timing", 1), ("write", 1), ("write", 2), ("write", 3)]
+    assert writers[1].calls[1] == ("timing", 1, {"train/iteration_s": 2.5})  # no response/length
+    assert [it for it, _ in seen] == [0, 1, 2, 3]
+    np.testing.assert_array_equal(seen[0][1]["ctrl/beta"], [0.1, 1.0])
+    assert "coef" not in seen[0][1]  # aliases only in the files
+
+
+def test_sink_without_aliases_writers_or_on_process_0():
+    loop = _loop([_cfg()], writers=[_Writer()])
+    seen = []
+    MetricsSink({}, lambda it, m: seen.append((it, m))).on_step(loop, _row(loop, 0, [{"a": 1.0}]))
+    assert loop.writers[0].calls == [("write", 0, {"a": 1.0})] and seen == [(0, {"a": 1.0})]
+    other = _loop([_cfg()], main=False)
+    MetricsSink({}, lambda it, m: seen.append(it)).on_step(other, _row(other, 0, [{"a": 1.0}]))
+    assert len(seen) == 1  # not on the other processes
+
+
+# ---- samples and progress ------------------------------------------------------------------------------
+
+
+class _SampleLog:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def write(self, it: int, rows: Any, stacked: bool) -> None:
+        self.calls.append((it, rows, stacked))
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_samples_written_and_closed():
+    log = _SampleLog()
+    loop = _loop([_cfg()])
+    h = Samples(log)
+    h.on_step(loop, _row(loop, 3, [{}], samples={"ids": [1]}))
+    h.on_stop(loop)
+    assert log.calls == [(3, {"ids": [1]}, False), "close"]
+    off = Samples(None)  # off: nothing to do
+    off.on_step(loop, _row(loop, 4, [{}]))
+    off.on_stop(loop)
+
+
+def test_samples_only_with_writers_a_tokenizer_and_samples_every(tmp_path):
+    tok = object()
+    assert Samples.of(_loop([_cfg(samples_every=2)], prog={"tokenizer": tok})).log is None  # no writer
+    w = [_Writer()]
+    assert Samples.of(_loop([_cfg(samples_every=2)], writers=w)).log is None  # no tokenizer
+    assert Samples.of(_loop([_cfg(samples_every=0)], writers=w, prog={"tokenizer": tok})).log is None
+    h = Samples.of(_loop([_cfg(samples_every=2)], writers=w, dirs=[tmp_path], prog={"tokenizer": tok}))
+    assert isinstance(h.log, SampleLog) and (h.log.every, h.log.iterations) == (2, 6)
+    h.on_stop(None)
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def update(self, it: int, metrics: dict, extra: str = "") -> None:
+        self.calls.append((it, metrics, extra))
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_progress_line_of_a_run_and_of_a_sweep():
+    p = _Progress()
+    one = _loop([_cfg()])
+    ProgressLine(p).on_step(one, Row(2, {"reward/task": np.float32(0.5)}, [{}]))
+    assert p.calls == [(2, {"reward/task": 0.5}, "")] and type(p.calls[0][1]["reward/task"]) is float
+    sweep = _loop([_cfg(), _cfg()], stacked=True)
+    m = {"reward/task": np.array([1.0, 3.0]), "ctrl/beta": np.array([0.1, 1.0])}
+    h = ProgressLine(p)
+    h.on_step(sweep, Row(4, m, [{}, {}]))
+    h.on_stop(sweep)
+    assert p.calls[1:] == [(4, {"reward/task": 2.0}, "beta 0.1..1 (2 members, mean)"), "close"]
+
+
+# ---- quality rollback ----------------------------------------------------------------------------------
+
+
+class _Ctrl(NamedTuple):
+    beta: Any
+
+
+class _State(NamedTuple):
+    w: Any
+    ctrl: _Ctrl
+
+
+def _rollback(tc: Any, stacked: bool, n: int, initial: Any = None) -> tuple[QualityRollback, list[str]]:
+    logs: list[str] = []
+    return QualityRollback(tc, stacked, logs.append, [[] for _ in range(n)], [None] * n, initial), logs
+
+
+def test_rollback_traces_its_metric_and_words_a_bad_base():
+    tc = _cfg(rollback_metric="m", rollback_threshold=2.0).train
+    writers = [_Writer(), _Writer()]
+    loop = _loop([_cfg(), _cfg()], stacked=True, writers=writers)
+    h, logs = _rollback(tc, True, 2)
+    h.on_step(loop, _row(loop, 0, [{"m": 1.0}, {"m": 0.0}]))
+    assert logs == ["member 01: quality rollback off: m = 0.0 at iteration 0 is not a positive number"]
+    assert writers[1].calls == [("event", 0, "rollback_off", logs[0])] and writers[0].calls == []
+    assert h.base_meta() == {"metric": "m", "values": [1.0, 0.0]}
+    h.on_step(loop, _row(loop, 1, [{"m": 1.9}, {"m": 5.0}]))
+    assert not h.crossed()  # 1.9 < 2 x 1; member 1's check is off
+    h.on_step(loop, _row(loop, 2, [{"m": 2.1}, {}]))
+    assert h.crossed() and h.traces[0] == [1.0, 1.9, 2.1] and math.isnan(h.traces[1][-1])
+    assert len(logs) == 1  # the base is set once
+
+
+def test_rollback_base_of_a_run_and_inert_without_a_metric():
+    h, _ = _rollback(_cfg(rollback_metric="m", rollback_threshold=2.0).train, False, 1)
+    loop = _loop([_cfg()])
+    h.on_step(loop, _row(loop, 0, [{"m": math.nan}]))
+    assert h.base_meta() == {"metric": "m", "value": None}  # a non-finite base is saved as None
+    off, logs = _rollback(_cfg().train, False, 1)
+    off.on_step(loop, _row(loop, 1, [{"m": 5.0}]))
+    assert off.base_meta() is None and not off.crossed() and off.traces == [[]] and not logs
+
+
+class _Ckpts:
+    """The part of Checkpoints the rollback and the reward failure use, recorded."""
+
+    def __init__(self, steps: list[int], restored: Any = None, mgr: Any = "mgr") -> None:
+        self._steps, self.restored, self.mgr, self.calls = steps, restored, mgr, []
+
+    def steps(self) -> list[int]:
+        return self._steps
+
+    def restore(self, step: int) -> Any:
+        self.calls.append(("restore", step))
+        return self.restored
+
+    def drop_after(self, step: int) -> None:
+        self.calls.append(("drop_after", step))
+
+    def save(self, loop: Loop, step: int) -> None:
+        self.calls.append(("save", step, loop.state))
+
+    def where_saved(self) -> str:
+        return "there"
+
+
+def test_rollback_restores_the_newest_good_checkpoint_with_beta_raised(tmp_path):
+    tc = _cfg(rollback_metric="m", rollback_threshold=2.0, rollback_factor=2.0).train
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(4)))
+    writer = _Writer()
+    placed = []
+    loop = _loop([_cfg()], writers=[writer], dirs=[tmp_path], state=_State(9, _Ctrl(np.float32(0.3))),
+                 prog={"place": lambda s: placed.append(s) or s})  # fmt: skip
+    h, logs = _rollback(tc, False, 1)
+    for it, v in enumerate([1.0, 1.2, 1.5, 2.5]):
+        h.on_step(loop, _row(loop, it, [{"m": v}]))
+    loop.i = 4
+    ck = _Ckpts([1, 2], restored=_State(2, _Ctrl(np.float32(0.1))))
+    assert h.roll_back(loop, ck) is None
+    # crossing at 3 (2.5 > 2 x 1.0); checkpoint 2 is good (1.5); beta 2 x max(0.1, 0.3) = 0.6
+    assert ck.calls == [("restore", 2), ("drop_after", 2)]
+    assert (
+        loop.i == 2
+        and loop.rollbacks == 1
+        and loop.rows == [[{"iteration": 0, "m": 1.0}, {"iteration": 1, "m": 1.2}]]
+    )
+    assert h.traces == [[1.0, 1.2]] and loop.state is placed[0] and loop.state.w == 2
+    assert float(loop.state.ctrl.beta) == pytest.approx(0.6) and loop.state.ctrl.beta.dtype == np.float32
+    want = ("rollback 1/3: m = 2.5 at iteration 3 is 2.500x its start (threshold 2.0); restored "
+            "checkpoint 2, beta 0.1 -> 0.6")  # fmt: skip
+    assert logs == [want] and writer.calls[-1] == ("event", 3, "rollback", want)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"iteration": 0}\n{"iteration": 1}\n'
+    assert (tmp_path / "metrics.rolled_back.jsonl").read_text() == '{"iteration": 2}\n{"iteration": 3}\n'
+
+
+def test_rollback_to_the_initial_state_and_the_limit(tmp_path):
+    tc = _cfg(rollback_metric="m", rollback_threshold=0.5, max_rollbacks=1).train
+    initial = _State(0, _Ctrl(np.array([0.1, 0.2], np.float32)))
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("{}\n" * 3)
+    loop = _loop(
+        dirs=dirs,
+        cfgs=[_cfg(), _cfg()],
+        stacked=True,
+        state=_State(5, _Ctrl(np.array([0.4, 0.1], np.float32))),
+    )
+    h, logs = _rollback(tc, True, 2, initial)
+    for it, (a, b) in enumerate([(1.0, 1.0), (0.8, 1.0), (0.4, 0.9)]):
+        h.on_step(loop, _row(loop, it, [{"m": a}, {"m": b}]))
+    ck = _Ckpts([])
+    assert h.crossed() and h.roll_back(loop, ck) is None  # member 0 fell below 0.5 x 1.0
+    assert ck.calls == [("drop_after", 0)] and loop.i == 0 and loop.rows == [[], []]
+    np.testing.assert_allclose(loop.state.ctrl.beta, [0.8, 0.2])  # member 1 replays with its own beta
+    assert logs[-1].startswith("rollback 1/1: member 00: m = 0.4 at iteration 2 is 0.400x its start")
+    for it, (a, b) in enumerate([(1.0, 1.0), (0.3, 1.0)]):
+        h.on_step(loop, _row(loop, it, [{"m": a}, {"m": b}]))
+    stop = h.roll_back(loop, ck)  # max_rollbacks reached: the stop line, nothing restored
+    assert stop == ("member 00: m = 0.3 at iteration 1 is 0.300x its start, past train.rollback_threshold "
+                    "0.5, after 1 rollbacks (train.max_rollbacks); newest good checkpoint: 0")  # fmt: skip
+    assert loop.rollbacks == 1 and len(loop.rows[0]) == 2
+
+
+# ---- held-out evaluation, reward failure ----------------------------------------------------------------
+
+
+def test_heldout_evaluates_when_due_and_merges_once():
+    cfg = _cfg(iterations=5).replace(data={"eval_every": 2})
+    seen = []
+    loop = _loop(
+        [cfg], state="s0", prog={"evaluate": lambda s, env: seen.append((s, env)) or {"eval/x": 3.0}}
+    )
+    h = HeldOut(loop.prog)
+    due = []
+    for i in range(5):
+        loop.i = i
+        due.append(h.before_step(loop))
+    assert due == [True, False, True, False, True]  # every 2 and the last iteration
+    assert seen == [("s0", "env")] * 3 and sorted(h.rows) == [0, 2, 4]
+    assert h.take(2) == {"eval/x": 3.0} and h.take(2) == {} and h.take(1) == {}
+    assert not HeldOut(_prog([cfg])).before_step(loop)  # no evaluation
+
+
+def _raises(msg: str):
+    def check() -> None:
+        raise RewardFunctionError(msg)
+
+    return check
+
+
+def test_reward_failure_only_on_a_rejected_row():
+    calls = []
+    loop = _loop([_cfg()], prog={"reward_check": lambda: calls.append(1)})
+    assert RewardFailure(loop.prog).rejected(0, {"guard/skipped": np.float32(1.0)}) is None and calls == [1]
+    assert RewardFailure(_prog([_cfg()])).rejected(0, {}) is None  # no host reward
+    h = RewardFailure(_prog([_cfg()], reward_check=_raises("boom")))
+    assert h.rejected(3, {"guard/skipped": np.array([0.0, 0.0])}) is None
+    r = h.rejected(3, {"guard/skipped": np.array([0.0, 1.0])})
+    assert r.it == 3 and str(r.error) == "boom" and not r.accepted_none()  # member 0 accepted it
+    np.testing.assert_array_equal(r.skipped, [0.0, 1.0])
+    assert Rejected(3, r.error, np.array([1.0, 1.0])).accepted_none()
+
+
+class _Counted(NamedTuple):
+    iteration: Any
+    skipped: Any
+
+
+def test_reward_stop_saves_the_last_good_state_restamped():
+    rows = [[{"guard/consecutive_skips": 0.0}, {"guard/consecutive_skips": 0.0}]]
+    loop = _loop([_cfg()], rows=rows, state=_Counted(np.int32(3), np.int32(1)))
+    loop.i = 4
+    ck = _Ckpts([])
+    RewardFailure(loop.prog).stop(loop, ck, Rejected(2, RewardFunctionError("boom"), np.ones(1)))
+    assert loop.reward_stop == "boom; last good state: there" and loop.i == 2
+    assert ck.calls == [("save", 2, loop.state)] and int(loop.state.iteration) == 2
+    # a member accepted the iteration, or nothing is written: the state is not saved
+    loop2 = _loop([_cfg()], rows=[[{}]], state=_Counted(np.int32(3), np.int32(0)))
+    ck2 = _Ckpts([])
+    RewardFailure(loop2.prog).stop(loop2, ck2, Rejected(1, RewardFunctionError("x"), np.array([0.0, 1.0])))
+    RewardFailure(loop2.prog).stop(
+        loop2, _Ckpts([], mgr=None), Rejected(1, RewardFunctionError("x"), np.ones(1))
+    )
+    assert ck2.calls == [] and loop2.state.iteration == 3 and loop2.i == 1
+
+
+def test_heldout_reward_failure_saves_the_state_as_it_is():
+    loop = _loop([_cfg()], rows=[[{}, {}, {}]], state="s")
+    ck = _Ckpts([])
+    assert not RewardFailure(loop.prog).heldout_failed(loop, ck) and not ck.calls  # no check
+    h = RewardFailure(_prog([_cfg()], heldout_check=_raises("nan reward")))
+    assert h.heldout_failed(loop, ck)
+    assert ck.calls == [("save", 3, "s")]
+    assert loop.reward_stop == "nan reward (held-out evaluation); last good state: there"
+
+
+# ---- signals -----------------------------------------------------------------------------------------
+
+
+def test_signals_installed_while_the_loop_runs():
+    logs: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    sig = Signals(StopSignals(logs.append), print)
+    with sig:
+        assert sig.received is None and sig.name is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert sig.received == signal.SIGTERM and sig.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert logs == ["SIGTERM: stopping after this iteration and a checkpoint"]
+    own = Signals(None, logs.append)  # without a guard's: its own
+    assert isinstance(own.signals, StopSignals) and own.signals._log == logs.append
