@@ -186,11 +186,31 @@ def layering_violations(root: Path = ROOT) -> list[str]:
     return out
 
 
+def optional_modules(root: Path = ROOT) -> set[str]:
+    """The klrl modules whose import pulls in an optional dependency: one imported at their top, or
+    a klrl module at their top that does (``klrl.analysis.plots``: matplotlib). Importing one of them
+    inside a function defers that dependency, as importing it directly would."""
+    files = _sources(root)
+    modules = set(files)
+    direct, top = set(), {}
+    for m, f in files.items():
+        nodes = [node for node, inner in _statements(ast.parse(f.read_text())) if not inner]
+        top[m] = {t for node in nodes for t in _targets(node, modules)}
+        for node in nodes:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n.split(".")[0] in OPTIONAL for n in names):
+                direct.add(m)
+    return {m for m in files if closure(top, m) & direct}
+
+
 def inner_import_violations(root: Path = ROOT) -> list[str]:
-    """``file:line: module`` for every import inside a function that is not an optional dependency,
-    not in the command line (fast start) and not in :data:`INNER_ALLOWED`."""
+    """``file:line: module`` for every import inside a function that is not an optional dependency
+    (nor a klrl module that imports one, :func:`optional_modules`), not in the command line (fast
+    start) and not in :data:`INNER_ALLOWED`."""
+    files = _sources(root)
+    modules, deferred = set(files), optional_modules(root)
     out = []
-    for f in _sources(root).values():
+    for f in files.values():
         rel = f.relative_to(root).as_posix()
         if rel.startswith(FAST_START):
             continue
@@ -201,6 +221,9 @@ def inner_import_violations(root: Path = ROOT) -> list[str]:
                 names = [a.name for a in node.names]
             else:
                 names = ["." * node.level + (node.module or "")]
+            targets = _targets(node, modules)
+            if targets and set(targets) <= deferred:
+                continue
             for name in names:
                 if name.split(".")[0] not in OPTIONAL and (rel, name) not in INNER_ALLOWED:
                     out.append(f"{rel}:{node.lineno}: {name}")
@@ -342,14 +365,20 @@ def test_inner_imports_on_a_fake_tree(tmp_path):
         {
             "klrl/__init__.py": "",
             "klrl/cli/args.py": "def main():\n    import jax\n",  # fast start
-            "klrl/analysis/plots.py": "import numpy\n\n\ndef fig():\n    import matplotlib.pyplot as plt\n",
+            "klrl/analysis/plots.py": "import matplotlib\n\n\ndef f():\n    import matplotlib.pyplot\n",
             "klrl/analysis/aggregate.py": "def t():\n    from scipy.stats import t\n",  # allow-listed
             "klrl/loop/driver.py": "class Loop:\n    def run(self):\n        from klrl.step import train\n"
             "        import os, pandas\n",
             "klrl/io/lazy.py": "f = lambda: None\n\n\nasync def g():\n    from . import x\n",
+            # plots imports matplotlib at its top, plotkit through plots: both defer it; results does not
+            "klrl/analysis/plotkit.py": "from klrl.analysis import plots\n",
+            "klrl/analysis/results.py": "import numpy\n",
+            "klrl/analysis/report.py": "def write():\n    from klrl.analysis import plotkit, plots\n"
+            "    from klrl.analysis import results\n",
         },
     )
     assert sorted(inner_import_violations(root)) == [
+        "klrl/analysis/report.py:3: klrl.analysis",
         "klrl/io/lazy.py:5: .",
         "klrl/loop/driver.py:3: klrl.step",
         "klrl/loop/driver.py:4: os",
