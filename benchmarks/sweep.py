@@ -5,11 +5,11 @@
 Workload: ``RunConfig()`` defaults on the wordclass task (the reference is pretrained once or
 loaded from the cache; ``KLRL_CACHE`` is honoured), on every local device; the members differ in
 ``kl.beta`` (log-spaced from 1e-3 to 1). Both sides run the same loop as :func:`klrl.run` and
-:func:`klrl.sweep.sweep` (build, ``init``, then ``step`` per iteration with the metrics fetched to
+:func:`klrl.sweep` (build, ``init``, then ``step`` per iteration with the metrics fetched to
 the host one iteration behind), without writing anything:
 
 * sequential: for each member ``make_train`` -> ``init`` -> compile -> ``iterations`` steps;
-* sweep: :func:`klrl.sweep.make_sweep` -> ``init`` -> compile -> ``iterations`` steps.
+* sweep: :func:`klrl.api.build_program` (``stacked=True``) -> ``init`` -> compile -> ``iterations`` steps.
 
 The compile is done ahead of time (``step.lower(...).compile()``) so that it is timed on its own;
 one untimed ``init`` first compiles the eager ops every process pays for once (``warmup_init_s``).
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true", help="also time rollout and update, 1 vs vmapped")
     args = ap.parse_args(argv)
 
+    from klrl.api import build_program
     from klrl.step.train import make_train
-    from klrl.sweep import make_sweep
     from klrl.tasks.wordclass import make_task
 
     train_cfg = {"iterations": args.iterations, "quiet": True}
@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- the sweep: one program ----
     t0 = time.perf_counter()
-    init, step, _ = make_sweep(members, task)
+    prog, _ = build_program(members, task, stacked=True, write=False)
+    init, step = prog.init, prog.step
     build_s = time.perf_counter() - t0
     sw = timed_loop(init, step, env, args.iterations)
     sweep_s = build_s + sw["init_s"] + sw["compile_s"] + sw["run_s"]

@@ -1,7 +1,9 @@
 """Run klrl from the command line: ``python experiments/run.py [--section.field value ...]``.
 
-A thin wrapper over :func:`klrl.cli.commands.legacy_main`; the ``klrl`` command (``klrl train | sweep |
-study | resume | report``, also ``python -m klrl``) is the same executor with subcommands.
+A thin wrapper of the ``klrl`` command (``klrl train | sweep | study | resume | report``, also
+``python -m klrl``): :func:`klrl.cli.legacy_main` translates these flags into a command (no flags or
+``--study`` -> ``klrl study``, ``--sweep`` -> ``klrl sweep``, ``--resume`` -> ``klrl resume``, ``--report``
+-> ``klrl report``, configuration flags alone -> ``klrl train``) and runs it.
 
 With no configuration flags (or with ``--study`` plus overrides): the default experiment, a short beta study
 on the testbed, offline, on CPU: fixed beta in {0.01, 0.1, 1.0} and one proportional controller
@@ -20,7 +22,7 @@ damaged (checksum) or foreign checkpoint, a run directory another process is wri
 full disk (the last complete checkpoint is intact: continue it with --resume on another disk).
 
 ``--sweep kl.beta=0.001,0.01,0.1,1.0 [--sweep train.seed=0,1] [--sweep-devices K]`` runs the
-Cartesian grid of the axes as one compiled program (:mod:`klrl.sweep`, members split over K
+Cartesian grid of the axes as one compiled program (:func:`klrl.sweep`, members split over K
 device groups) and prints one summary table. ``--distributed [--coordinator HOST:PORT
 --num-processes N --process-id I]`` joins a multi-process run first (:mod:`klrl.distributed`;
 no arguments needed on Cloud TPU or Slurm); see docs/launch.md.
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv: list[str] | None = None) -> int:
-    from klrl.cli.commands import legacy_main
+    from klrl.cli import legacy_main
 
     return legacy_main(argv)
 

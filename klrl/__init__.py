@@ -4,12 +4,14 @@ One iteration (rollout -> scoring -> KL shaping -> advantages -> PPO epochs x
 minibatches -> beta controller) is one jitted function ``step(state, env)``.
 """
 
+import importlib
+
 from klrl import tasks  # noqa: F401  (tasks: registers them)
 from klrl.algo import advantages, control, kl, losses, shaping
 from klrl.algo.control import Controller, ControllerState
 from klrl.analysis.report import write_report
 from klrl.analysis.results import RunResult, load_run, load_sweep
-from klrl.api import run
+from klrl.api import run, sweep
 from klrl.config import (
     ConfigError,
     ControllerConfig,
@@ -26,7 +28,6 @@ from klrl.models.gpt import GPT
 from klrl.models.rollout import Rollout, generate
 from klrl.step.samples import samples  # the function; the module stays importable as klrl.samples
 from klrl.step.train import Phases, Train, TrainState, make_train
-from klrl.sweep import sweep  # the function; the module stays importable as klrl.sweep (sys.modules)
 
 __version__ = "0.1.0"
 
@@ -34,8 +35,6 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """``klrl.analysis.plots`` is imported on first use: matplotlib costs about a second at import."""
     if name == "plots":
-        import importlib
-
         return importlib.import_module("klrl.analysis.plots")
     raise AttributeError(f"module 'klrl' has no attribute {name!r}")
 

@@ -1,8 +1,8 @@
-"""``python -m klrl COMMAND [flags]``: the ``klrl`` command (:mod:`klrl.cli.commands`)."""
+"""``python -m klrl COMMAND [flags]``: the ``klrl`` command (:func:`klrl.cli.main`)."""
 
 import sys
 
-from klrl.cli.commands import main
+from klrl.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

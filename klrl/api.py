@@ -1,37 +1,59 @@
-"""``klrl.run(config)``: a training run from Python; the command line is a thin layer over it.
+"""``klrl.run(config)`` and ``klrl.sweep(members)``: training from Python; the command line is a thin
+layer over them.
 
-The loop itself (logging, checkpoints, signals, guard, rollback, resume) is :mod:`klrl.loop.driver`,
-shared with :func:`klrl.sweep.sweep`; results are :mod:`klrl.analysis.results`.
+A run is a sweep of one member. Both are checked at their entry (:mod:`klrl.checks`: the
+configuration, then the task and the models against the policy, then the devices), built by one
+:func:`build_program` (one :func:`klrl.step.train.make_train` per program) and driven by the one loop
+(:func:`klrl.loop.driver.drive`: logging, checkpoints, signals, guard, rollback, resume); results are
+:mod:`klrl.analysis.results`.
+
+A sweep is one compiled program: ``vmap`` over stacked train states. Its members may differ only in
+what lives in the train state (:data:`klrl.config.sweep.SWEEPABLE`: ``kl.beta``, the controller,
+``train.seed``, ``optim.lr``); on a ``(sweep, data)`` mesh the members are split over the ``sweep``
+axis and each member's batch over the ``data`` devices of its group. The mesh may span several
+processes (:mod:`klrl.distributed`); then only process 0 writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+
 from klrl import distributed
-from klrl.analysis.results import SUMMARY_KEYS, RunResult, columns, load_run, load_sweep
-from klrl.config import ConfigError, RunConfig, check_devices, check_task
+from klrl.algo.control import from_config
+from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_run, load_sweep
+from klrl.checks import check_config, check_program
+from klrl.config import RunConfig
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability
-from klrl.loop.driver import ROLLED_BACK, Program, drive
+from klrl.loop.driver import ROLLED_BACK, drive
+from klrl.loop.program import Program
 from klrl.registry import TASKS
-from klrl.rewards.standardize import reward_norm_env
+from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
 from klrl.step.evaluate import make_heldout_eval
-from klrl.step.parallel import mesh_from_config
+from klrl.step.parallel import mesh_from_config, shard_step
+from klrl.step.parts import Train, TrainState, init_state, set_learning_rate, state_shardings
 from klrl.step.train import make_train
 from klrl.tasks.base import Task
+from klrl.tasks.text import save_policy, value_models
 
 __all__ = [
     "ROLLED_BACK",
     "SUMMARY_KEYS",
     "RunResult",
+    "build_program",
     "build_task",
     "columns",
     "load_run",
     "load_sweep",
+    "member_state",
     "run",
+    "sweep",
 ]
 
 
@@ -73,66 +95,186 @@ def run(
     # the whole run inside RunGuard: signals from the start (a SIGTERM during the task build or the
     # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
-        return _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step)
+        (result,), stop_error, task = _train(
+            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models
+        )
+        if result.dir is not None and distributed.is_main():
+            if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
+                save_policy(task, result.state, result.dir / "policy")
+            if report is not None:
+                report(result)
+        if stop_error is not None:
+            raise reliability.RunStopped(f"stopped: {stop_error}", result)
+        return result
 
 
-def _run(cfg, task, run_dir, write, log, resume, report, models, guard, on_step=None) -> RunResult:
-    tc = cfg.train
+def sweep(
+    members: list[RunConfig],
+    *,
+    task: Task | None = None,
+    out_dir: str | Path | None = None,
+    write: bool = True,
+    sweep_devices: int = 1,
+    log: Any = None,
+    resume: str | Path | None = None,
+    report: Callable[[list[RunResult]], Any] | None = None,
+    on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+) -> Sweep:
+    """Run all ``members`` in one compiled program; one :class:`RunResult` each.
+
+    The loop is a single run's (:mod:`klrl.loop.driver`): with ``write``, ``out_dir`` (default: a new run
+    directory) gets one sub-directory per member, named after its swept values
+    (:func:`klrl.analysis.results.member_names`: ``kl.beta=0.1,train.seed=1``, else ``member-XX``), each with
+    its own config, ``metrics.jsonl`` and event file (with an HParams session), a ``sweep.json`` index
+    (``members`` and ``axes``), and ``checkpoints/`` of the stacked state every
+    ``train.checkpoint_every`` iterations. SIGTERM/SIGINT checkpoint and return (``info['stopped']``);
+    ``resume=SWEEP_DIR`` continues the sweep exactly (bit for bit against an uninterrupted one).
+    The non-finite guard and the quality rollback apply per member (a rollback restores the whole
+    sweep to a checkpoint good for the members that crossed; the others replay exactly).
+    ``report(results)`` is called at the end of a written sweep. With several processes only
+    process 0 writes. ``on_step(iteration, metrics)`` gets each iteration's ``{name: array over
+    members}`` as it is recorded (e.g. for a live plot). The result is a list with
+    ``.to_frame()`` (:func:`klrl.analysis.results.to_frame`). ``sweep_devices``: the device groups
+    the members are split over (the rest of the devices split each member's batch).
+    """
+    # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
+    with reliability.RunGuard(log) as guard:
+        results, stop_error, _ = _train(
+            list(members), True, task, out_dir, write, log, resume, guard, on_step, sweep_devices, {}
+        )
+        results = Sweep(results)
+        if results[0].dir is not None and distributed.is_main() and report is not None:
+            report(results)
+        if stop_error is not None:
+            raise reliability.RunStopped(f"stopped: {stop_error}", results)
+        return results
+
+
+def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models):
+    """Check, build and drive the program of ``members``: ``(results, stop_error, task)``."""
+    check_config(members, stacked=stacked, write=write, resume=resume, sweep_devices=sweep_devices)
     plan = None
     if resume is not None:
-        if not write:
-            raise ConfigError("resume: a resumed run writes to its run directory (write=True)")
         if distributed.is_main() and Path(resume).is_dir():
             guard.hold(resume)  # before reading it: a second writer is refused, not interleaved
-        plan = prepare_resume(cfg, resume)
-    if tc.rollback_metric and not write:
-        raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
-    mesh = mesh_from_config(tc)
-    check_devices(cfg, mesh.shape["data"])
-    task = task or build_task(cfg, log if not tc.quiet else None)
-    check_task(cfg, task)  # lengths, top_k and vocabulary against the task, before anything compiles
-    if cfg.reward.standardize:  # the reward reads env['reward_norm'] (klrl.rewards.standardize)
-        from klrl.rewards.standardize import standardize_task, standardized
+        plan = prepare_resume(members if stacked else members[0], resume)
+    prog, task = build_program(
+        members,
+        task,
+        stacked=stacked,
+        write=write,
+        resume=plan,
+        log=log,
+        sweep_devices=sweep_devices,
+        **models,
+    )
+    results, stop_error = drive(
+        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step
+    )
+    return results, stop_error, task
 
+
+# ---- the program ---------------------------------------------------------------------------------------
+def build_program(
+    members: list[RunConfig],
+    task: Task | None = None,
+    *,
+    stacked: bool,
+    write: bool = True,
+    resume: Any = None,
+    log: Any = None,
+    sweep_devices: int = 1,
+    **models: Any,
+) -> tuple[Program, Task]:
+    """The :class:`~klrl.loop.program.Program` of ``members`` (one, unstacked: a run; ``stacked``: a
+    sweep, split over ``sweep_devices`` device groups) on ``task`` (default: the one the first member
+    names), and the task it trains on (standardized, with a ``reward=`` of ``models``).
+
+    ``make_train`` is called once: members differ only in what lives in the train state, so each
+    member's initial state comes from its config (:func:`member_state`) and one step serves them all
+    (``vmap`` over the stacked states). The task and the models are checked against the policy first
+    (:func:`klrl.checks.check_program`). ``resume`` (a :class:`klrl.io.resume.Resume`) keeps the
+    reward normalisation of the run resumed; ``write`` turns the step's sample rows on
+    (``train.samples_every``)."""
+    base, tc = members[0], members[0].train
+    mesh = mesh_from_config(tc, sweep_devices)
+    task = task or build_task(base, None if tc.quiet else log)
+    if base.reward.standardize:  # the reward reads env['reward_norm'] (klrl.rewards.standardize)
         task = standardize_task(task)
         if models.get("reward") is not None:
             models = {**models, "reward": standardized(models["reward"])}
-    if cfg.model.path and "value" not in models:
-        from klrl.tasks.text import value_models
-
-        models = {**value_models(cfg, task), **models}  # a separate value trunk from model.value_path
+    if base.model.path and "value" not in models and not stacked:
+        # a separate value trunk from model.value_path, its head drawn from train.seed (a sweep's members
+        # draw a fresh value model each, from their seeds)
+        models = {**value_models(base, task), **models}
+    check_program(members, task, mesh.shape["data"], policy=models.get("policy"), reward=models.get("reward"))
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
-    train = make_train(cfg, task, mesh, samples=n_samples, **models)
+    adaptive = any(m.ctrl.kind != "fixed" for m in members)  # ctrl/target: NaN for fixed members
+    train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)
     task = train.context.task  # (a ``reward=`` passed in is part of it)
-    evaluate = make_heldout_eval(train)
-    env, norm_info = reward_norm_env(train, task.env, seed=tc.seed, resume=plan,
-                                     log=(log or True) if not tc.quiet else None)  # fmt: skip
+    # one gain and bias for every member (the env is shared): from the first member's seed
+    env, norm_info = reward_norm_env(train, task.env, seed=tc.seed, resume=resume,
+                                     log=None if tc.quiet else (log or True))  # fmt: skip
     env = distributed.replicate(env, mesh) if distributed.is_multiprocess() else env
+    states = _stacked(train, members) if stacked else _single(train, base)
     prog = Program(
-        configs=[cfg],
-        stacked=False,
-        init=lambda: train.init(tc.seed),
-        step=train.step,
-        place=train.place,  # (a frozen reference equal to the loaded one takes its arrays: one copy)
-        shardings=train.state_shardings,  # a checkpoint is restored straight onto this mesh
+        configs=list(members),
+        stacked=stacked,
         env=env,
         task_info={**task.info, **norm_info},
         reward_check=getattr(task.reward, "check", None),
         tokenizer=task.tokenizer,
         prompt_texts=task.prompt_texts,
-        evaluate=evaluate,
+        evaluate=make_heldout_eval(train, stacked=stacked),
         heldout_check=getattr(task.heldout.reward, "check", None) if task.heldout is not None else None,
+        **states,
     )
-    (result,), stop_error = drive(
-        prog, write=write, out_dir=run_dir, resume=plan, log=log, guard=guard, on_step=on_step
-    )
-    if result.dir is not None and distributed.is_main():
-        if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
-            from klrl.tasks.text import save_policy
+    return prog, task
 
-            save_policy(task, result.state, result.dir / "policy")
-        if report is not None:
-            report(result)
-    if stop_error is not None:
-        raise reliability.RunStopped(f"stopped: {stop_error}", result)
-    return result
+
+def _single(train: Train, cfg: RunConfig) -> dict[str, Any]:
+    """A run's state as ``train`` makes it: a frozen reference kept as the task's arrays (one copy,
+    also after a restore: ``train.place``), restored straight onto the run's mesh."""
+    return dict(
+        init=lambda: train.init(cfg.train.seed),
+        step=train.step,
+        place=train.place,
+        shardings=train.state_shardings,
+    )
+
+
+def _stacked(train: Train, members: list[RunConfig]) -> dict[str, Any]:
+    """A sweep's state: the members' states stacked on a leading axis split over ``'sweep'`` (each
+    member's parameters over its group's fsdp/tensor), one ``vmap`` of ``train``'s step over them."""
+    mesh = train.mesh
+    split = state_shardings(train.context, mesh, sweep=True)
+
+    def init() -> Any:
+        # host values stacked, then split: ``init`` gives the state as ``step`` returns it (so the second
+        # call does not compile again)
+        states = [distributed.to_host(member_state(train, m)) for m in members]
+        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
+        return distributed.put(stacked, split)
+
+    # The outputs are pinned to the sharding ``init`` gives: left to itself XLA reports some of them
+    # as replicated when the sweep axis has size 1 (equivalent, but a different jit cache key: the
+    # second call would compile the program again).
+    inner = jax.vmap(train.shard_step, in_axes=(0, None))
+    one = jax.eval_shape(lambda: train.init(members[0].train.seed))
+    return dict(
+        init=init,
+        step=shard_step(inner, mesh, sweep=True, state_shardings=split),
+        place=lambda s: distributed.put(jax.tree.map(np.asarray, s), split),
+        abstract=jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(members), *x.shape), x.dtype), one),
+    )
+
+
+def member_state(train: Train, cfg: RunConfig) -> TrainState:
+    """The initial state of the sweep member ``cfg`` from the sweep's one ``train`` (built for the first
+    member): its seed, its ``kl.beta``, its controller (``ctrl.*``) and its peak learning rate
+    (``optim.lr``, the optimiser's injected hyper-parameter), on ``train``'s mesh. The same arrays as
+    ``make_train(cfg, ...).init(cfg.train.seed)`` with the learning rate set: everything else a member's
+    ``make_train`` would fix is equal across members (:func:`klrl.config.sweep.check_members`)."""
+    ctx = dataclasses.replace(train.context, cfg=cfg, controller=from_config(cfg.ctrl))
+    s = init_state(ctx, train.mesh, cfg.train.seed)
+    return s._replace(opt_state=set_learning_rate(s.opt_state, cfg.optim.lr))

@@ -70,8 +70,8 @@ def digest(metrics: dict[str, np.ndarray]) -> dict[str, list[float]]:
 def main(cache_dir: str) -> dict[str, str]:
     import jax
 
-    from klrl.api import run
-    from klrl.sweep import grid, sweep
+    from klrl.api import run, sweep
+    from klrl.config.sweep import grid
 
     n = jax.device_count()
     base = config(cache_dir)

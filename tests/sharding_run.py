@@ -82,7 +82,8 @@ def sweep_check(cfg, task) -> dict:
     its group; member 0 is the run of ``gpt:1,1,1``."""
     import jax
 
-    from klrl.sweep import grid, make_sweep, sweep
+    from klrl.api import build_program, sweep
+    from klrl.config.sweep import grid
 
     base = cfg.replace(train={"devices": 0, "mesh": "1,2,2"})
     members = grid(base, {"train.seed": [cfg.train.seed, cfg.train.seed + 1]})
@@ -91,9 +92,10 @@ def sweep_check(cfg, task) -> dict:
     for i in range(3):
         for k, v in runs[0].metrics.items():
             out[f"sweep/metric/{i}/{k}"] = np.asarray(v[i])
-    init, _, mesh = make_sweep(members, task, 2)
-    state = init()
+    prog, _ = build_program(members, task, stacked=True, write=False, sweep_devices=2)
+    state = prog.init()
     kernel = state.params["policy"]["h0"]["qkv"]["kernel"]
+    mesh = kernel.sharding.mesh
     out["sweep/mesh"] = str(dict(mesh.shape))
     out["sweep/spec"] = str(kernel.sharding.spec)
     out["sweep/shard_shape"] = np.asarray(kernel.addressable_shards[0].data.shape)

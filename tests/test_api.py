@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import klrl
+from klrl.config.sweep import grid
 from klrl.io.logging import read_jsonl
-from klrl.sweep import grid
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -72,14 +72,52 @@ def assert_same_metrics(a: dict, b: dict) -> None:
 
 def test_public_names():
     import klrl.analysis.plots
-    import klrl.sweep
-    from klrl.sweep import grid, summary_table  # noqa: F401
+    import klrl.api
 
-    assert callable(klrl.sweep) and klrl.sweep.__name__ == "sweep"  # the function ...
-    assert sys.modules["klrl.sweep"].sweep is klrl.sweep  # ... the module stays in sys.modules
+    assert callable(klrl.sweep) and klrl.sweep is klrl.api.sweep and klrl.run is klrl.api.run
+    assert "klrl.sweep" not in sys.modules  # the function; its module is klrl.api
     assert klrl.plots.__name__ == "klrl.analysis.plots" and callable(klrl.plots.fit_gao)
     for name in ("plots", "load_sweep", "write_report", "sweep", "run", "load_run"):
         assert name in klrl.__all__ and getattr(klrl, name) is not None
+
+
+def test_one_make_train_per_program_and_each_members_own_init(tiny_cfg, tiny_task, monkeypatch):
+    """A sweep builds one Train; each member's initial state is, leaf for leaf and bit for bit, the one
+    its own ``make_train(member).init(seed)`` gives (with its learning rate set), as before the merge."""
+    import jax
+
+    import klrl.api
+    from klrl.distributed import to_host
+    from klrl.step.parts import set_learning_rate
+    from klrl.step.train import make_train
+
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(a[0])
+        return make_train(*a, **k)
+
+    monkeypatch.setattr(klrl.api, "make_train", counting)
+    base = tiny_cfg
+    members = [
+        base,
+        base.replace(kl={"beta": 0.3}, train={"seed": 5}, optim={"lr": 3e-4}),
+        base.replace(ctrl={"kind": "proportional", "target": 2.0, "horizon": 50.0}, kl={"beta": 0.02}),
+    ]
+    prog, _ = klrl.api.build_program(members, tiny_task, stacked=True, write=False)
+    assert len(calls) == 1 and prog.stacked and prog.configs == members
+    stacked = to_host(prog.init())
+    for i, m in enumerate(members):
+        own = make_train(m, tiny_task, log_target=True)  # the per-member Train of the old sweep
+        want = to_host(own.init(m.train.seed))
+        want = want._replace(opt_state=set_learning_rate(want.opt_state, m.optim.lr))
+        got = jax.tree.map(lambda x, i=i: x[i], stacked)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.dtype == np.asarray(b).dtype and np.array_equal(a, np.asarray(b)), m
+    calls.clear()
+    prog, _ = klrl.api.build_program([base], tiny_task, stacked=False, write=False)
+    assert len(calls) == 1 and not prog.stacked and prog.shardings is not None
 
 
 def test_run_metrics_match_metrics_jsonl(run_result, tiny_cfg):

@@ -145,6 +145,27 @@ def test_legacy_flags_choose_the_mode(argv, mode, modes) -> None:
     assert modes[-1][0] == mode
 
 
+@pytest.mark.parametrize(
+    "argv,command",
+    [
+        ([], ["study"]),
+        (["--study", "--kl.beta", "0.2"], ["study", "--kl.beta", "0.2"]),
+        (["--kl.beta", "0.2", "--quiet"], ["train", "--kl.beta", "0.2", "--quiet"]),
+        (["--config", "c.json"], ["train", "--config", "c.json"]),
+        (["--kl.beta", "-inf", "--sweep-devices", "1"], ["train", "--kl.beta", "-inf"]),
+        (["--sweep", "kl.beta=0.1,1", "--sweep-devices=2", "--train.seed", "3"],
+         ["sweep", "--sweep", "kl.beta=0.1,1", "--sweep-devices=2", "--train.seed", "3"]),
+        (["--train.iterations", "9", "--resume", "R"], ["resume", "R", "--train.iterations", "9"]),
+        (["--resume=R", "--distributed"], ["resume", "R", "--distributed"]),
+        (["--report", "R"], ["report", "R"]),
+    ],
+)  # fmt: skip
+def test_legacy_flags_translate_to_a_klrl_command(argv, command) -> None:
+    from klrl.cli.legacy import legacy_argv
+
+    assert legacy_argv(argv) == command
+
+
 def test_klrl_subcommands(modes, tmp_path) -> None:
     from klrl.cli.commands import main
 

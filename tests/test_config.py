@@ -18,7 +18,6 @@ from klrl.config import (
     SamplingConfig,
     TaskConfig,
     TrainConfig,
-    check_devices,
 )
 
 nan, inf = float("nan"), float("inf")
@@ -175,20 +174,6 @@ def test_from_dict_rejects_unknown_and_bad_fields() -> None:
         RunConfig.from_dict({"kl": {"beta": -0.1}})
 
 
-def test_check_devices() -> None:
-    cfg = RunConfig().replace(train={"batch_size": 16}, ppo={"minibatches": 2})
-    check_devices(cfg, 1)
-    check_devices(cfg, 4)  # 16 / 4 and minibatch 8 / 4
-    with pytest.raises(ConfigError, match=r"^train\.batch_size:"):
-        check_devices(cfg, 3)
-    with pytest.raises(ConfigError, match=r"^ppo\.minibatches:"):
-        check_devices(cfg, 16)  # minibatch of 8 cannot split over 16 devices
-    grouped = RunConfig().replace(train={"batch_size": 16}, ppo={"minibatches": 1, "group_size": 8})
-    check_devices(grouped, 2)
-    with pytest.raises(ConfigError, match=r"^ppo\.group_size:"):
-        check_devices(grouped, 4)  # 4 per device cannot hold a group of 8
-
-
 def test_config_warnings_flag_known_bad_combinations():
     from klrl.config import RunConfig, config_warnings
 
@@ -277,20 +262,3 @@ def test_beta_bounds_are_checked_instead_of_clipped() -> None:
     with pytest.raises(ConfigError, match="^ctrl.warmup_beta: must be in"):
         ControllerConfig(warmup_iters=2, warmup_beta=5.0, beta_max=1.0)
     RunConfig().replace(kl={"beta": 2.0}, ctrl={"beta_max": 1.0, "warmup_iters": 3, "warmup_beta": 0.5})
-
-
-def test_check_task_against_the_vocabulary_and_lengths() -> None:
-    from klrl.config import TaskShape, check_task
-    from klrl.tasks.base import builtin_task_shape
-    from klrl.tasks.language import make_language
-
-    cfg = RunConfig()
-    shape = builtin_task_shape(cfg)
-    assert shape.vocab_size == make_language(3).vocab_size == 147  # the language the task builds
-    assert shape.max_len == max(cfg.task.pretrain_len, cfg.task.prompt_len + cfg.sampling.response_len)
-    check_task(cfg.replace(sampling={"top_k": 147}), shape)  # k = V is the whole vocabulary
-    with pytest.raises(ConfigError, match="^sampling.top_k: must be <= the task's vocabulary size 147"):
-        check_task(cfg.replace(sampling={"top_k": 148}), shape)
-    check_task(cfg, TaskShape(vocab_size=200, prompt_len=8, max_len=24))
-    with pytest.raises(ConfigError, match="^sampling.response_len:"):
-        check_task(cfg, TaskShape(vocab_size=200, prompt_len=8, max_len=23))

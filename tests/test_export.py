@@ -100,9 +100,9 @@ def test_export_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, caps
 
 
 def test_export_sweep_member(tiny_task, cache_dir, jax_cache, tmp_path, capsys):
+    from klrl.api import sweep
     from klrl.cli.export import load_gpt
     from klrl.models.heads import detach
-    from klrl.sweep import sweep
 
     base = base_config(cache_dir, iterations=2)
     members = [base.replace(kl={"beta": b}) for b in (0.1, 1.0)]

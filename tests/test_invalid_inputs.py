@@ -68,7 +68,6 @@ def nothing_is_built(monkeypatch, tmp_path):
     import klrl.api
     import klrl.step.train
 
-    sweep_mod = sys.modules["klrl.sweep"]
 
     def reached(what):
         def f(*a, **k):
@@ -77,8 +76,8 @@ def nothing_is_built(monkeypatch, tmp_path):
         return f
 
     for obj, name in ((klrl.api, "build_task"), (klrl.api, "run"), (klrl, "run"),
-                      (klrl.step.train, "make_train"), (sweep_mod, "build_task"), (sweep_mod, "make_sweep"),
-                      (sweep_mod, "sweep")):  # fmt: skip
+                      (klrl.step.train, "make_train"), (klrl.api, "build_program"), (klrl.api, "sweep"),
+                      (klrl, "sweep")):  # fmt: skip
         monkeypatch.setattr(obj, name, reached(f"{obj.__name__}.{name}"))
     monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)

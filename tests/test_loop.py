@@ -16,7 +16,7 @@ from conftest import base_config, lines
 
 
 def _members(cache_dir, **train):
-    from klrl.sweep import grid
+    from klrl.config.sweep import grid
 
     cfg = base_config(cache_dir, iterations=6, checkpoint_every=4, **train)
     return grid(cfg, {"kl.beta": [0.01, 0.1]})
@@ -24,15 +24,13 @@ def _members(cache_dir, **train):
 
 def _sigterm_after(monkeypatch, n_calls: int) -> None:
     """The sweep's step sends SIGTERM to this process on its ``n_calls``-th call."""
-    import sys
+    import klrl.api as S
 
-    S = sys.modules["klrl.sweep"]
-
-    real = S.make_sweep
+    real = S.build_program
 
     def patched(*a, **kw):
-        init, step, mesh = real(*a, **kw)
-        calls = [0]
+        prog, task = real(*a, **kw)
+        step, calls = prog.step, [0]
 
         def counting(state, env):
             calls[0] += 1
@@ -40,14 +38,15 @@ def _sigterm_after(monkeypatch, n_calls: int) -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
             return step(state, env)
 
-        return init, counting, mesh
+        prog.step = counting
+        return prog, task
 
-    monkeypatch.setattr(S, "make_sweep", patched)
+    monkeypatch.setattr(S, "build_program", patched)
 
 
 def test_sweep_sigterm_then_resume_is_bit_identical(tiny_task, cache_dir, jax_cache, tmp_path, monkeypatch):
     from klrl.analysis.results import load_sweep
-    from klrl.sweep import sweep
+    from klrl.api import sweep
 
     members = _members(cache_dir)
     full = sweep(members, task=tiny_task, out_dir=tmp_path / "full")
@@ -72,9 +71,9 @@ def test_sweep_sigterm_then_resume_is_bit_identical(tiny_task, cache_dir, jax_ca
 
 
 def test_sweep_resume_refuses_a_changed_member(tiny_task, cache_dir, jax_cache, tmp_path, monkeypatch):
+    from klrl.api import sweep
     from klrl.config import ConfigError
     from klrl.io.checkpoint import CheckpointError
-    from klrl.sweep import sweep
 
     members = _members(cache_dir)
     with monkeypatch.context() as m:
@@ -89,8 +88,8 @@ def test_sweep_resume_refuses_a_changed_member(tiny_task, cache_dir, jax_cache, 
 
 
 def test_sweep_nonfinite_member_stops_after_exactly_k(tiny_task, cache_dir, jax_cache, tmp_path):
+    from klrl.api import sweep
     from klrl.loop.reliability import RunStopped
-    from klrl.sweep import sweep
     from klrl.tasks.base import JaxReward
 
     def nan_reward(env, ro):
@@ -108,7 +107,7 @@ def test_sweep_nonfinite_member_stops_after_exactly_k(tiny_task, cache_dir, jax_
 
 
 def test_sweep_write_false_keeps_everything_in_memory(tiny_task, cache_dir, jax_cache, tmp_path):
-    from klrl.sweep import sweep
+    from klrl.api import sweep
 
     res = sweep(_members(cache_dir), task=tiny_task, write=False)
     assert [r.dir for r in res] == [None, None]
@@ -163,7 +162,7 @@ def test_2x2_sweep_in_tensorboards_hparams_dashboard(cache_dir, tmp_path):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     from klrl.analysis.results import load_sweep
-    from klrl.sweep import grid
+    from klrl.config.sweep import grid
 
     base = base_config(cache_dir, iterations=6, checkpoint_every=0)
     members = grid(base, {"kl.beta": [0.1, 1.0], "train.seed": [1, 2]})

@@ -545,9 +545,9 @@ def test_second_writer_is_refused_and_the_first_goes_on(cache_dir, jax_cache, tm
 
 def test_lock_is_held_by_a_run_and_a_sweep(tiny_task, cache_dir, jax_cache, tmp_path, monkeypatch):
     import klrl
+    from klrl.api import sweep
     from klrl.io import logging as io_logging
     from klrl.io.lock import RunDirLocked, run_lock
-    from klrl.sweep import sweep
 
     cfg = base_config(cache_dir, iterations=1)
     (tmp_path / "busy").mkdir()

@@ -31,7 +31,7 @@ import pytest
 
 from klrl.analysis.results import member_names
 from klrl.config import ConfigError, RunConfig
-from klrl.sweep import check_members, grid, parse_axis
+from klrl.config.sweep import check_members, grid, parse_axis
 
 RTOL = 1e-5
 ATOL_METRIC = 1e-5
@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent(
             dump(j, r.metrics, r.state)
     else:  # one sweep on a 2 x 2 (sweep x data) mesh
         assert jax.device_count() == 4, jax.devices()
-        from klrl.sweep import sweep
+        from klrl.api import sweep
         rs = sweep([m.replace(train={"devices": 2}) for m in members], task=task, write=False,
                    sweep_devices=2)
         for j, r in enumerate(rs):
@@ -147,7 +147,7 @@ def subprocs(members, tiny_task, tmp_path_factory):
 @pytest.fixture(scope="module")
 def swept(members, tiny_task, subprocs, tmp_path_factory):
     """The in-process sweep on one device, written to disk: ``(results, root)``."""
-    from klrl.sweep import sweep
+    from klrl.api import sweep
 
     root = tmp_path_factory.mktemp("sweep-out") / "sweep"
     return sweep(members, task=tiny_task, out_dir=root, write=True), root
@@ -276,7 +276,7 @@ def test_written_member_directories(swept, members) -> None:
 
 
 def test_non_sweepable_field_is_a_config_error(members, tiny_task) -> None:
-    from klrl.sweep import sweep
+    from klrl.api import sweep
 
     bad = [*members[:3], members[3].replace(sampling={"response_len": 4})]
     with pytest.raises(ConfigError, match=r"sampling\.response_len"):

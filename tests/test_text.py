@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import one_line_error
 
-from klrl.cli.commands import legacy_main
+from klrl.cli import legacy_main
 from klrl.config import DataConfig, ModelConfig, RunConfig
 from klrl.models.heads import detach
 from klrl.models.rollout import Rollout

@@ -1,1 +1,11 @@
-"""klrl.cli.args."""
+"""The command line: the ``klrl`` command (:func:`main`, :mod:`klrl.cli.commands`) and the flags of
+``python experiments/run.py`` translated into it (:func:`legacy_main`, :mod:`klrl.cli.legacy`).
+
+:mod:`klrl.cli.args` builds the parser and the config from the flags, :mod:`klrl.cli.launch` runs and
+prints, :mod:`klrl.cli.export` is ``klrl export``. The modules here import the rest of klrl inside
+their functions, when a command needs it (so that a parse error or ``--help`` does not wait for it)."""
+
+from klrl.cli.commands import main
+from klrl.cli.legacy import legacy_main
+
+__all__ = ["legacy_main", "main"]

@@ -1,5 +1,4 @@
-"""The ``klrl`` command: ``klrl train | sweep | study | resume | report``, and the flags of
-``python experiments/run.py`` (:func:`legacy_main`), over one executor.
+"""The ``klrl`` command: ``klrl train | sweep | study | resume | report | export``, over one executor.
 
 * ``klrl train [--config FILE] [--section.field V ...]``: one training run.
 * ``klrl sweep kl.beta=0.01,0.1 [train.seed=0,1 ...] [--sweep-devices K] [flags]``: the Cartesian
@@ -11,16 +10,19 @@
 * ``klrl export RUN_DIR OUT_DIR [--step N]``: a checkpoint's policy as a model directory
   (:mod:`klrl.cli.export`).
 
-Every check that needs no compiled code (the config, the paths a run writes, the task's vocabulary
-and lengths, the ``--distributed`` arguments, a damaged run directory) runs before anything is built;
-a failure is one line on stderr and exit status 2. Exit status: 0 done (or stopped by SIGTERM after a
-checkpoint), 130 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
+``python experiments/run.py [flags]`` is this command with its flags translated
+(:mod:`klrl.cli.legacy`). Every check that needs no compiled code (the config, the paths a run writes,
+the task's vocabulary and lengths, the ``--distributed`` arguments, a damaged run directory) runs before
+anything is built, with :mod:`klrl.checks`' functions where the API has the same rule; a failure is one
+line on stderr and exit status 2. Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
+stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 from typing import Any
 
@@ -35,19 +37,26 @@ from klrl.cli.args import (
     overrides_of,
     parse,
 )
-from klrl.cli.launch import check_device_count, check_reward_fns, run_one, run_sweep
+from klrl.cli.launch import check_reward_fns, run_one, run_sweep
 from klrl.config import ConfigError, RunConfig
 from klrl.config.schema import closest
+
+__all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
 COMMANDS = ("train", "sweep", "study", "resume", "report", "export")
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                 errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG}  # fmt: skip
+# the flags besides the config fields, and their defaults (a namespace lacking one gets it)
+FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep", []), ("sweep_devices", 1),
+                 ("study", False), ("quiet", False), ("distributed", False), ("coordinator", None),
+                 ("num_processes", None), ("process_id", None))  # fmt: skip
 
 
 # ---- flags -----------------------------------------------------------------------------------------
-def _distributed_args(p: argparse.ArgumentParser) -> None:
+def distributed_args(p: argparse.ArgumentParser) -> None:
+    """``--quiet`` and the ``--distributed`` flags (every command that trains)."""
     p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-process run (jax.distributed) before anything else; "
@@ -60,7 +69,8 @@ def _distributed_args(p: argparse.ArgumentParser) -> None:
                    help="--distributed: this process's index ($KLRL_PROCESS_ID)")  # fmt: skip
 
 
-def _sweep_args(p: argparse.ArgumentParser) -> None:
+def sweep_args(p: argparse.ArgumentParser) -> None:
+    """``--sweep AXIS`` and ``--sweep-devices K``."""
     p.add_argument("--sweep", metavar="SECTION.FIELD=V1,V2,...", action="append", default=[],
                    help="a sweep axis (repeatable: the grid is their Cartesian product), run as one "
                         "compiled program")  # fmt: skip
@@ -69,50 +79,24 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
                         "split each member's batch)")  # fmt: skip
 
 
-def _legacy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--resume", metavar="RUN_DIR", default=None,
-                   help="continue this run from its latest complete checkpoint")  # fmt: skip
-    p.add_argument("--report", metavar="RUN_DIR", default=None,
-                   help="write report.md (summary, diagnosis, plots) for this run or sweep directory "
-                        "and exit; trains nothing (takes no other flag)")  # fmt: skip
-    _sweep_args(p)
-    p.add_argument("--study", action="store_true",
-                   help="the default beta study (what running with no arguments does), with any "
-                        "overrides applied to every member")  # fmt: skip
-    _distributed_args(p)
-
-
-def _given(ns: argparse.Namespace) -> list[str]:
-    """The flags given besides the command's own ones (for the conflicts of --report)."""
+def given_flags(ns: argparse.Namespace) -> list[str]:
+    """The flags given besides ``--report`` (for the conflicts of a report)."""
     out = ["--" + d for d in overrides_of(ns)]
-    for flag, default in (("config", None), ("resume", None), ("sweep", []), ("sweep_devices", 1),
-                          ("study", False), ("quiet", False), ("distributed", False), ("coordinator", None),
-                          ("num_processes", None), ("process_id", None)):  # fmt: skip
-        if hasattr(ns, flag) and getattr(ns, flag) != default:
+    for flag, default in FLAG_DEFAULTS:
+        if flag != "report" and hasattr(ns, flag) and getattr(ns, flag) != default:
             out.append("--" + flag.replace("_", "-"))
     return out
 
 
-# ---- the executor ----------------------------------------------------------------------------------
-def _report(run_dir: str, ns: argparse.Namespace) -> int:
-    others = [f for f in _given(ns) if f != "--report"]
+def check_report_alone(ns: argparse.Namespace) -> None:
+    """A report trains nothing: no other flag."""
+    others = given_flags(ns)
     if others:
         fail(f"--report: cannot be combined with {others[0]} (a report trains nothing and reads the "
              "run's own config)")  # fmt: skip
-    from pathlib import Path
-
-    from klrl.analysis.report import ReportError, write_report
-    from klrl.io.readers import RunDirError
-
-    if Path(run_dir).is_dir():
-        check_run_dir_writable(run_dir, "--report")
-    try:
-        print(write_report(run_dir))
-    except (ReportError, RunDirError) as e:
-        fail(f"--report: {e}")
-    return 0
 
 
+# ---- the configs of a command ----------------------------------------------------------------------
 def _study_members(cfg: RunConfig, overridden: bool) -> list[RunConfig]:
     if not overridden:  # the built-in default: short enough for a laptop CPU in a few minutes
         cfg = cfg.replace(train={"iterations": 100, "name": cfg.train.name or "beta-study"})
@@ -126,7 +110,7 @@ def _study_members(cfg: RunConfig, overridden: bool) -> list[RunConfig]:
 
 
 def _sweep_members(cfg: RunConfig, specs: list[str]) -> tuple[list[RunConfig], dict[str, Any]]:
-    from klrl.sweep import check_members, grid, parse_axis
+    from klrl.config.sweep import check_members, grid, parse_axis
 
     for spec in specs:
         if "=" not in spec:
@@ -142,21 +126,7 @@ def _sweep_members(cfg: RunConfig, specs: list[str]) -> tuple[list[RunConfig], d
     return members, axes
 
 
-def _check_distributed(ns: argparse.Namespace) -> bool:
-    want = ns.distributed or ns.coordinator or ns.num_processes is not None or ns.process_id is not None
-    check_coordinator(ns.coordinator)
-    if ns.num_processes is not None and ns.num_processes < 1:
-        fail(f"--num-processes: must be >= 1 (got {ns.num_processes})")
-    if ns.process_id is not None:
-        n = ns.num_processes
-        if ns.process_id < 0 or (n is not None and ns.process_id >= n):
-            fail(f"--process-id: must be in [0, --num-processes) (got {ns.process_id})")
-    return bool(want)
-
-
 def _is_sweep_dir(run_dir: str) -> bool:
-    import os
-
     return os.path.isfile(os.path.join(run_dir, "sweep.json"))
 
 
@@ -180,26 +150,20 @@ def _read_resume_dir(run_dir: str) -> RunConfig:
     return cfg
 
 
-def execute(mode: str, ns: argparse.Namespace) -> int:
-    """Run ``mode`` (one of :data:`COMMANDS`) with the parsed flags ``ns``."""
-    if mode == "report":
-        return _report(ns.report, ns)
-    base = None
-    members = axes = None
-    resume_sweep = mode == "resume" and _is_sweep_dir(ns.resume)
+def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConfig] | None, Any]:
+    """``(config, sweep members or None, sweep axes)`` of ``mode`` from the flags (and, for a resume,
+    the run's saved config: the flags override it)."""
+    base = members = axes = None
     if mode == "resume":
         if ns.config:
             fail("--config: cannot be combined with --resume (the run's config.json is the base)")
-        if resume_sweep:  # every member's config, with the overrides applied to each
-            saved = _read_sweep_dir(ns.resume)
-            members = [config_from_args(ns, base=m) for m in saved]
+        if _is_sweep_dir(ns.resume):  # every member's config, with the overrides applied to each
+            members = [config_from_args(ns, base=m) for m in _read_sweep_dir(ns.resume)]
             if ns.quiet:
                 members = [m.replace(train={"quiet": True}) for m in members]
-            axes = {}
-            base = members[0]
-        else:
-            base = _read_resume_dir(ns.resume)
-    cfg = config_from_args(ns, base=base) if not resume_sweep else base
+            return members[0], members, {}
+        base = _read_resume_dir(ns.resume)
+    cfg = config_from_args(ns, base=base)
     if ns.quiet:
         cfg = cfg.replace(train={"quiet": True})
     if mode == "study":
@@ -209,46 +173,101 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         if not ns.sweep:
             fail(f"sweep: no axis given; {SWEEP_SYNTAX}")
         members, axes = _sweep_members(cfg, ns.sweep)
-    if ns.sweep_devices != 1 and mode != "sweep":
-        fail("--sweep-devices: needs --sweep")
-    if ns.sweep_devices < 1:
-        fail(f"--sweep-devices: must be >= 1 (got {ns.sweep_devices})")
-    distributed = _check_distributed(ns)
-    check_paths(cfg, new_run=mode != "resume")
+    return cfg, members, axes
+
+
+# ---- the checks before anything is built -------------------------------------------------------------
+def _check_distributed(ns: argparse.Namespace) -> bool:
+    want = ns.distributed or ns.coordinator or ns.num_processes is not None or ns.process_id is not None
+    check_coordinator(ns.coordinator)
+    if ns.num_processes is not None and ns.num_processes < 1:
+        fail(f"--num-processes: must be >= 1 (got {ns.num_processes})")
+    if ns.process_id is not None:
+        n = ns.num_processes
+        if ns.process_id < 0 or (n is not None and ns.process_id >= n):
+            fail(f"--process-id: must be in [0, --num-processes) (got {ns.process_id})")
+    return bool(want)
+
+
+def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig]) -> None:
+    """The paths a run writes, the model files, the task's vocabulary and lengths (the built-in task's
+    shape, :func:`klrl.checks.check_task`), the reward functions; then the config's warnings."""
+    from klrl.checks import check_task
+    from klrl.config import config_warnings
+    from klrl.tasks.base import builtin_task_shape
     from klrl.tasks.text import check_model_paths
 
+    check_paths(cfg, new_run=mode != "resume")
     try:
-        for m in members or [cfg]:
+        for m in members:
             check_model_paths(m)  # a missing checkpoint before anything is built
     except ConfigError as e:
         fail(str(e))
     if mode == "resume":
         check_run_dir_writable(ns.resume, "--resume")
-    from klrl.config import check_task, config_warnings
-    from klrl.tasks.base import builtin_task_shape
-
     try:
-        for m in members or [cfg]:
+        for m in members:
             check_task(m, builtin_task_shape(m))
     except ConfigError as e:
         fail(str(e))
     check_reward_fns(cfg)
     for w in config_warnings(cfg):  # after every check: an error is the only line on stderr
         print(f"warning: {w}", file=sys.stderr)
+
+
+def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunConfig) -> None:
+    """``--distributed``: join the other processes (before anything touches a device); then a run's
+    ``train.devices`` against the devices there are (:func:`klrl.checks.check_device_count`)."""
     if distributed:
         from klrl.distributed import initialize
 
-        try:  # before anything touches a device
+        try:
             initialize(ns.coordinator, ns.num_processes, ns.process_id)
         except ValueError as e:
             fail(f"--distributed: {e}")
-    if members is None:
-        check_device_count(cfg)
+    if run_alone:
+        from klrl.checks import check_device_count
+
+        try:
+            check_device_count(cfg)
+        except ConfigError as e:
+            fail(str(e))
+
+
+# ---- the executor ----------------------------------------------------------------------------------
+def _report(run_dir: str, ns: argparse.Namespace) -> int:
+    check_report_alone(ns)
+    from pathlib import Path
+
+    from klrl.analysis.report import ReportError, write_report
+    from klrl.io.readers import RunDirError
+
+    if Path(run_dir).is_dir():
+        check_run_dir_writable(run_dir, "--report")
+    try:
+        print(write_report(run_dir))
+    except (ReportError, RunDirError) as e:
+        fail(f"--report: {e}")
+    return 0
+
+
+def execute(mode: str, ns: argparse.Namespace) -> int:
+    """Run ``mode`` (one of :data:`COMMANDS`) with the parsed flags ``ns``."""
+    if mode == "report":
+        return _report(ns.report, ns)
+    cfg, members, axes = _configs(mode, ns)
+    if ns.sweep_devices != 1 and mode != "sweep":
+        fail("--sweep-devices: needs --sweep")
+    if ns.sweep_devices < 1:
+        fail(f"--sweep-devices: must be >= 1 (got {ns.sweep_devices})")
+    distributed = _check_distributed(ns)
+    _check_inputs(mode, ns, cfg, members or [cfg])
+    _join(ns, distributed, members is None, cfg)
     from klrl.analysis.report import maybe_write_report  # (the command line attaches the report)
 
     try:
         if members is not None:
-            resume = ns.resume if resume_sweep else None
+            resume = ns.resume if mode == "resume" else None
             return run_sweep(members, axes, ns.sweep_devices, resume, maybe_write_report)
         return run_one(cfg, ns.resume if mode == "resume" else None, maybe_write_report)
     except OSError as e:
@@ -257,38 +276,15 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
         raise
 
 
-# ---- entry points ----------------------------------------------------------------------------------
-def legacy_main(argv: list[str] | None = None) -> int:
-    """``python experiments/run.py [flags]``: the mode follows from the flags (``--report``,
-    ``--resume``, ``--sweep``, ``--study``; configuration flags alone: one run; none: the study)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(DESCRIPTION, extra=_legacy_args)
-    ns = parse(parser, argv)
-    if ns.report is not None:
-        return execute("report", ns)
-    if ns.resume is not None and ns.sweep:
-        fail("--sweep: cannot be combined with --resume")
-    if ns.resume is not None and ns.study:
-        fail("--study: cannot be combined with --resume")
-    if ns.sweep:
-        if ns.study:
-            fail("--study: cannot be combined with --sweep (the study is a sweep of its own)")
-        return execute("sweep", ns)
-    if ns.resume is not None:
-        return execute("resume", ns)
-    if ns.study or not (overrides_of(ns) or ns.config):
-        return execute("study", ns)
-    return execute("train", ns)
-
-
+# ---- the entry point -------------------------------------------------------------------------------
 def _command_parser(cmd: str) -> argparse.ArgumentParser:
     def extra(p: argparse.ArgumentParser) -> None:
         if cmd in ("resume", "report"):
             p.add_argument("run_dir", metavar="RUN_DIR", help=f"the run directory to {cmd}")
         if cmd == "sweep":
-            _sweep_args(p)
+            sweep_args(p)
         if cmd != "report":
-            _distributed_args(p)
+            distributed_args(p)
 
     return build_parser(f"klrl {cmd}: {DESCRIPTION}", extra=extra, prog=f"klrl {cmd}")
 
@@ -324,9 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean klrl {near}?" if near else ""
         fail(f"{cmd!r}: not a klrl command{hint} (commands: {', '.join(COMMANDS)})")
     ns = parse(_command_parser(cmd), rest, positional_axes=cmd == "sweep")
-    for flag, default in (("resume", None), ("report", None), ("sweep", []), ("sweep_devices", 1),
-                          ("study", False), ("quiet", False), ("distributed", False), ("coordinator", None),
-                          ("num_processes", None), ("process_id", None)):  # fmt: skip
+    for flag, default in FLAG_DEFAULTS:
         if not hasattr(ns, flag):
             setattr(ns, flag, default)
     if cmd == "resume":

@@ -1,6 +1,7 @@
 """What ``klrl train/sweep/study/resume`` (:mod:`klrl.cli.commands`) do once the config is built: the
-checks that need the environment (reward functions load, devices there are), then the run or sweep
-itself with the user's mistakes as one line and exit 2 (:func:`guarded`), and its summary printed."""
+reward functions load (a check of the environment), then the run or sweep itself (:func:`klrl.api.run`,
+:func:`klrl.api.sweep`) with the user's mistakes as one line and exit 2 (:func:`guarded`), and its
+summary printed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from klrl.cli.args import fail
 from klrl.config import ConfigError, RunConfig
 
-__all__ = ["check_device_count", "check_reward_fns", "guarded", "run_one", "run_sweep"]
+__all__ = ["check_reward_fns", "exit_status", "guarded", "run_one", "run_sweep", "stopped_line"]
 
 
 def check_reward_fns(cfg: RunConfig) -> None:
@@ -25,26 +26,6 @@ def check_reward_fns(cfg: RunConfig) -> None:
             load_reward_fn(spec)
     except RewardLoadError as e:
         fail(f"reward.fn: {e}")
-
-
-def check_device_count(cfg: RunConfig) -> None:
-    """``train.devices`` against the devices there are (after ``--distributed``: all processes')."""
-    import jax
-
-    from klrl.config import check_devices
-
-    n = jax.device_count()
-    if cfg.train.devices > n:
-        fail(f"train.devices: asked for {cfg.train.devices} devices, {n} available")
-    try:
-        if cfg.train.mesh:  # the data axis of train.mesh (its sizes against the devices there are)
-            from klrl.step.parallel import mesh_from_config
-
-            check_devices(cfg, mesh_from_config(cfg.train).shape["data"])
-        else:
-            check_devices(cfg, cfg.train.devices or n)
-    except ConfigError as e:
-        fail(str(e))
 
 
 def guarded(call: Any) -> Any:
@@ -83,7 +64,8 @@ def run_sweep(
     printed (process 0); the exit status."""
     import jax
 
-    from klrl.sweep import summary_table, sweep
+    from klrl.analysis.summary import summary_table
+    from klrl.api import sweep
 
     results = guarded(lambda: sweep(members, sweep_devices=sweep_devices, resume=resume, report=report))
     if results is None:
@@ -108,10 +90,10 @@ def run_sweep(
 def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
     """One run as a command (``report``: klrl.run's ``report=``): its summary printed (process 0);
     the exit status."""
-    import klrl
+    from klrl.api import run
     from klrl.distributed import is_main
 
-    result = guarded(lambda: klrl.run(cfg, resume=resume, report=report))
+    result = guarded(lambda: run(cfg, resume=resume, report=report))
     if result is None:
         return 130
     stopped = result.info.get("stopped")

@@ -41,8 +41,8 @@ __all__ = [
     "FORMATS", "TRUNCATE", "KL_UNITS", "PLACEMENTS", "ConfigError", "ControllerConfig", "DataConfig",
     "DiagnosisConfig",
     "KLConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RunConfig", "SamplingConfig",
-    "TaskConfig", "TaskShape", "TrainConfig", "UnknownFieldError", "check_devices", "check_task",
-    "config_warnings", "field_names", "parse_mesh",
+    "TaskConfig", "TaskShape", "TrainConfig", "UnknownFieldError", "config_warnings", "field_names",
+    "parse_mesh",
 ]  # fmt: skip
 
 
@@ -303,43 +303,11 @@ def field_names() -> list[str]:
 
 
 class TaskShape(NamedTuple):
-    """What :func:`check_task` needs of a task (a :class:`klrl.tasks.base.Task` has these too)."""
+    """What :func:`klrl.checks.check_task` needs of a task (a :class:`klrl.tasks.base.Task` has these too)."""
 
     vocab_size: int
     prompt_len: int
     max_len: int
-
-
-def check_task(cfg: RunConfig, task: Any) -> None:
-    """Rules that need the task (its vocabulary and lengths): run right after the task is built
-    (or on :func:`klrl.tasks.base.builtin_task_shape` before), before anything of the iteration compiles."""
-    s, v = cfg.sampling, int(task.vocab_size)
-    _check(s.top_k <= v, "sampling.top_k",
-           f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip
-    total = int(task.prompt_len) + s.response_len
-    _check(total <= int(task.max_len), "sampling.response_len",
-           f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
-           f"max_len {task.max_len}")  # fmt: skip
-
-
-def check_devices(cfg: RunConfig, n_devices: int) -> None:
-    """Rules that need the device count; run before anything compiles."""
-    b = cfg.train.batch_size
-    _check(
-        b % n_devices == 0,
-        "train.batch_size",
-        f"must be divisible by the device count ({b} % {n_devices} != 0)",
-    )
-    _check(
-        (b // cfg.ppo.minibatches) % n_devices == 0,
-        "ppo.minibatches",
-        f"each minibatch ({b // cfg.ppo.minibatches}) must split evenly over {n_devices} devices",
-    )
-    _check(
-        (b // n_devices) % cfg.ppo.group_size == 0,
-        "ppo.group_size",
-        f"each device's share ({b // n_devices}) must hold whole groups of {cfg.ppo.group_size}",
-    )
 
 
 def config_warnings(cfg: RunConfig) -> list[str]:

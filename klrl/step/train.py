@@ -69,7 +69,7 @@ from klrl.step.parts import (
 )
 from klrl.step.samples import sample_rows
 from klrl.step.update import ppo_loss, update_phase
-from klrl.tasks.base import JaxReward, Task, check_task
+from klrl.tasks.base import JaxReward, Task
 
 Array = jax.Array
 
@@ -276,10 +276,12 @@ def make_train(
     the separate value model of ``model.value_model=separate``; by default :func:`build_models`
     builds a fresh klrl GPT of ``cfg.model``. ``reward`` replaces the task's reward (its parameters
     then travel in ``train.context.task.env``, the env to step with). ``stop_ids`` (default: the
-    task's tokenizer's) is the set of tokens that end a response. The task's parts are checked
-    against the policy first (:func:`klrl.tasks.base.check_task`): a mismatch is a
-    :class:`ConfigError` naming the part. ``log_target`` (default: ``cfg.ctrl.kind != 'fixed'``) logs
-    ``ctrl/target`` (a sweep sets it when any member is adaptive; fixed members then log NaN).
+    task's tokenizer's) is the set of tokens that end a response. The task's parts are not checked
+    here: ``klrl.run`` and ``klrl.sweep`` check them against the policy at their entry
+    (:func:`klrl.checks.check_program`; a mismatch is a :class:`ConfigError` naming the part), and a
+    direct caller can call :func:`klrl.checks.check_parts` first. ``log_target`` (default:
+    ``cfg.ctrl.kind != 'fixed'``) logs ``ctrl/target`` (a sweep sets it when any member is adaptive;
+    fixed members then log NaN).
     ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
     as ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them).
     """
@@ -292,7 +294,6 @@ def make_train(
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = Models(policy, value, ValueHead(value.hidden_size))
     n_dev = mesh.shape[DATA]
-    check_task(task, policy, cfg.sampling.response_len, cfg.train.batch_size // n_dev)
     ctx = Context(
         cfg=cfg,
         task=task,

@@ -15,9 +15,9 @@
 * **Reference policy**: any :class:`klrl.models.base.CausalLM` and its pretrained parameters, the
   initial policy and the frozen KL reference.
 
-:func:`check_task` checks the parts against each other and against the policy at the boundary
-(``make_train`` calls it): a wrong shape, dtype or vocabulary is a :class:`ConfigError` naming the
-part, never a silently wrong run.
+:func:`klrl.checks.check_parts` checks the parts against each other and against the policy at the
+API's entry (``klrl.run``, ``klrl.sweep``): a wrong shape, dtype or vocabulary is a :class:`ConfigError`
+naming the part, never a silently wrong run.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from klrl.config import ConfigError, RunConfig, TaskShape
+from klrl.config import RunConfig, TaskShape
 from klrl.data.tokenizer import Tokenizer
 from klrl.models.base import CausalLM
-from klrl.models.rollout import Rollout
 from klrl.registry import TASKS
 
 Array = jax.Array
@@ -211,63 +209,6 @@ class Task:
         return self.tokenizer.decode(
             [int(i) for i, k in zip(t, m, strict=True) if k], skip_special_tokens=False
         )
-
-
-def check_task(task: Task, policy: CausalLM, response_len: int, batch: int) -> None:
-    """The boundary checks of a task against itself and the policy; :class:`ConfigError` naming the part."""
-    env = task.env
-    pr, pm = env.get("prompts"), env.get("prompt_mask")
-    if pr is None or pm is None:
-        raise ConfigError(f"task {task.name} prompts: the prompt source gives no prompts/prompt_mask arrays")
-    if np.ndim(pr) != 2 or np.shape(pm) != np.shape(pr):
-        raise ConfigError(
-            f"task {task.name} prompts: expected prompts [N, P] and prompt_mask of the same shape, "
-            f"got {np.shape(pr)} and {np.shape(pm)}"
-        )
-    if task.prompts.width != task.prompt_len or np.shape(pr)[1] != task.prompt_len:
-        raise ConfigError(
-            f"task {task.name} prompts: the prompt source is {np.shape(pr)[1]} tokens wide, the task's "
-            f"prompt_len is {task.prompt_len} (task.prompt_len); they must be equal"
-        )
-    if not jnp.issubdtype(jnp.asarray(pr).dtype, jnp.integer):
-        raise ConfigError(
-            f"task {task.name} prompts: token ids must be integers, got {jnp.asarray(pr).dtype}"
-        )
-    tok = task.tokenizer
-    if tok.vocab_size > policy.vocab_size:
-        raise ConfigError(
-            f"task {task.name} tokenizer: {tok.vocab_size} token ids, the policy's vocabulary has only "
-            f"{policy.vocab_size} (policy.vocab_size)"
-        )
-    ids = (tok.pad_id, *tok.stop_ids)
-    if not tok.stop_ids or any(not 0 <= int(i) < policy.vocab_size for i in ids):
-        raise ConfigError(
-            f"task {task.name} tokenizer: pad id {tok.pad_id} and stop ids {tuple(tok.stop_ids)} must be "
-            f"ids of the policy's vocabulary [0, {policy.vocab_size})"
-        )
-    if policy.max_len < task.prompt_len + response_len:
-        raise ConfigError(
-            f"policy: {policy.max_len} positions (max_len) < prompt_len {task.prompt_len} + "
-            f"sampling.response_len {response_len}"
-        )
-    if isinstance(task.reward, HostReward):
-        raise ConfigError(f"task {task.name} reward: host-side text rewards are not run by the trainer yet")
-    check_reward(task, batch, response_len)
-
-
-def check_reward(task: Task, batch: int, response_len: int) -> None:
-    """Trace the reward on an abstract rollout of ``batch`` rows: it must give ``[batch]`` float32."""
-    b, p, r = batch, task.prompt_len, response_len
-    i32 = jax.ShapeDtypeStruct((b, p), jnp.int32)
-    f32 = jax.ShapeDtypeStruct((b, p), jnp.float32)
-    rr = jax.ShapeDtypeStruct((b, r), jnp.float32)
-    idx = jax.ShapeDtypeStruct((b,), jnp.int32)
-    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None, idx)
-    env = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), task.env)
-    out = jax.eval_shape(task.reward.fn, env, ro)
-    if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:
-        got = f"{tuple(out.shape)} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
-        raise ConfigError(f"task {task.name} reward: must return [B] = ({b},) float32 per batch, got {got}")
 
 
 def builtin_task_shape(cfg: RunConfig) -> TaskShape:

@@ -1,0 +1,201 @@
+"""Every check of a run or a sweep that needs no compiled code, in one place and in the order it runs.
+
+1. **The configuration** (:func:`check_config`): the members of a sweep differ only in sweepable
+   fields and split over the sweep device groups; a resume and the quality rollback write
+   (``write=True``). Before anything is read or built.
+2. **The task and the models against the policy** (:func:`check_task`, :func:`check_parts`): the
+   sampling lengths and ``top_k`` against the task's vocabulary and lengths; the task's parts
+   (prompt source, tokenizer, reward) against each other and against the policy that trains. Once
+   the task is built, before anything compiles.
+3. **The devices** (:func:`check_devices`, :func:`check_device_count`): the batch, minibatches and
+   groups split over the data devices, and the devices asked for are there.
+
+:func:`klrl.api.run` and :func:`klrl.api.sweep` call :func:`check_config` at their entry and
+:func:`check_program` (2 and 3; the device split before the parts, whose reward is traced on one
+device's share of the batch) on the task they built; nothing below them checks again (``make_train``
+trusts its input). The command line (:mod:`klrl.cli`) calls the same functions
+earlier, on the shape of the built-in task (:func:`klrl.tasks.base.builtin_task_shape`), before
+anything is built. A failure is a :class:`ConfigError` naming the field or the part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from klrl.config import ConfigError, RunConfig
+from klrl.config.sweep import check_members
+from klrl.models.base import CausalLM
+from klrl.models.rollout import Rollout
+from klrl.step.parallel import mesh_from_config
+from klrl.tasks.base import HostReward, JaxReward, Task
+
+__all__ = [
+    "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
+    "check_task",
+]  # fmt: skip
+
+
+def _check(cond: bool, name: str, rule: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {rule}")
+
+
+# ---- 1. the configuration --------------------------------------------------------------------------
+def check_config(
+    members: list[RunConfig],
+    *,
+    stacked: bool,
+    write: bool = True,
+    resume: Any = None,
+    sweep_devices: int = 1,
+) -> None:
+    """The rules of a run (one member, ``stacked=False``) or a sweep (``stacked``) that need neither
+    the task nor the devices: the members (:func:`klrl.config.sweep.check_members`) and their split
+    over ``sweep_devices`` groups; a resume (``resume``: its directory) and ``train.rollback_metric``
+    need ``write``."""
+    check_members(members)
+    n = len(members)
+    if n % sweep_devices:
+        raise ConfigError(f"sweep: {n} members do not split over {sweep_devices} sweep device groups")
+    if resume is not None and not write:
+        where = "sweep writes to its sweep directory" if stacked else "run writes to its run directory"
+        raise ConfigError(f"resume: a resumed {where} (write=True)")
+    if members[0].train.rollback_metric and not write:
+        raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
+
+
+# ---- 2. the task and the models against the policy ---------------------------------------------------
+def check_task(cfg: RunConfig, task: Any) -> None:
+    """Rules that need the task's vocabulary and lengths (``task``: a :class:`~klrl.tasks.base.Task`,
+    or the :class:`~klrl.config.TaskShape` of :func:`klrl.tasks.base.builtin_task_shape` before it is
+    built)."""
+    s, v = cfg.sampling, int(task.vocab_size)
+    _check(s.top_k <= v, "sampling.top_k",
+           f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip
+    total = int(task.prompt_len) + s.response_len
+    _check(total <= int(task.max_len), "sampling.response_len",
+           f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
+           f"max_len {task.max_len}")  # fmt: skip
+
+
+def _check_prompts(task: Task) -> None:
+    env = task.env
+    pr, pm = env.get("prompts"), env.get("prompt_mask")
+    if pr is None or pm is None:
+        raise ConfigError(f"task {task.name} prompts: the prompt source gives no prompts/prompt_mask arrays")
+    if np.ndim(pr) != 2 or np.shape(pm) != np.shape(pr):
+        raise ConfigError(
+            f"task {task.name} prompts: expected prompts [N, P] and prompt_mask of the same shape, "
+            f"got {np.shape(pr)} and {np.shape(pm)}"
+        )
+    if task.prompts.width != task.prompt_len or np.shape(pr)[1] != task.prompt_len:
+        raise ConfigError(
+            f"task {task.name} prompts: the prompt source is {np.shape(pr)[1]} tokens wide, the task's "
+            f"prompt_len is {task.prompt_len} (task.prompt_len); they must be equal"
+        )
+    if not jnp.issubdtype(jnp.asarray(pr).dtype, jnp.integer):
+        raise ConfigError(
+            f"task {task.name} prompts: token ids must be integers, got {jnp.asarray(pr).dtype}"
+        )
+
+
+def check_parts(task: Task, policy: CausalLM, response_len: int, batch: int) -> None:
+    """The task's parts against each other and against ``policy`` (the model that trains): the
+    prompt source's arrays, the tokenizer's ids in the policy's vocabulary, the policy's positions,
+    the reward (in the graph, ``[batch]`` float32 for ``batch`` rows: :func:`check_reward`)."""
+    _check_prompts(task)
+    tok = task.tokenizer
+    if tok.vocab_size > policy.vocab_size:
+        raise ConfigError(
+            f"task {task.name} tokenizer: {tok.vocab_size} token ids, the policy's vocabulary has only "
+            f"{policy.vocab_size} (policy.vocab_size)"
+        )
+    ids = (tok.pad_id, *tok.stop_ids)
+    if not tok.stop_ids or any(not 0 <= int(i) < policy.vocab_size for i in ids):
+        raise ConfigError(
+            f"task {task.name} tokenizer: pad id {tok.pad_id} and stop ids {tuple(tok.stop_ids)} must be "
+            f"ids of the policy's vocabulary [0, {policy.vocab_size})"
+        )
+    if policy.max_len < task.prompt_len + response_len:
+        raise ConfigError(
+            f"policy: {policy.max_len} positions (max_len) < prompt_len {task.prompt_len} + "
+            f"sampling.response_len {response_len}"
+        )
+    if isinstance(task.reward, HostReward):
+        raise ConfigError(f"task {task.name} reward: host-side text rewards are not run by the trainer yet")
+    check_reward(task, batch, response_len)
+
+
+def check_reward(task: Task, batch: int, response_len: int) -> None:
+    """Trace the reward on an abstract rollout of ``batch`` rows: it must give ``[batch]`` float32."""
+    b, p, r = batch, task.prompt_len, response_len
+    i32 = jax.ShapeDtypeStruct((b, p), jnp.int32)
+    f32 = jax.ShapeDtypeStruct((b, p), jnp.float32)
+    rr = jax.ShapeDtypeStruct((b, r), jnp.float32)
+    idx = jax.ShapeDtypeStruct((b,), jnp.int32)
+    ro = Rollout(i32, f32, jax.ShapeDtypeStruct((b, r), jnp.int32), rr, rr, None, None, idx)
+    env = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), task.env)
+    out = jax.eval_shape(task.reward.fn, env, ro)
+    if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:
+        got = f"{tuple(out.shape)} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(f"task {task.name} reward: must return [B] = ({b},) float32 per batch, got {got}")
+
+
+# ---- 3. the devices --------------------------------------------------------------------------------
+def check_devices(cfg: RunConfig, n_devices: int) -> None:
+    """The batch, each minibatch and the groups split evenly over ``n_devices`` data devices."""
+    b = cfg.train.batch_size
+    _check(
+        b % n_devices == 0,
+        "train.batch_size",
+        f"must be divisible by the device count ({b} % {n_devices} != 0)",
+    )
+    _check(
+        (b // cfg.ppo.minibatches) % n_devices == 0,
+        "ppo.minibatches",
+        f"each minibatch ({b // cfg.ppo.minibatches}) must split evenly over {n_devices} devices",
+    )
+    _check(
+        (b // n_devices) % cfg.ppo.group_size == 0,
+        "ppo.group_size",
+        f"each device's share ({b // n_devices}) must hold whole groups of {cfg.ppo.group_size}",
+    )
+
+
+def check_device_count(cfg: RunConfig) -> None:
+    """``train.devices`` against the devices there are (after ``--distributed``: all processes'),
+    then :func:`check_devices` on the data axis the run's mesh will have."""
+    n = jax.device_count()
+    if cfg.train.devices > n:
+        raise ConfigError(f"train.devices: asked for {cfg.train.devices} devices, {n} available")
+    if cfg.train.mesh:  # the data axis of train.mesh (its sizes against the devices there are)
+        check_devices(cfg, mesh_from_config(cfg.train).shape["data"])
+    else:
+        check_devices(cfg, cfg.train.devices or n)
+
+
+# ---- the program: 2 and 3 on the built task ----------------------------------------------------------
+def check_program(
+    members: list[RunConfig],
+    task: Task,
+    n_data: int,
+    *,
+    policy: CausalLM | None = None,
+    reward: JaxReward | None = None,
+) -> None:
+    """The task and the models against the policy, and the devices, for ``members`` on ``task`` with
+    ``n_data`` data devices per member; ``policy`` and ``reward`` are what ``make_train`` gets instead
+    of the task's (None: the task's). The devices come before the parts: the reward is traced on one
+    device's share of the batch, which must then be a whole one."""
+    for m in members:
+        check_task(m, task)  # lengths, top_k and vocabulary against the task
+    base = members[0]
+    check_devices(base, n_data)
+    parts = task if reward is None else dataclasses.replace(task, reward=reward)
+    policy = task.policy if policy is None else policy
+    check_parts(parts, policy, base.sampling.response_len, base.train.batch_size // n_data)
