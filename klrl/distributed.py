@@ -30,10 +30,12 @@ and ``KLRL_PROCESS_ID``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -132,8 +134,6 @@ def to_host(tree: Any) -> Any:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             if x.is_fully_replicated:
                 return np.asarray(x.addressable_data(0))
-            from jax.experimental import multihost_utils
-
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
 
@@ -144,8 +144,6 @@ def broadcast_str(value: str) -> str:
     """Process 0's ``value`` on every process (e.g. a run directory named by a timestamp)."""
     if not is_multiprocess():
         return value
-    from jax.experimental import multihost_utils
-
     data = np.zeros(4096, np.uint8)
     raw = value.encode()[:4096]
     data[: len(raw)] = np.frombuffer(raw, np.uint8)
@@ -157,8 +155,6 @@ def agree_path(path: Any) -> Any:
     """Process 0's ``path`` (a :class:`pathlib.Path` or ``None``) on every process."""
     if not is_multiprocess():
         return path
-    from pathlib import Path
-
     value = broadcast_str(str(path) if path is not None and is_main() else "")
     return Path(value) if value else None
 
@@ -166,6 +162,4 @@ def agree_path(path: Any) -> Any:
 def sync(name: str) -> None:
     """A barrier across processes (no-op with one)."""
     if is_multiprocess():
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

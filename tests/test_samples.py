@@ -8,7 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from klrl.io.samples import SamplesWriter, read_samples, trim_samples
+from klrl.io.samples import (
+    SamplesWriter,
+    read_samples,
+    report_lines,
+    samples,
+    side_by_side,
+    table_cell,
+    trim_samples,
+)
 
 
 def test_write_and_read(tmp_path) -> None:
@@ -115,8 +123,6 @@ def test_due_first_every_and_last() -> None:
 
 
 def test_side_by_side_pairs_first_and_last_iteration() -> None:
-    from klrl.step.samples import side_by_side
-
     rows = [
         {"iteration": it, "prompt": f"p{it}{i}", "completion": f"c{it}{i}", "reward": it, "kl_seq_sum": 0.5}
         for it in (0, 5, 9)
@@ -193,3 +199,37 @@ def test_sweep_writes_samples_per_member(tiny_cfg, tiny_task, tmp_path) -> None:
     assert first[0]["reward"].tolist() == first[1]["reward"].tolist()  # one env: the same reward
     report = klrl.write_report(root, plots=False).read_text()
     assert report.count("Samples:") == 2
+
+
+def test_table_cell_one_line_escaped_and_cut() -> None:
+    assert table_cell("a |b\n c") == "a \\|b c"
+    assert table_cell("x" * 10, 4) == "xxx…" and table_cell("xxxx", 4) == "xxxx"
+
+
+def test_report_lines_and_samples_read_a_run_and_a_sweep(tmp_path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    assert report_lines(run) == [] and report_lines(None) == []
+    with SamplesWriter(run) as w:
+        w.write(0, ["p"], ["c0"], [1.0], kl_seq_sum=[0.5])
+        w.write(3, ["q"], ["c3"], [2.0], kl_seq_sum=[0.25])
+    lines = report_lines(run, title="## S")
+    assert lines[:3] == ["## S", "", "| # | iteration 0 | iteration 3 |"] and lines[-1] == ""
+    got = samples(run, frame=False)
+    assert [(r["member"], r["iteration"], r["completion"]) for r in got] == [
+        ("run", 0, "c0"),
+        ("run", 3, "c3"),
+    ]
+    assert [r["completion"] for r in samples(run, 3, frame=False)] == ["c3"]
+    sweep = tmp_path / "sweep"
+    for name in ("00", "01"):
+        (sweep / name).mkdir(parents=True)
+        with SamplesWriter(sweep / name) as w:
+            w.write(1, ["p"], [f"c{name}"], [0.0])
+    (sweep / "sweep.json").write_text(json.dumps({"members": ["00", "01"]}))
+    assert [(r["member"], r["completion"]) for r in samples(sweep, frame=False)] == [
+        ("00", "c00"),
+        ("01", "c01"),
+    ]
+    with pytest.raises(ValueError, match="no run directory"):
+        samples(type("R", (), {"dir": None})())

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from klrl.registry import CONTROLLERS
+
 LEVEL = 0.95
 SEED_FIELD = "train.seed"
 # fields that name a run, set what it prints or where a cache lives: runs differing in them are the
@@ -31,6 +33,7 @@ __all__ = [
     "first_logged",
     "fit_gao",
     "gao_curve",
+    "label",
     "metric_label",
     "seed_groups",
     "setting_key",
@@ -244,3 +247,17 @@ def metric_label(names: str | Sequence[str | None], quantity: str | None = None)
             quantity = _QUANTITY.get(names[0]) or ("KL" if kl else names[0])
         text = f"{quantity} [{', '.join(names)}]"
     return f"{text}{chr(10) if len(text) + len(unit) > 28 else ' '}{unit}"  # long: the unit on a 2nd line
+
+
+def label(r: Any) -> str:
+    """A short label from the config (of a run result: anything with ``.config``, or a config): the
+    controller, its target and gains, or the fixed beta."""
+    cfg = getattr(r, "config", r)
+    c, beta = cfg.ctrl, cfg.kl.beta
+    meta = CONTROLLERS.meta(c.kind)  # the controller registry's label and whether the kind moves beta
+    if not meta.get("adaptive", True):
+        return f"{c.kind} beta={beta:g}"
+    gains = meta.get("label", lambda c: "")(c)
+    unit = "/tok" if c.unit == "token_mean" else ""
+    warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
+    return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}".replace("  ", " ")

@@ -11,9 +11,16 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from klrl.analysis.aggregate import Group, first_logged, seed_groups, stack, t_interval, trailing_mean
+from klrl.analysis.aggregate import (  # noqa: F401  (label: re-exported, plots and the figures read it here)
+    Group,
+    first_logged,
+    label,
+    seed_groups,
+    stack,
+    t_interval,
+    trailing_mean,
+)
 from klrl.analysis.results import RunResult
-from klrl.config import RunConfig
 from klrl.registry import CONTROLLERS
 
 ITERATIONS = "iteration (PPO iterations)"
@@ -26,19 +33,6 @@ SMOOTH = 10  # the figures' default trailing mean (iterations)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def label(r: RunResult | RunConfig) -> str:
-    """A short label from the config: the controller, its target and gains, or the fixed beta."""
-    cfg = r.config if isinstance(r, RunResult) else r
-    c, beta = cfg.ctrl, cfg.kl.beta
-    meta = CONTROLLERS.meta(c.kind)  # the controller registry's label and whether the kind moves beta
-    if not meta.get("adaptive", True):
-        return f"{c.kind} beta={beta:g}"
-    gains = meta.get("label", lambda c: "")(c)
-    unit = "/tok" if c.unit == "token_mean" else ""
-    warm = f" warmup={c.warmup_iters}@{c.warmup_beta:g}" if c.warmup_iters else ""
-    return f"{c.kind} target={c.target:g}{unit} {gains} beta0={beta:g}{warm}".replace("  ", " ")
-
-
 def adaptive(g: Group | RunResult) -> bool:
     """Whether the run's controller moves beta (the registry's ``adaptive``, true unless declared)."""
     return CONTROLLERS.meta(g.config.ctrl.kind).get("adaptive", True)

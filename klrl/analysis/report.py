@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from klrl.analysis.aggregate import seed_groups, t_interval, tail_mean, unit_of
+from klrl.analysis.aggregate import label, seed_groups, t_interval, tail_mean, unit_of
 from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
-from klrl.io.logging import read_jsonl
-from klrl.step.samples import report_lines
+from klrl.io.readers import config_diff, read_jsonl
+from klrl.io.samples import report_lines
 
 # nothing in klrl imports this module but the command line and the user: the report is attached
 # to a finished run by its caller (``klrl.run``'s ``report`` argument, the ``klrl`` command)
@@ -173,8 +173,6 @@ def _keys(results: list[RunResult]) -> list[str]:
 
 
 def _varying(results: list[RunResult]) -> list[str]:
-    from klrl.io.resume import config_diff
-
     first = results[0].config
     return sorted({f for r in results[1:] for f in config_diff(first, r.config)})
 
@@ -185,8 +183,6 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def _single(r: RunResult, root: Path, w: int) -> list[str]:
-    from klrl.analysis.plots import label
-
     cfg = r.config
     lines = [
         f"# klrl report: {root.name}",
@@ -219,8 +215,6 @@ def _pm(values: list[float]) -> str:
 def _settings_table(results: list[RunResult], vary: list[str], keys: list[str], w: int) -> list[str]:
     """One row per setting (configs equal up to ``train.seed``): the final values (means over the
     last ``w`` iterations) as mean ± half-width of the 95% t-interval over its seeds."""
-    from klrl.analysis.plots import label
-
     cols = [v for v in vary if v != "train.seed"]
     rows = []
     for g in seed_groups(results):
@@ -242,8 +236,6 @@ def _settings_table(results: list[RunResult], vary: list[str], keys: list[str], 
 
 
 def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
-    from klrl.analysis.plots import label
-
     base = results[0].config
     vary = _varying(results)
     keys = _keys(results)
@@ -309,6 +301,7 @@ def write_report(
     root.mkdir(parents=True, exist_ok=True)
     lines = _sweep(results, root, window) if is_sweep else _single(results[0], root, window)
     if plots and any(_n_iter(r) for r in results):
+        # matplotlib costs about 1 s at import, and ``import klrl`` imports this module
         from klrl.analysis import plots as P
 
         lines += ["## Plots", ""]

@@ -21,6 +21,9 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Tok
 
@@ -67,10 +70,6 @@ def bytes_to_unicode() -> dict[int, str]:
 
 @lru_cache(maxsize=16)
 def _template(source: str):
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -43,17 +45,23 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
+from klrl import distributed
 from klrl.io.digest import DIGEST, digests, leaf_name
 
 SUBDIR = "checkpoints"
 
 
+@functools.cache
 def version() -> str:
-    """The running klrl's version (``klrl.__version__``), recorded in every checkpoint."""
-    from klrl import __version__
-
-    return __version__
+    """The running klrl's version, recorded in every checkpoint: the installed distribution's (what
+    ``pyproject.toml`` declares, as ``klrl.__version__``), read from its metadata so that this layer
+    does not import the package root; ``0+unknown`` for a source tree that was never installed."""
+    try:
+        return importlib.metadata.version("klrl")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 class CheckpointError(RuntimeError):
@@ -190,8 +198,6 @@ def manager(
 
 @contextlib.contextmanager
 def _quiet_absl():
-    from absl import logging as absl_logging
-
     level = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.ERROR)
     try:
@@ -202,8 +208,6 @@ def _quiet_absl():
 
 def host_copy(state: Any) -> Any:
     """NumPy copies of every leaf (the full value on every process): safe from buffer donation."""
-    from klrl import distributed
-
     return jax.tree.map(lambda x: np.array(x, copy=True), distributed.to_host(state))
 
 

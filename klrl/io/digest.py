@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from klrl import distributed
+
 DIGEST = "klrl-lanesum-v1"  # the scheme recorded in the meta, in case it ever changes
 _SEEDS = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)  # 4 lanes x 32 bits (digits of pi)
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # MurmurHash3's fmix32 constants
@@ -113,8 +115,6 @@ def digests(state: Any) -> dict[str, list]:
     :func:`_digest`): small arrays this process holds whole with NumPy, the others on the devices
     that hold them (sharded ones: each device its shard, then one all-reduce; every process must
     call it, as for a save). The same value for any sharding, process count or path."""
-    from klrl import distributed
-
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     leaves = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in flat]
     words: list = [None] * len(leaves)

@@ -24,9 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
+from tqdm import tqdm
 
 from klrl.config import RunConfig
+from klrl.io import readers
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -141,8 +145,6 @@ def write_hparams(tb: SummaryWriter, hparams: dict[str, Any], final: dict[str, A
     """An HParams session in ``tb``'s own run (``SummaryWriter.add_hparams`` would open a separate
     ``<run>/<name>`` run): hyper-parameters (bool/str/number; anything else as its ``str``) and
     ``final/<name>`` metrics, the finite values of ``final``."""
-    from tensorboardX.summary import hparams as hparams_summaries
-
     hp = {k: v if isinstance(v, bool | str | int | float) else str(v) for k, v in hparams.items()}
     metrics = {f"final/{k}": float(v) for k, v in final.items() if math.isfinite(float(v))}
     for summary in hparams_summaries(hp, metrics):
@@ -154,8 +156,6 @@ def write_hparams(tb: SummaryWriter, hparams: dict[str, Any], final: dict[str, A
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a ``metrics.jsonl``; a torn last line (a crash mid-write) is ignored, any other bad
     line raises :class:`klrl.io.readers.RunDirError` (see :func:`klrl.io.readers.read_jsonl`)."""
-    from klrl.io import readers
-
     return readers.read_jsonl(path)
 
 
@@ -213,8 +213,6 @@ def _fmt_s(s: float | None) -> str:
 def sweep_progress(metrics: dict[str, Any]) -> tuple[dict[str, float], str]:
     """What a sweep's progress line shows of stacked metrics (a member axis first): the member mean of
     each metric but beta, whose range across members is the text (``beta 0.01..1 (4 members, mean)``)."""
-    import numpy as np
-
     arrays = {k: np.asarray(v, float).reshape(-1) for k, v in metrics.items()}
     n = len(next(iter(arrays.values()))) if arrays else 0
     means = {k: float(np.mean(v)) for k, v in arrays.items() if k != "ctrl/beta"}
@@ -257,8 +255,6 @@ class Progress:
         text = self.line(done, metrics, extra, eta)
         if self.tty:
             if self._bar is None:
-                from tqdm import tqdm
-
                 fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}"
                 self._bar = tqdm(total=self.total, initial=done - 1, file=self.stream, bar_format=fmt,
                                  dynamic_ncols=True, leave=True)  # fmt: skip

@@ -5,6 +5,9 @@ past Python's recursion limit, or not UTF-8; a ``metrics.jsonl`` with a garbage 
 directory in its place. Every such case raises :class:`RunDirError` (a ``ValueError``) with a one-line
 message naming the path, and nothing is written. A torn last line of a ``.jsonl`` file (a crash
 mid-write: no final newline) is the one damage that is tolerated: it is left out.
+
+:func:`config_diff`: the fields two configs read back differ in (the resume check, the report's
+sweep tables).
 """
 
 from __future__ import annotations
@@ -167,3 +170,14 @@ def read_sweep_members(sweep_dir: str | os.PathLike) -> list[str]:
     if not names:
         raise NotARunDirError(f"{d}: not a klrl sweep directory (no sweep.json or member-XX/config.json)")
     return names
+
+
+def config_diff(a: RunConfig | dict[str, Any], b: RunConfig | dict[str, Any]) -> list[str]:
+    """Dotted names of the fields that differ between two configs (or their ``to_dict()``)."""
+    da = a.to_dict() if isinstance(a, RunConfig) else a
+    db = b.to_dict() if isinstance(b, RunConfig) else b
+    out = []
+    for sec in sorted(set(da) | set(db)):
+        fa, fb = da.get(sec) or {}, db.get(sec) or {}
+        out += [f"{sec}.{k}" for k in sorted(set(fa) | set(fb)) if fa.get(k, ...) != fb.get(k, ...)]
+    return out

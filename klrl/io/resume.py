@@ -19,6 +19,7 @@ from typing import Any
 from klrl.config import ConfigError, RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
+from klrl.io.readers import config_diff
 
 # fields a resume may change: none of them changes the model, the batch or the maths of an iteration
 RESUME_MUTABLE = frozenset(
@@ -39,17 +40,6 @@ RESUME_MUTABLE = frozenset(
         "train.max_rollbacks",
     }
 )
-
-
-def config_diff(a: RunConfig | dict[str, Any], b: RunConfig | dict[str, Any]) -> list[str]:
-    """Dotted names of the fields that differ between two configs (or their ``to_dict()``)."""
-    da = a.to_dict() if isinstance(a, RunConfig) else a
-    db = b.to_dict() if isinstance(b, RunConfig) else b
-    out = []
-    for sec in sorted(set(da) | set(db)):
-        fa, fb = da.get(sec) or {}, db.get(sec) or {}
-        out += [f"{sec}.{k}" for k in sorted(set(fa) | set(fb)) if fa.get(k, ...) != fb.get(k, ...)]
-    return out
 
 
 def check_resumable(saved: RunConfig | dict[str, Any], cfg: RunConfig) -> None:

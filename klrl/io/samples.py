@@ -6,6 +6,11 @@ the reference model's summed log-probability of the response, nats; extra per-sa
 pass through). Non-finite numbers are written as the strings ``"nan"``/``"inf"`` (JSON has no
 NaN), as in ``metrics.jsonl``. The file is appended to and flushed line by line, so a crash
 loses at most a torn last line, which :func:`read_samples` skips.
+
+Read back: :func:`samples` (``klrl.samples``: a run's or a sweep's samples as a pandas DataFrame,
+a list of dicts without pandas) and :func:`report_lines` (the report's samples section: the first
+and the last iteration side by side). The step's side (the rows it returns, their decoding and the
+writing) is :mod:`klrl.step.samples`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from klrl.io.readers import read_sweep_members
 
 
 def _clean(v: Any) -> Any:
@@ -123,3 +130,80 @@ def trim_samples(path: str | os.PathLike, before: int, moved_to: str | os.PathLi
             os.fsync(f.fileno())
     os.truncate(path, sum(map(len, lines[:keep])))
     return len(dropped)
+
+
+# ---- reading back: the report's section and klrl.samples ----------------------------------------
+
+
+def table_cell(s: str, width: int = 200) -> str:
+    """``s`` on one line, ``|`` escaped, cut to ``width`` characters: a markdown table cell."""
+    s = " ".join(str(s).split()).replace("|", "\\|")
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def side_by_side(rows: list[dict[str, Any]], n: int = 4) -> list[str]:
+    """Markdown lines: the first and the last iteration's samples of one run, side by side (sample
+    ``i`` of each; the prompts differ: each iteration draws its own). [] without samples."""
+    if not rows:
+        return []
+    its = sorted({int(r["iteration"]) for r in rows})
+    first = [r for r in rows if r["iteration"] == its[0]][:n]
+    last = [r for r in rows if r["iteration"] == its[-1]][:n]
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return ""
+        return (f"**{table_cell(r['prompt'], 120)}** → {table_cell(r['completion'], 160)} "
+                f"(reward {float(r['reward']):.3g}, KL {float(r['kl_seq_sum']):.3g})")  # fmt: skip
+
+    head = f"| # | iteration {its[0]} | iteration {its[-1]} |"
+    out = [head, "|---|---|---|"]
+    for i in range(max(len(first), len(last))):
+        out.append(f"| {i} | {cell(first[i] if i < len(first) else None)} | "
+                   f"{cell(last[i] if i < len(last) else None)} |")  # fmt: skip
+    out += ["", "Each cell: **prompt** → completion (task reward; KL = the sample's summed k1 estimate, "
+            "nats/sequence, the per-sample term of `kl/k1_seq_sum`)."]  # fmt: skip
+    return out
+
+
+def report_lines(run_dir: Path | None, title: str = "## Samples") -> list[str]:
+    """The report's samples section for one run directory ([] without samples.jsonl)."""
+    if run_dir is None or not (Path(run_dir) / "samples.jsonl").is_file():
+        return []
+    body = side_by_side(read_samples(Path(run_dir) / "samples.jsonl"))
+    return [title, "", *body, ""] if body else []
+
+
+def _run_dirs(source: Any) -> list[tuple[str, Path]]:
+    """(member name, directory) of a run directory, a sweep directory, a RunResult or a list of them."""
+    if isinstance(source, list | tuple):
+        out = []
+        for r in source:
+            out += _run_dirs(r)
+        return out
+    d = getattr(source, "dir", source)
+    if d is None:
+        raise ValueError("samples: this result has no run directory (write=False)")
+    d = Path(d)
+    if (d / "sweep.json").is_file():
+        return [(n, d / n) for n in read_sweep_members(d)]
+    return [(d.name, d)]
+
+
+def samples(source: Any, iteration: int | None = None, *, frame: bool = True) -> Any:
+    """The samples of a run or sweep (a directory, a :class:`~klrl.analysis.results.RunResult` or a sweep's
+    results): a pandas DataFrame with one row per sample (columns ``member``, ``iteration``,
+    ``prompt``, ``completion``, ``reward``, ``kl_seq_sum``, ...) or, without pandas or with
+    ``frame=False``, a list of dicts. ``iteration``: only that iteration's."""
+    rows = []
+    for name, d in _run_dirs(source):
+        path = d / "samples.jsonl"
+        if path.is_file():
+            rows += [{"member": name, **r} for r in read_samples(path, iteration)]
+    if not frame:
+        return rows
+    try:
+        import pandas as pd
+    except ImportError:
+        return rows
+    return pd.DataFrame(rows)

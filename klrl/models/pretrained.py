@@ -13,6 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from klrl.data.hf_tokenizer import HFTokenizer, TokenizerFormatError, load_tokenizer_dir
+from klrl.models.gguf import load_gguf
 from klrl.models.hf import CheckpointFormatError, load_hf, save_hf
 
 
@@ -34,8 +35,6 @@ def from_pretrained(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = Tr
     """
     path = Path(path)
     if path.suffix == ".gguf" or path.is_file():
-        from klrl.models.gguf import load_gguf
-
         model, params, tok = load_gguf(path, dtype=dtype, put=jnp.asarray)
         check_vocab(model, tok, str(path))
     else:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klrl.config import ConfigError
+from klrl.io.checkpoint import CheckpointError
 from klrl.models.rollout import generate
 
 KEY = "reward_norm"
@@ -148,8 +149,6 @@ def reward_norm_env(
     cfg = train.context.cfg
     if not cfg.reward.standardize:
         return env, {}
-    from klrl.io.checkpoint import CheckpointError
-
     entry = saved_norm(resume.dir) if resume is not None else None
     if entry is None and resume is not None and not resume.fresh:
         raise CheckpointError(

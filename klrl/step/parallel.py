@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from klrl.config import ConfigError, parse_mesh
+from klrl.models.base import spec_for
 from klrl.models.sharding import split_rows  # noqa: F401  (re-exported: the models' row constraint)
 
 SWEEP = "sweep"
@@ -104,8 +105,6 @@ def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
 def param_specs(rules: Any, params: Any, mesh: Mesh) -> Any:
     """A :class:`PartitionSpec` pytree for ``params`` from a family's partition rules (first
     ``re.search`` match on the '/'-joined path; unmatched leaves replicated), fitted to ``mesh``."""
-    from klrl.models.base import spec_for
-
     specs = spec_for(rules, params)
     return jax.tree.map(lambda s, x: fit_spec(s, tuple(np.shape(x)), mesh), specs, params)
 

@@ -8,8 +8,9 @@
   the last) the rows are decoded with the task's tokenizer (the testbed's word vocabulary too) and
   written to ``RUN_DIR/samples.jsonl`` (:class:`klrl.io.samples.SamplesWriter`) and to TensorBoard as
   text (``samples/text``, a markdown table).
-* :func:`samples` (``klrl.step.samples(result_or_run_dir)``): the samples of a run or sweep as a pandas
-  DataFrame (a list of dicts without pandas).
+* Reading them back (``samples.jsonl``, the report's section, ``klrl.samples(result_or_run_dir)``):
+  :mod:`klrl.io.samples`, which the analysis layer may import (``samples`` is re-exported here for
+  the package root until it imports :func:`klrl.io.samples.samples`).
 
 Per sample: ``prompt`` (the dataset's text where the task has it, else the decoded prompt tokens),
 ``completion`` (decoded, special tokens and the final stop token dropped), ``reward`` (the task
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klrl.algo import kl as kl_lib
+from klrl.io.samples import SamplesWriter, samples, table_cell  # noqa: F401  (samples: see the docstring)
 from klrl.step.parallel import gather
 
 PREFIX = "_samples/"
@@ -96,11 +98,6 @@ def decode_rows(tokenizer: Any, rows: dict[str, np.ndarray], prompt_texts: Seque
     return out
 
 
-def _cell(s: str, width: int = 200) -> str:
-    s = " ".join(str(s).split()).replace("|", "\\|")
-    return s if len(s) <= width else s[: width - 1] + "…"
-
-
 def markdown(decoded: dict[str, list[Any]]) -> str:
     """One markdown table of decoded samples (TensorBoard's text plugin renders markdown)."""
     lines = [
@@ -109,7 +106,7 @@ def markdown(decoded: dict[str, list[Any]]) -> str:
     ]
     for i in range(len(decoded["completion"])):
         lines.append(
-            f"| {_cell(decoded['prompt'][i])} | {_cell(decoded['completion'][i])} | "
+            f"| {table_cell(decoded['prompt'][i])} | {table_cell(decoded['completion'][i])} | "
             f"{decoded['reward'][i]:.4g} | {decoded['kl_seq_sum'][i]:.4g} | {decoded['ref_logprob'][i]:.4g} |"
         )
     return "\n".join(lines)
@@ -120,8 +117,6 @@ class SampleLog:
 
     def __init__(self, tokenizer: Any, dirs: list[Path], writers: list[Any], every: int, iterations: int,
                  prompt_texts: Sequence[str] | None = None):  # fmt: skip
-        from klrl.io.samples import SamplesWriter
-
         self.tokenizer, self.every, self.iterations = tokenizer, every, iterations
         self.prompt_texts = prompt_texts
         self.writers = writers
@@ -142,80 +137,3 @@ class SampleLog:
     def close(self) -> None:
         for f in self.files:
             f.close()
-
-
-def side_by_side(rows: list[dict[str, Any]], n: int = 4) -> list[str]:
-    """Markdown lines: the first and the last iteration's samples of one run, side by side (sample
-    ``i`` of each; the prompts differ: each iteration draws its own). [] without samples."""
-    if not rows:
-        return []
-    its = sorted({int(r["iteration"]) for r in rows})
-    first = [r for r in rows if r["iteration"] == its[0]][:n]
-    last = [r for r in rows if r["iteration"] == its[-1]][:n]
-
-    def cell(r: dict[str, Any] | None) -> str:
-        if r is None:
-            return ""
-        return (f"**{_cell(r['prompt'], 120)}** → {_cell(r['completion'], 160)} "
-                f"(reward {float(r['reward']):.3g}, KL {float(r['kl_seq_sum']):.3g})")  # fmt: skip
-
-    head = f"| # | iteration {its[0]} | iteration {its[-1]} |"
-    out = [head, "|---|---|---|"]
-    for i in range(max(len(first), len(last))):
-        out.append(f"| {i} | {cell(first[i] if i < len(first) else None)} | "
-                   f"{cell(last[i] if i < len(last) else None)} |")  # fmt: skip
-    out += ["", "Each cell: **prompt** → completion (task reward; KL = the sample's summed k1 estimate, "
-            "nats/sequence, the per-sample term of `kl/k1_seq_sum`)."]  # fmt: skip
-    return out
-
-
-def report_lines(run_dir: Path | None, title: str = "## Samples") -> list[str]:
-    """The report's samples section for one run directory ([] without samples.jsonl)."""
-    if run_dir is None or not (Path(run_dir) / "samples.jsonl").is_file():
-        return []
-    from klrl.io.samples import read_samples
-
-    body = side_by_side(read_samples(Path(run_dir) / "samples.jsonl"))
-    return [title, "", *body, ""] if body else []
-
-
-# ---- reading -------------------------------------------------------------------------------------
-
-
-def _run_dirs(source: Any) -> list[tuple[str, Path]]:
-    """(member name, directory) of a run directory, a sweep directory, a RunResult or a list of them."""
-    if isinstance(source, list | tuple):
-        out = []
-        for r in source:
-            out += _run_dirs(r)
-        return out
-    d = getattr(source, "dir", source)
-    if d is None:
-        raise ValueError("samples: this result has no run directory (write=False)")
-    d = Path(d)
-    if (d / "sweep.json").is_file():
-        from klrl.io.readers import read_sweep_members
-
-        return [(n, d / n) for n in read_sweep_members(d)]
-    return [(d.name, d)]
-
-
-def samples(source: Any, iteration: int | None = None, *, frame: bool = True) -> Any:
-    """The samples of a run or sweep (a directory, a :class:`~klrl.analysis.results.RunResult` or a sweep's
-    results): a pandas DataFrame with one row per sample (columns ``member``, ``iteration``,
-    ``prompt``, ``completion``, ``reward``, ``kl_seq_sum``, ...) or, without pandas or with
-    ``frame=False``, a list of dicts. ``iteration``: only that iteration's."""
-    from klrl.io.samples import read_samples
-
-    rows = []
-    for name, d in _run_dirs(source):
-        path = d / "samples.jsonl"
-        if path.is_file():
-            rows += [{"member": name, **r} for r in read_samples(path, iteration)]
-    if not frame:
-        return rows
-    try:
-        import pandas as pd
-    except ImportError:
-        return rows
-    return pd.DataFrame(rows)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,8 +138,6 @@ def cached(
     (tmp / "info.json").write_text(json.dumps(info, indent=1, default=str))
     try:
         if path.exists():
-            import shutil
-
             shutil.rmtree(path)
         os.replace(tmp, path)
     except OSError:
