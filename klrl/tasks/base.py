@@ -33,6 +33,7 @@ from klrl.config import RunConfig, TaskShape
 from klrl.data.tokenizer import Tokenizer
 from klrl.models.base import CausalLM
 from klrl.registry import TASKS
+from klrl.tasks import language
 
 Array = jax.Array
 
@@ -215,8 +216,7 @@ def builtin_task_shape(cfg: RunConfig) -> TaskShape:
     """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
     if cfg.task.name == "text":  # a pretrained model's: known once it is read (checked again then)
         return TaskShape(2**31 - 1, cfg.data.prompt_len, 2**31 - 1)
-    from klrl.tasks import language  # the words never depend on the seed (tasks -> config only)
-
-    vocab = 2 + sum(len(words) for words in language._LEXICON.values())  # PAD, EOS, the words
+    # PAD, EOS, the words (they never depend on the seed)
+    vocab = 2 + sum(len(words) for words in language._LEXICON.values())
     t = cfg.task
     return TaskShape(vocab, t.prompt_len, max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len))
