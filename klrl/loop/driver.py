@@ -113,6 +113,9 @@ def drive(
 
 @dataclass
 class _Hooks:
+    """The loop's hooks by name (the driver calls a few of them at their own moments: the signals
+    before an iteration, the held-out evaluation before a step, the checkpoints at a sync point)."""
+
     signals: Signals
     ckpts: Checkpoints
     heldout: HeldOut

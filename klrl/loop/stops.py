@@ -1,5 +1,6 @@
 """The host side of :func:`klrl.loop.driver.drive`'s stops: the lines it logs when it stops or rolls back,
-the host reward's failure check and the state saved after rejected iterations.
+the host reward's failure check and the state saved after rejected iterations (used by the hooks of
+:mod:`klrl.loop.hooks`).
 
 The decisions themselves (skip limit, rollback threshold, rollback beta) are in :mod:`klrl.loop.reliability`.
 """
