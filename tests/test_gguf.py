@@ -15,8 +15,9 @@ import pytest
 
 from klrl.models.base import forward
 from klrl.models.generate import generate_ids, left_pad
-from klrl.models.gguf import load_gguf, unpermute
+from klrl.models.gguf import load_gguf
 from klrl.models.hf import CheckpointFormatError
+from klrl.models.llama_gguf import gguf_name, unpermute
 from klrl.models.pretrained import from_pretrained
 
 DATA = Path(__file__).parent / "data"
@@ -34,6 +35,13 @@ def test_unpermute_inverts_llama_cpp_permutation():
     permuted = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)
     assert permuted[1].tolist() == w[4].tolist()  # the second stored row is the first of the second half
     np.testing.assert_array_equal(unpermute(permuted, 2), w)
+
+
+def test_llama_cpp_tensor_names():
+    assert gguf_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
+    assert gguf_name("model.layers.0.self_attn.q_proj.bias") == "blk.0.attn_q.bias"
+    assert gguf_name("lm_head.weight") == "output.weight"
+    assert gguf_name("model.embed_tokens.weight") == "token_embd.weight"
 
 
 def test_tiny_gguf_logits_match_transformers_gguf_loader():
@@ -57,13 +65,13 @@ def test_tiny_gguf_tokenizer_matches_transformers():
     assert chat == "<|im_start|>user\nabc<|im_end|>\n"
 
 
-def _rewrite(tmp_path, change):
+def _rewrite(tmp_path, change, arch="llama"):
     """A copy of the tiny GGUF with ``change(tensors) -> tensors`` applied to its
-    ``{name: (array, raw_dtype)}``; metadata copied as is."""
+    ``{name: (array, raw_dtype)}``; metadata copied as is (``general.architecture``: ``arch``)."""
     import gguf
 
     r = gguf.GGUFReader(str(TINY))
-    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), arch)
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
             continue
@@ -120,6 +128,15 @@ def test_bad_gguf_files_fail_with_one_line(tmp_path, change, match):
     with pytest.raises(CheckpointFormatError, match=match) as e:
         from_pretrained(path)
     assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_architecture_without_a_registered_family(tmp_path):
+    path = _rewrite(tmp_path, lambda t: t, arch="mamba")
+    # the supported ones are the architectures of the registered families' GGUF readings
+    with pytest.raises(
+        CheckpointFormatError, match=r"general.architecture 'mamba' is not supported \(llama, qwen2\)"
+    ):
+        from_pretrained(path)
 
 
 def test_truncated_gguf(tmp_path):

@@ -19,9 +19,11 @@ from klrl.data.hf_tokenizer import byte_level_bpe, make_tokenizer
 from klrl.models.base import forward
 from klrl.models.hf import CheckpointFormatError, load_hf, load_score_head
 from klrl.models.pretrained import from_pretrained, save_pretrained
+from klrl.models.registry import hf_family, hf_model_types
+from klrl.registry import FAMILIES
 
 DATA = Path(__file__).parent / "data"
-FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_gpt2"]
+CHECKPOINTS = ["tiny_llama", "tiny_qwen2", "tiny_gpt2"]  # one tiny directory per model type
 HAVE_TF = (
     importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
 )
@@ -49,7 +51,18 @@ def tiny_tokenizer():
     return make_tokenizer(tok, special, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_a_directory_loads_as_the_family_registered_for_its_model_type(name):
+    mt = json.loads((DATA / name / "config.json").read_text())["model_type"]
+    cls, parse = hf_family(mt)
+    model, _ = load_hf(DATA / name)
+    assert type(model) is cls and model.config == parse(json.loads((DATA / name / "config.json").read_text()))
+    owners = [n for n in FAMILIES if mt in FAMILIES.meta(n)["hf"]]
+    assert len(owners) == 1 and FAMILIES.get(owners[0]) is cls  # one family per model type
+    assert mt in hf_model_types() and hf_family("mamba") is None
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
 def test_save_pretrained_round_trip(tmp_path, name):
     model, params, _ = from_pretrained(DATA / name)
     tok = tiny_tokenizer()
@@ -73,7 +86,7 @@ def test_save_pretrained_round_trip(tmp_path, name):
 
 
 @pytest.mark.skipif(not HAVE_TF, reason="transformers + torch not importable")
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", CHECKPOINTS)
 def test_export_loads_in_transformers_with_same_logits(tmp_path, name):
     import torch
     import transformers

@@ -1,10 +1,8 @@
-"""GGUF files in (Llama and Qwen2 architectures): weights dequantised to float32 with the ``gguf``
-library, the tokenizer rebuilt from the file's metadata.
-
-llama.cpp's converter stores a Llama's q and k projections with the rows of each head permuted
-for its interleaved RoPE; :func:`unpermute` undoes it (as transformers'
-``modeling_gguf_pytorch_utils.LlamaConverter`` does: ``w.reshape(n, 2, Dh/2, ...)`` was written as
-``w.reshape(n, Dh/2, 2, ...)``). Qwen2 files are stored unpermuted.
+"""GGUF files in: weights dequantised to float32 with the ``gguf`` library, the tokenizer rebuilt
+from the file's metadata, the model of the family that reads the file's ``general.architecture``
+(:func:`klrl.models.registry.gguf_family`; its :class:`~klrl.models.registry.GGUFReading` gives the
+config, the tensor names and their conversion: the Llama family's, for ``llama`` and ``qwen2``, is
+:mod:`klrl.models.llama_gguf`).
 
 Every check (architecture, fields, tensor names and shapes, quantisation types ``gguf`` can
 dequantise, the tokenizer) runs before the weights are dequantised; failures raise
@@ -21,40 +19,7 @@ import numpy as np
 
 from klrl.data.hf_tokenizer import HFTokenizer, byte_level_bpe, make_tokenizer
 from klrl.models.hf import CheckpointFormatError
-from klrl.models.llama import Llama, LlamaConfig
-
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-_TOP["output.weight"] = "lm_head.weight"
-
-
-def hf_name(name: str) -> str | None:
-    """GGUF tensor name -> the HF Llama name (``None``: not a tensor this loader knows)."""
-    if name in _TOP:
-        return _TOP[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
-    return None
-
-
-def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: rows ``(head, Dh/2, 2)`` back to ``(head, 2, Dh/2)``."""
-    half = w.shape[0] // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+from klrl.models.registry import GGUFReading, gguf_architectures, gguf_family
 
 
 def _field(reader, key, default=None, *, path=None, required=False):
@@ -94,39 +59,31 @@ def read_tokenizer(reader, path) -> HFTokenizer:
     return make_tokenizer(tok, special, _field(reader, "tokenizer.chat_template"), add_bos=add_bos)
 
 
-def _config(reader, path, tensors) -> LlamaConfig:
+def _family(reader, path) -> tuple[str, type, GGUFReading]:
+    """The file's architecture, and the class and reading of the family registered for it."""
     arch = _field(reader, "general.architecture", path=path, required=True)
-    if arch not in ("llama", "qwen2"):
-        raise CheckpointFormatError(f"{path}: general.architecture {arch!r} is not supported (llama, qwen2)")
-    get = lambda k, default=None, **kw: _field(reader, f"{arch}.{k}", default, path=path, **kw)
-    if "token_embd.weight" not in tensors:
-        raise CheckpointFormatError(f"{path}: missing tensor 'token_embd.weight'")
-    vocab, width = (int(x) for x in tensors["token_embd.weight"].shape[::-1])
-    heads = int(get("attention.head_count", required=True))
-    rope = {}
-    kind = get("rope.scaling.type")
-    if kind not in (None, "none"):
-        if kind != "linear":
+    found = gguf_family(arch)
+    if found is None:
+        known = ", ".join(gguf_architectures())
+        raise CheckpointFormatError(f"{path}: general.architecture {arch!r} is not supported ({known})")
+    return arch, *found
+
+
+def _check_tensors(path, names: dict[str, str], expected: dict, shapes: dict) -> None:
+    """The file's tensors against the model's: ``names`` HF -> GGUF name, ``expected`` HF name ->
+    shape, ``shapes`` GGUF name -> shape (HF order)."""
+    known = set(names.values())
+    for g in shapes:
+        if g not in known:
+            raise CheckpointFormatError(f"{path}: unexpected tensor {g!r}")
+    for h, shape in expected.items():
+        g = names[h]
+        if g not in shapes:
+            raise CheckpointFormatError(f"{path}: missing tensor {g!r}")
+        if shapes[g] != tuple(shape):
             raise CheckpointFormatError(
-                f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (linear)"
+                f"{path}: tensor {g!r} has shape {list(shapes[g])}, the metadata implies {list(shape)}"
             )
-        rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", required=True))}
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=int(get("embedding_length", required=True)),
-        intermediate_size=int(get("feed_forward_length", required=True)),
-        num_hidden_layers=int(get("block_count", required=True)),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", width // heads)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=tuple(sorted(rope.items())),
-        tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias=arch == "qwen2",
-        model_type=arch,
-    )
 
 
 def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
@@ -142,53 +99,31 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     except Exception as e:
         raise CheckpointFormatError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0]})") from None
     tensors = {t.name: t for t in reader.tensors}
+    shapes = {n: tuple(int(x) for x in t.shape[::-1]) for n, t in tensors.items()}
+    arch, cls, reading = _family(reader, path)
+    field = lambda k, default=None, **kw: _field(reader, f"{arch}.{k}", default, path=path, **kw)
     try:
-        cfg = _config(reader, path, tensors)
-        model = Llama(cfg, dtype)
+        cfg = reading.config(arch, field, shapes, path)
+        model = cls(cfg, dtype)
     except ValueError as e:
         if isinstance(e, CheckpointFormatError):
             raise
         raise CheckpointFormatError(f"{path}: {e}") from None
-    by_hf = {}
-    for name in tensors:
-        h = hf_name(name)
-        if h is None:
-            raise CheckpointFormatError(f"{path}: unexpected tensor {name!r}")
-        by_hf[h] = tensors[name]
     expected = model.hf_shapes()
-    for h in sorted(set(by_hf) - set(expected)):
-        raise CheckpointFormatError(f"{path}: unexpected tensor {by_hf[h].name!r}")
-    gname = {v: k for k, v in _TOP.items()}
-    for h, shape in expected.items():
-        if h not in by_hf:
-            parts = h.split(".")
-            g = gname.get(h) or "blk.{}.{}".format(
-                parts[2], {v: k for k, v in _LAYER.items()}[".".join(parts[3:])]
-            )
-            raise CheckpointFormatError(f"{path}: missing tensor {g!r}")
-        got = tuple(int(x) for x in by_hf[h].shape[::-1])
-        if got != tuple(shape):
-            raise CheckpointFormatError(
-                f"{path}: tensor {by_hf[h].name!r} has shape {list(got)}, the metadata implies {list(shape)}"
-            )
+    names = {h: reading.tensor_name(h) for h in expected}
+    _check_tensors(path, names, expected, shapes)
     _check_quant_types(gguf, reader.tensors, path)
     tokenizer = read_tokenizer(reader, path)
     reader.fields.clear()  # the metadata's Python objects (~100 MB for a 49k vocabulary) are done with
     eos = tokenizer.stop_ids[0] if tokenizer.stop_ids else None
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_id}
     cfg = dataclasses.replace(cfg, tokens=tuple((k, v) for k, v in ids.items() if v is not None))
-    model = Llama(cfg, dtype)
-    arch_permuted = cfg.model_type == "llama"
+    model = cls(cfg, dtype)
 
     def get(h: str) -> np.ndarray:
-        t = by_hf[h]
-        a = gguf.quants.dequantize(t.data, t.tensor_type)
-        a = np.asarray(a, np.float32).reshape(tuple(int(x) for x in t.shape[::-1]))
-        if arch_permuted and ".q_proj." in h:
-            a = unpermute(a, cfg.num_attention_heads)
-        elif arch_permuted and ".k_proj." in h:
-            a = unpermute(a, cfg.num_key_value_heads)
-        return a
+        t = tensors[names[h]]
+        a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shapes[t.name])
+        return a if reading.convert is None else reading.convert(cfg, h, a)
 
     return model, model.params_from_hf(get, put), tokenizer
 

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
 from klrl.models.base import LMOutput, lm_head
+from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
 from klrl.models.sharding import split_rows
 
@@ -155,6 +156,7 @@ class GPT2Module(nn.Module):
         return LMOutput(out, x, cache)
 
 
+@register_family("gpt2", hf=("gpt2",), hf_config=config_from_hf)
 @dataclasses.dataclass(frozen=True)
 class GPT2:
     """GPT-2 implementing :class:`klrl.models.base.CausalLM` (compute ``dtype``, float32 params)."""

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from klrl.models import gpt2, llama
+from klrl.models.registry import hf_family, hf_model_types
 
 _FLOAT = {"F32", "F16", "BF16", "F64"}
 SAFETENSORS = "model.safetensors"
@@ -28,15 +27,6 @@ INDEX = "model.safetensors.index.json"
 
 class CheckpointFormatError(ValueError):
     """A checkpoint that cannot be loaded; the message is one line naming the file and the field."""
-
-
-# model_type -> (config.json dict -> family config, family class)
-FAMILIES: dict[str, tuple[Any, Any]] = {
-    "llama": (llama.config_from_hf, llama.Llama),
-    "mistral": (llama.config_from_hf, llama.Llama),
-    "qwen2": (llama.config_from_hf, llama.Llama),
-    "gpt2": (gpt2.config_from_hf, gpt2.GPT2),
-}
 
 
 def read_config(path: str | Path) -> dict:
@@ -53,13 +43,15 @@ def read_config(path: str | Path) -> dict:
 
 
 def family_from_config(d: dict, *, dtype=jnp.float32, where: str = "config.json"):
-    """The family object a ``config.json`` dict describes."""
+    """The family object a ``config.json`` dict describes: the model of the family registered for
+    its ``model_type`` (:func:`klrl.models.registry.hf_family`)."""
     mt = d.get("model_type")
-    if mt not in FAMILIES:
+    found = hf_family(mt) if isinstance(mt, str) else None
+    if found is None:
         raise CheckpointFormatError(
-            f"{where}: model_type {mt!r} is not supported ({', '.join(sorted(FAMILIES))})"
+            f"{where}: model_type {mt!r} is not supported ({', '.join(hf_model_types())})"
         )
-    parse, cls = FAMILIES[mt]
+    cls, parse = found
     try:
         return cls(parse(d), dtype)
     except KeyError as e:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
 from klrl.models.base import LMOutput, lm_head
+from klrl.models.llama_gguf import READING
 from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's config API)
     LlamaConfig,
     _layer_shapes,
@@ -38,6 +39,7 @@ from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's con
     config_from_hf,
     config_to_hf,
 )
+from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
 from klrl.models.sharding import split_rows
 
@@ -158,6 +160,7 @@ class LlamaModule(nn.Module):
         return LMOutput(out, x, cache)
 
 
+@register_family("llama", hf=("llama", "mistral", "qwen2"), hf_config=config_from_hf, gguf=READING)
 @dataclasses.dataclass(frozen=True)
 class Llama:
     """A Llama/Mistral/Qwen2 causal LM implementing :class:`klrl.models.base.CausalLM`.
