@@ -220,28 +220,41 @@ def make_language(
             skel[nz] = _perturb(rng, skel[nz], trans_noise)
             trans[off + ri[r], off : off + nr] = skel
         for r in ROLES:
-            e = np.zeros(v)
-            kind = _ROLE_CLASS.get(r, "")
-            if r == "END":
-                e[EOS] = 1.0
-            elif r == "DONE":
-                e[PAD] = 1.0
-            elif r == "STOP":
-                e[cls["stop"]] = _perturb(rng, np.array([1.0 - _BANG[s], _BANG[s]]), noise)
-            elif kind.endswith("*"):
-                base = kind[:-1]
-                if s == NEU:
-                    w_neu = _NEUTRAL_MIX[base]
-                    w_pos = w_neg = (1.0 - w_neu) / 2
-                else:
-                    same, neu, opp = _MIX[base]
-                    w_pos, w_neg, w_neu = (same, opp, neu) if s == POS else (opp, same, neu)
-                for suffix, w in (("pos", w_pos), ("neg", w_neg), ("neu", w_neu)):
-                    e[cls[f"{base}_{suffix}"]] = w * _perturb(rng, pop[f"{base}_{suffix}"], noise)
-            else:
-                e[cls[kind]] = _perturb(rng, pop[kind], noise)
+            e = _emission(rng, s, r, v, cls, pop, noise)
             emit[off + ri[r]] = e / e.sum()
     init /= init.sum()
+    sent = (np.repeat(np.arange(3), nr), np.tile(np.arange(nr), 3))
+    return _assemble(words, _word_classes(cls, v), ROLES, init, trans, emit, sent)
+
+
+def _emission(rng, s: int, r: str, v: int, cls: dict, pop: dict, noise: float) -> np.ndarray:
+    """Role ``r``'s unnormalised emission over the ``v`` words in sentiment ``s`` (draws from ``rng``
+    in a fixed order: the language of a seed depends on it)."""
+    e = np.zeros(v)
+    kind = _ROLE_CLASS.get(r, "")
+    if r == "END":
+        e[EOS] = 1.0
+    elif r == "DONE":
+        e[PAD] = 1.0
+    elif r == "STOP":
+        e[cls["stop"]] = _perturb(rng, np.array([1.0 - _BANG[s], _BANG[s]]), noise)
+    elif kind.endswith("*"):
+        base = kind[:-1]
+        if s == NEU:
+            w_neu = _NEUTRAL_MIX[base]
+            w_pos = w_neg = (1.0 - w_neu) / 2
+        else:
+            same, neu, opp = _MIX[base]
+            w_pos, w_neg, w_neu = (same, opp, neu) if s == POS else (opp, same, neu)
+        for suffix, w in (("pos", w_pos), ("neg", w_neg), ("neu", w_neu)):
+            e[cls[f"{base}_{suffix}"]] = w * _perturb(rng, pop[f"{base}_{suffix}"], noise)
+    else:
+        e[cls[kind]] = _perturb(rng, pop[kind], noise)
+    return e
+
+
+def _word_classes(cls: dict, v: int) -> dict[str, np.ndarray]:
+    """Boolean ``[v]`` masks of the word classes: content classes, sentiments, function words, punctuation."""
 
     def mask(*names: str) -> np.ndarray:
         m = np.zeros(v, bool)
@@ -253,8 +266,7 @@ def make_language(
     classes = {k: mask(*(f"{k}_{x}" for x in ("pos", "neg", "neu"))) for k in content}
     classes |= {x: mask(*(f"{k}_{x}" for k in content)) for x in ("pos", "neg")}
     classes |= {"function": mask("det", "pron", "prep", "conj", "cop", "int"), "punct": mask("stop", "comma")}
-    sent = (np.repeat(np.arange(3), nr), np.tile(np.arange(nr), 3))
-    return _assemble(words, classes, ROLES, init, trans, emit, sent)
+    return classes
 
 
 def make_tiny_language(seed: int = 0, noise: float = 8.0) -> Language:
