@@ -11,15 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from klrl.analysis.aggregate import (  # noqa: F401  (label: re-exported, plots and the figures read it here)
-    Group,
-    first_logged,
-    label,
-    seed_groups,
-    stack,
-    t_interval,
-    trailing_mean,
-)
+from klrl.analysis.aggregate import Group, first_logged, label, seed_groups, stack, t_interval, trailing_mean
 from klrl.analysis.results import RunResult
 from klrl.registry import CONTROLLERS
 
