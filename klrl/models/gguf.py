@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import gguf
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,8 +90,6 @@ def _check_tensors(path, names: dict[str, str], expected: dict, shapes: dict) ->
 def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     """A GGUF file -> ``(model, params, tokenizer)`` with float32 parameter leaves (numpy, or
     what ``put`` makes of each as soon as it is dequantised, e.g. ``jnp.asarray``)."""
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: no such file")
