@@ -128,7 +128,7 @@ def reinforce():
 
     from klrl.algo.advantages import ADVANTAGES, AdvantageInputs
 
-    @ADVANTAGES.register("reinforce", critic=False)
+    @ADVANTAGES.register("reinforce", critic=False, grouped=False, help="the sequence's return")
     def reinforce_estimator(x: AdvantageInputs, cfg: Any):
         """A_t = R (the sequence's shaped return) on every response token; no value targets."""
         return x.seq_returns[:, None] * x.mask, jnp.zeros_like(x.mask)
@@ -157,5 +157,5 @@ def test_worked_example_reinforce(reinforce):
     state, m = train.step(train.init(0), task.env)
     assert np.isfinite(float(m["loss/total"])) and "loss/value" not in m
     ADVANTAGES.remove("reinforce")
-    with pytest.raises(ConfigError, match="ppo.advantage: must be one of gae, grpo, rloo"):
+    with pytest.raises(ConfigError, match=f"ppo.advantage: must be one of {', '.join(ADVANTAGES.names())} "):
         PPOConfig(advantage="reinforce")

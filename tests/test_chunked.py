@@ -16,7 +16,17 @@ from klrl.config import ConfigError, ModelConfig, RunConfig
 from klrl.models.base import forward
 from klrl.models.gpt import GPT
 from klrl.models.hf import load_hf
-from klrl.step.chunked import CHUNK_MIN_VOCAB, head_terms, lm_head, map_positions, use_chunks
+from klrl.registry import ESTIMATORS
+from klrl.step.chunked import (
+    CHUNK_MIN_VOCAB,
+    TERMS,
+    check_estimators,
+    estimator_term,
+    head_terms,
+    lm_head,
+    map_positions,
+    use_chunks,
+)
 
 DATA = Path(__file__).parent / "data"
 GGUF = DATA / "tiny_gguf" / "tiny.gguf"
@@ -59,6 +69,33 @@ def test_use_chunks_auto_and_config():
         ModelConfig(logits="sometimes")
     with pytest.raises(ConfigError, match="model.logits_chunk"):
         ModelConfig(logits_chunk=0)
+
+
+def test_an_estimator_of_the_logits_runs_chunked_only_in_its_declared_form():
+    assert ESTIMATORS.meta("full")["chunked"] == "kl"  # full's chunked form: head_terms' exact KL
+    for n in ESTIMATORS:  # every built-in runs on the chunked path
+        meta = ESTIMATORS.meta(n)
+        assert meta["inputs"] == "logp" or meta["chunked"] in TERMS, n
+    check_estimators(RunConfig().replace(kl={"estimator": "full"}), CHUNK_MIN_VOCAB)
+    assert estimator_term("full", {"kl": 1.5}) == 1.5
+    ESTIMATORS.register("jsd", inputs="logits")(lambda *a: None)  # no chunked form
+    try:
+        cfg = RunConfig().replace(kl={"estimator": "jsd"})
+        check_estimators(cfg, CHUNK_MIN_VOCAB - 1)  # the full path reads the logits: fine
+        check_estimators(cfg.replace(model={"logits": "full"}), 10**6)
+        with pytest.raises(ConfigError, match=r"^kl.estimator: the KL estimator 'jsd' reads the full"):
+            check_estimators(cfg, CHUNK_MIN_VOCAB)
+        ctrl = RunConfig().replace(ctrl={"estimator": "jsd"}, model={"logits": "chunked"})
+        with pytest.raises(ConfigError, match=r"^ctrl.estimator: the KL estimator 'jsd'"):
+            check_estimators(ctrl, 50)
+        loss = RunConfig().replace(kl={"loss_estimator": "jsd"}, model={"logits": "chunked"})
+        check_estimators(loss, 50)  # kl.placement=reward: the loss estimator is not used
+        with pytest.raises(ConfigError, match=r"^kl.loss_estimator: the KL estimator 'jsd'"):
+            check_estimators(loss.replace(kl={"placement": "loss"}), 50)
+        with pytest.raises(ConfigError, match="'jsd' reads the full"):
+            estimator_term("jsd", {"kl": 1.5})
+    finally:
+        ESTIMATORS.remove("jsd")
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 21, 64])  # 21 = B * T: one chunk; 64: more than the rows

@@ -10,16 +10,38 @@ import pytest
 
 from klrl.algo import advantages, control, kl, losses, shaping
 from klrl.config import ConfigError, ControllerConfig, KLConfig, PPOConfig
-from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, FAMILIES, TASKS, Registry
+from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, FAMILIES, REWARDS, TASKS, Registry
 
 
-def test_registries_hold_the_built_in_names_in_order():
-    assert CONTROLLERS.names() == control.KINDS == ("fixed", "proportional", "band", "pi", "dual")
-    assert ESTIMATORS.names() == ("k1", "k2", "k3", "abs", "full")
-    assert ADVANTAGES.names() == ("gae", "grpo", "rloo")
-    assert "gpt" in FAMILIES and {"testbed", "wordclass", "peer"} <= set(TASKS)
-    assert ESTIMATORS.get("k3") is kl.k3 and ESTIMATORS.meta("full")["inputs"] == "logits"
-    assert [ADVANTAGES.meta(n)["critic"] for n in ADVANTAGES] == [True, False, False]
+def test_the_registries_are_filled_by_their_home_modules():
+    # each entry is the implementation its module defines, with the metadata its readers need
+    assert CONTROLLERS.names() == control.KINDS == control.kinds()
+    assert all(CONTROLLERS.get(k).__module__ == "klrl.algo.control" for k in CONTROLLERS)
+    for n in ESTIMATORS:
+        fn, meta = ESTIMATORS.entry(n)
+        assert fn.__module__ == "klrl.algo.kl" and getattr(kl, fn.__name__) is fn
+        assert meta["inputs"] in ("logp", "logits")
+    for n in ADVANTAGES:
+        assert advantages.needs_critic(n) is ADVANTAGES.meta(n)["critic"] and "grouped" in ADVANTAGES.meta(n)
+    assert {"gpt", "gpt2", "llama"} <= set(FAMILIES) and {"testbed", "wordclass", "peer"} <= set(TASKS)
+    assert set(REWARDS) >= {"positivity", "length", "arithmetic"}
+
+
+def test_the_controller_order_is_the_checkpointed_index():
+    # ControllerParams.kind (in every checkpoint) is the index in registration order: the built-ins'
+    # order is behaviour (a resumed run must find its kind), so it is pinned
+    assert control.KINDS[:5] == ("fixed", "proportional", "band", "pi", "dual")
+
+
+def test_names_where_and_describe():
+    r = Registry("widget", "klrl.registry")
+    r.register("a", big=True, help="the first")(len)
+    r.register("b", big=False)(max)
+    r.register("c")(min)
+    assert r.names(where=lambda m: m.get("big", False)) == ("a",)
+    assert r.names(where=lambda m: "big" in m) == ("a", "b")
+    assert r.describe() == "a (the first), b, c"
+    assert r.describe(where=lambda m: not m.get("big", True)) == "b"
 
 
 def test_registry_rejects_unknown_and_duplicate_names():
@@ -35,16 +57,47 @@ def test_registry_rejects_unknown_and_duplicate_names():
 
 
 @pytest.mark.parametrize(
-    "make,field,names",
+    "make,field,registry",
     [
-        (lambda: ControllerConfig(kind="lqr"), "ctrl.kind", "fixed, proportional, band, pi, dual"),
-        (lambda: KLConfig(estimator="k4"), "kl.estimator", "k1, k2, k3, abs, full"),
-        (lambda: PPOConfig(advantage="vtrace"), "ppo.advantage", "gae, grpo, rloo"),
+        (lambda: ControllerConfig(kind="lqr"), "ctrl.kind", CONTROLLERS),
+        (lambda: KLConfig(estimator="k4"), "kl.estimator", ESTIMATORS),
+        (lambda: KLConfig(loss_estimator="k4"), "kl.loss_estimator", ESTIMATORS),
+        (lambda: ControllerConfig(estimator="k4"), "ctrl.estimator", ESTIMATORS),
+        (lambda: PPOConfig(advantage="vtrace"), "ppo.advantage", ADVANTAGES),
     ],
 )
-def test_config_validates_names_against_the_registries(make, field, names):
-    with pytest.raises(ConfigError, match=f"^{field}: must be one of {names} "):
+def test_config_validates_names_against_the_registries(make, field, registry):
+    with pytest.raises(ConfigError, match=f"^{field}: must be one of {', '.join(registry.names())} "):
         make()
+
+
+@pytest.mark.parametrize(
+    "section,field,registry",
+    [
+        (ControllerConfig, "kind", CONTROLLERS),
+        (KLConfig, "estimator", ESTIMATORS),
+        (KLConfig, "loss_estimator", ESTIMATORS),
+        (ControllerConfig, "estimator", ESTIMATORS),
+        (PPOConfig, "advantage", ADVANTAGES),
+    ],
+)
+def test_config_help_lists_the_registry(section, field, registry):
+    import dataclasses
+
+    text = str({f.name: f for f in dataclasses.fields(section)}[field].metadata["help"])
+    assert registry.describe() in text and all(n in text for n in registry)
+
+
+def test_the_group_size_rule_reads_grouped_metadata():
+    grouped = ADVANTAGES.names(where=lambda m: m["grouped"])
+    assert grouped  # the built-ins have some
+    for n in ADVANTAGES:
+        if n in grouped:
+            with pytest.raises(ConfigError, match=f"^ppo.group_size: must be >= 2 for ppo.advantage={n}"):
+                PPOConfig(advantage=n, group_size=1)
+            assert PPOConfig(advantage=n, group_size=2).group_size == 2
+        else:
+            assert PPOConfig(advantage=n, group_size=1).group_size == 1
 
 
 def test_plot_labels_come_from_the_controller_registry():
@@ -54,7 +107,8 @@ def test_plot_labels_come_from_the_controller_registry():
     for kind in CONTROLLERS:
         cfg = RunConfig().replace(ctrl={"kind": kind, "target": 2.0})
         text = plots.label(cfg)
-        assert text.startswith("fixed beta=" if kind == "fixed" else f"{kind} target=2"), text
+        adaptive = CONTROLLERS.meta(kind).get("adaptive", True)  # a kind that never moves beta: no target
+        assert text.startswith(f"{kind} target=2" if adaptive else f"{kind} beta="), text
     assert "kp=0.1 ki=0.01" in plots.label(RunConfig().replace(ctrl={"kind": "pi", "target": 2.0}))
     # a kind registered with its label: the plots print it, with no table of their own to update
     old = CONTROLLERS._items["dual"]

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from klrl.registry import REWARDS
 from klrl.rewards import text
 from klrl.rewards.text import NEGATIVE, NEGATORS, POSITIVE, arithmetic, get, last_number, positivity
 
@@ -75,7 +76,15 @@ def test_arithmetic_verifier() -> None:
 
 
 def test_registry() -> None:
-    assert set(text.names()) == {"positivity", "length", "arithmetic"}
+    assert text.names() == REWARDS.names() and "positivity" in REWARDS
     assert get("positivity") is positivity and get("arithmetic") is arithmetic
-    with pytest.raises(KeyError, match="no built-in reward 'sentiment' \\(built-in: positivity, length"):
+    assert get("length", target=5.0)([""], ["a b c d e"]) == [0.0]  # factory=True: built from its params
+    for name in REWARDS:  # each built-in is a TRL-style reward function (or builds one)
+        fn = get(name)
+        assert len(fn(["p", "q"], ["1 good", "bad 2"], answer=[1, 2])) == 2
+    with pytest.raises(TypeError, match="built-in reward 'positivity' takes no parameters"):
+        get("positivity", target=3)
+    with pytest.raises(
+        KeyError, match=f"no built-in reward 'sentiment' \\(built-in: {', '.join(REWARDS)}\\)"
+    ):
         get("sentiment")

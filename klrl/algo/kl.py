@@ -25,6 +25,15 @@ Reductions name their unit: :func:`seq_sum` gives nats per sequence,
 
 Everything here is free of Python branching on array values, so it works
 under ``jit``, ``vmap`` and ``shard_map``.
+
+The estimators are entries of the :data:`ESTIMATORS` registry (``kl.estimator``,
+``kl.loss_estimator`` and ``ctrl.estimator`` name them), each registered with ``inputs``: ``"logp"``
+(from the sampled tokens' log-probs, which both logit paths give) or ``"logits"`` (from the full
+``[B, T, V]`` logits). The chunked path (:mod:`klrl.step.chunked`, ``model.logits``; the default for
+vocabularies of 32768 or more) never forms those, so an estimator of the logits declares its
+chunked form as ``chunked=``, the name of the :func:`klrl.step.chunked.head_terms` term that computes
+it chunk by chunk: ``full`` is ``chunked="kl"`` (:func:`full_kl` of each chunk's logits). One without
+a chunked form is refused there by name (:func:`klrl.step.chunked.check_estimators`).
 """
 
 from __future__ import annotations
@@ -164,7 +173,7 @@ def kl_abs(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLi
     return _finish(jnp.abs(_masked_log_ratio(logp, ref_logp, mask, clamp)), mask, clamp)
 
 
-@ESTIMATORS.register("full", inputs="logits")
+@ESTIMATORS.register("full", inputs="logits", chunked="kl")
 def full_kl(logits: ArrayLike, ref_logits: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """Exact per-position KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)).
 
@@ -207,7 +216,8 @@ def estimate(
     ``name`` is a name of the :data:`ESTIMATORS` registry: k1, k2, k3, abs (``inputs="logp"``: from
     the sampled tokens' log-probs ``[B, T]``) or full (``inputs="logits"``: exact, from ``logits``
     and ``ref_logits`` ``[B, T, V]``; ``logp`` and ``ref_logp`` are then unused). A new estimator
-    is one function ``(a, ref_a, mask, clamp) -> [B, T]`` registered with its ``inputs``.
+    is one function ``(a, ref_a, mask, clamp) -> [B, T]`` registered with its ``inputs`` (and, for
+    ``inputs="logits"``, its ``chunked`` form: module docstring).
     """
     fn, meta = ESTIMATORS.entry(name)
     if meta["inputs"] == "logits":

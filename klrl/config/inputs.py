@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-from klrl.config.fields import _check, _choice, _f
+from klrl.config.fields import Help, _check, _choice, _f
 from klrl.config.schema import section
+from klrl.registry import REWARDS  # the built-in rewards' names, for reward.fn's help
 
 __all__ = ["FORMATS", "TRUNCATE", "DataConfig", "RewardConfig"]
 
@@ -17,8 +18,8 @@ class RewardConfig:
     missing-EOS penalty."""
 
     fn: str = _f(
-        "", "comma-separated text rewards: built-in names (positivity, length_target, arithmetic), "
-        "module:function or file.py:function ('' = the reward model of model.reward_path)",
+        "", Help(lambda: f"comma-separated text rewards: built-in names ({', '.join(REWARDS.names())}), "
+                 "module:function or file.py:function ('' = the reward model of model.reward_path)"),
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
     missing_eos_penalty: float = _f(

@@ -15,6 +15,11 @@ leave the chunk:
 * ``kl``: the exact full-vocabulary ``KL(pi || pi_ref)`` per position, :func:`klrl.algo.kl.full_kl` of the
   two tempered logits chunks (one output per clamp asked for).
 
+A KL estimator of the full logits (``inputs="logits"`` in :data:`klrl.registry.ESTIMATORS`) runs here
+only as the term its registration names (``chunked="kl"`` for ``full``; :func:`estimator_term`);
+:func:`check_estimators` refuses one without a chunked form by name, before anything compiles. The
+estimators of the sampled tokens' log-probs need none: they read ``policy_logp`` and ``ref_logp``.
+
 With ``checkpoint=True`` each chunk is one ``jax.checkpoint``: its backward recomputes that chunk's
 logits, so the gradient of the PPO loss holds one chunk's ``[chunk, V]`` buffers at a time, not
 ``[B, T, V]`` (peak memory ``O(chunk V)`` instead of ``O(B T V)``; cost: the head's forward twice).
@@ -36,6 +41,8 @@ import jax.numpy as jnp
 
 from klrl.algo import kl as kl_lib
 from klrl.algo.logprobs import entropy, token_logprobs
+from klrl.config import ConfigError, RunConfig
+from klrl.registry import ESTIMATORS
 
 Array = jax.Array
 CHUNK_MIN_VOCAB = 32768
@@ -47,6 +54,38 @@ def use_chunks(mode: str, vocab_size: int) -> bool:
     if mode not in ("auto", "full", "chunked"):
         raise ValueError(f"model.logits: must be auto, full or chunked (got {mode!r})")
     return mode == "chunked" or (mode == "auto" and vocab_size >= CHUNK_MIN_VOCAB)
+
+
+def _refuse(field: str, est: str, why: str) -> None:
+    meta = ESTIMATORS.meta(est)
+    if meta["inputs"] == "logits" and meta.get("chunked") not in TERMS:
+        raise ConfigError(
+            f"{field}: the KL estimator {est!r} reads the full [B, T, V] logits and declares no chunked "
+            f"form, which {why} (use model.logits=full, or register it with chunked=<a term of "
+            "klrl.step.chunked.TERMS>)"
+        )
+
+
+def check_estimators(cfg: RunConfig, vocab_size: int) -> None:
+    """On the chunked path, every KL estimator the run uses that reads the full logits must declare
+    its chunked form (a term of :data:`TERMS`); otherwise a :class:`ConfigError` names it (rather
+    than a silent substitution, or a missing ``[B, T, V]`` buffer at trace time)."""
+    if not use_chunks(cfg.model.logits, vocab_size):
+        return
+    used = {"kl.estimator": cfg.kl.estimator, "ctrl.estimator": cfg.ctrl.estimator}
+    if cfg.kl.placement in ("loss", "reward+loss"):
+        used["kl.loss_estimator"] = cfg.kl.loss_estimator
+    why = f"model.logits={cfg.model.logits} needs for a vocabulary of {vocab_size}"
+    for field, est in used.items():
+        _refuse(field, est, why)
+
+
+def estimator_term(name: str, terms: dict[str, Any]) -> Any:
+    """The value of KL estimator ``name`` (one of the full logits) on the chunked path: the term of
+    ``terms`` (:func:`head_terms`'s outputs, e.g. ``{"kl": full KL under kl.clamp}``) its
+    registration declares as its chunked form (a :class:`ConfigError` naming it without one)."""
+    _refuse("KL estimator", name, "the chunked path (model.logits) needs")
+    return terms[ESTIMATORS.meta(name)["chunked"]]
 
 
 def lm_head(model: Any, params: Any, hidden: Array) -> Array:

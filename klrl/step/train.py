@@ -44,6 +44,7 @@ from klrl.config import ConfigError, RunConfig
 from klrl.models.base import CausalLM, forward
 from klrl.models.heads import ValueHead, detach
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
+from klrl.step import chunked
 from klrl.step.heads import score_terms, value_out
 from klrl.step.metrics import iteration_metrics
 from klrl.step.parallel import DATA, average, mesh_from_config, shard_step
@@ -152,7 +153,8 @@ def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) ->
 
     def estimate(name):
         if ctx.chunked and kl_lib.ESTIMATORS.meta(name)["inputs"] == "logits":
-            return sc.full_kl  # the exact KL under kl.clamp, from hidden states (score_phase)
+            # its declared chunked form; full's is "kl", the exact KL under kl.clamp (score_phase)
+            return chunked.estimator_term(name, {"kl": sc.full_kl})
         return kl_lib.estimate(name, ro.logp, sc.ref_logp, mask, ro.logits, sc.ref_logits, kl_cfg.clamp)
 
     kl_reward = estimate(kl_cfg.estimator)
@@ -294,6 +296,7 @@ def make_train(
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = Models(policy, value, ValueHead(value.hidden_size))
     n_dev = mesh.shape[DATA]
+    chunked.check_estimators(cfg, policy.vocab_size)  # a KL estimator of the logits with no chunked form
     ctx = Context(
         cfg=cfg,
         task=task,

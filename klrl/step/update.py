@@ -15,6 +15,7 @@ import optax
 from klrl.algo import kl as kl_lib
 from klrl.algo import losses
 from klrl.algo.logprobs import entropy, token_logprobs
+from klrl.step import chunked
 from klrl.step.heads import policy_out, policy_terms, value_out
 from klrl.step.parallel import DATA, average, take_rows, total
 from klrl.step.parts import Batch, Context, TrainState, all_finite, coefs, iteration_keys
@@ -58,8 +59,8 @@ def ppo_loss(
         loss = loss + ppo.vf_coef * losses.masked_sum(vl, m) / n_tok
         stats["loss/value"] = losses.masked_sum(vl, m) / n_tok
         stats["value/clipfrac"] = losses.masked_sum(vclip, m) / n_tok
-    if ctx.kl_in_loss and ctx.chunked and ctx.full_in_loss:
-        kl_t = full_kl
+    if ctx.kl_in_loss and ctx.chunked and ctx.full_in_loss:  # the loss estimator's declared chunked form
+        kl_t = chunked.estimator_term(kl_cfg.loss_estimator, {"kl": full_kl})
     elif ctx.kl_in_loss:
         kl_t = kl_lib.estimate(
             kl_cfg.loss_estimator, logp, mb.ref_logp, m, logits, mb.ref_logits, kl_cfg.clamp
