@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from klrl.algo import advantages, control, kl, losses, shaping
-from klrl.config import ConfigError, ControllerConfig, KLConfig, PPOConfig
+from klrl.config import ConfigError, ControllerConfig, KLConfig, PPOConfig, TaskConfig
 from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, FAMILIES, REWARDS, TASKS, Registry
 
 
@@ -79,6 +79,7 @@ def test_config_validates_names_against_the_registries(make, field, registry):
         (KLConfig, "loss_estimator", ESTIMATORS),
         (ControllerConfig, "estimator", ESTIMATORS),
         (PPOConfig, "advantage", ADVANTAGES),
+        (TaskConfig, "name", TASKS),
     ],
 )
 def test_config_help_lists_the_registry(section, field, registry):

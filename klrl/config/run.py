@@ -23,6 +23,7 @@ from klrl.config.fields import (
     KL_UNITS,
     PLACEMENTS,
     ControllerConfig,
+    Help,
     KLConfig,
     ModelConfig,
     OptimConfig,
@@ -50,9 +51,7 @@ __all__ = [
 class TaskConfig:
     """The built-in task: a synthetic language, a pretrained reference, a reward."""
 
-    name: str = _f(
-        "testbed", "task: testbed (proxy reward model, exact gold) or wordclass (fraction of positive words)"
-    )
+    name: str = _f("testbed", Help(lambda: f"task: {TASKS.describe()}"))
     seed: int = _f(0, "seed of the synthetic language")
     prompt_len: int = _f(8, "prompt length in tokens (left-padded)")
     prompt_pool: int = _f(4096, "number of distinct prompts sampled from the language")

@@ -79,7 +79,7 @@ def make_peer_task(cfg: RunConfig, *, prompt_len: int, vocab: int = 256, seed: i
     )
 
 
-@register_task("peer")
+@register_task("peer", help="a PPO-shaped benchmark without language")
 def make_peer(cfg: RunConfig, log: object = None) -> Task:
     """The peer task of ``cfg`` by name (``task.name=peer``): ``task.prompt_len``, 256 tokens, seed 0."""
     return make_peer_task(cfg, prompt_len=cfg.task.prompt_len)

@@ -260,7 +260,7 @@ def _batch_eval_fn(env, ro, proxy, ev):
     }
 
 
-@register_task("testbed")
+@register_task("testbed", help="proxy reward model, exact gold")
 def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     """The testbed task of ``cfg`` (module docstring): every model trained or read from the cache."""
     t = cfg.task

@@ -68,7 +68,7 @@ def tokenizer(lang: L.Language) -> WordTokenizer:
     return WordTokenizer(tuple(lang.words), pad_id=L.PAD, stop_ids=(L.EOS,))
 
 
-@register_task("wordclass")
+@register_task("wordclass", help="fraction of positive words")
 def make_task(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     t = cfg.task
     lang = L.make_language(t.seed)
