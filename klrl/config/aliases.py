@@ -90,6 +90,7 @@ def __getattr__(name: str) -> Any:
         return klrl_metrics()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 # trl.experimental.ppo.PPOTrainer (TRL 1.x; the PPOTrainer of 0.12 onwards used the same names)
 TRL_METRICS: dict[str, str] = {
     "kl/k1_seq_sum": "objective/kl",  # sum over tokens of TRL's kl_estimator (k1 default), batch mean
