@@ -24,9 +24,9 @@ from klrl.config import (
     TaskConfig,
     TrainConfig,
 )
+from klrl.io.samples import samples  # the function (reads samples.jsonl back)
 from klrl.models.gpt import GPT
 from klrl.models.rollout import Rollout, generate
-from klrl.step.samples import samples  # the function; the module stays importable as klrl.samples
 from klrl.step.train import Phases, Train, TrainState, make_train
 
 __version__ = "0.1.0"

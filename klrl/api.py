@@ -33,7 +33,7 @@ from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.loop.program import Program
-from klrl.registry import TASKS
+from klrl.registry import TASKS, is_adaptive
 from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
 from klrl.step.evaluate import make_heldout_eval
 from klrl.step.parallel import mesh_from_config, shard_step
@@ -209,7 +209,7 @@ def build_program(
         models = {**value_models(base, task), **models}
     check_program(members, task, mesh.shape["data"], policy=models.get("policy"), reward=models.get("reward"))
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
-    adaptive = any(m.ctrl.kind != "fixed" for m in members)  # ctrl/target: NaN for fixed members
+    adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
     train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     # one gain and bias for every member (the env is shared): from the first member's seed

@@ -86,3 +86,9 @@ ADVANTAGES = Registry("advantage estimator", "klrl.algo.advantages")
 TASKS = Registry("task", "klrl.tasks")
 FAMILIES = Registry("model family", "klrl.models")
 REWARDS = Registry("built-in reward", "klrl.rewards.text")
+
+
+def is_adaptive(kind: str) -> bool:
+    """Whether the controller ``kind`` moves beta (its registration's ``adaptive``, default True): a fixed
+    beta has no target to log, report or diagnose against."""
+    return bool(CONTROLLERS.meta(kind).get("adaptive", True))

@@ -68,7 +68,6 @@ def nothing_is_built(monkeypatch, tmp_path):
     import klrl.api
     import klrl.step.train
 
-
     def reached(what):
         def f(*a, **k):
             raise Reached(f"{what} was reached: the input was not rejected before anything was built")

@@ -23,6 +23,7 @@ from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
 from klrl.io.readers import config_diff, read_jsonl
 from klrl.io.samples import report_lines
+from klrl.registry import is_adaptive
 
 # nothing in klrl imports this module but the command line and the user: the report is attached
 # to a finished run by its caller (``klrl.run``'s ``report`` argument, the ``klrl`` command)
@@ -66,7 +67,7 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
     ppl = ("eval/oracle_ppl_floored", "eval/independent_ppl", "eval/ref_ppl")
     if has(*ppl, "eval/distinct_1", "eval/distinct_2"):
         out.append(("perplexity_diversity", "perplexity and diversity"))
-    if any(r.config.ctrl.kind != "fixed" for r in results):
+    if any(is_adaptive(r.config.ctrl.kind) for r in results):
         out.append(("controller_comparison", "controller: KL / target and beta"))
     return out
 
@@ -136,7 +137,7 @@ def _n_iter(r: RunResult) -> int:
 def _timeline(r: RunResult) -> list[dict[str, Any]]:
     if not _n_iter(r):
         return []
-    return timeline(r.metrics, r.config.diag, adaptive=r.config.ctrl.kind != "fixed")
+    return timeline(r.metrics, r.config.diag, adaptive=is_adaptive(r.config.ctrl.kind))
 
 
 def _regime(r: RunResult) -> str:

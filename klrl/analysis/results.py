@@ -15,6 +15,7 @@ import numpy as np
 
 from klrl.config import RunConfig
 from klrl.io import readers
+from klrl.registry import is_adaptive
 
 SUMMARY_KEYS = (
     "reward/task",
@@ -77,7 +78,7 @@ def load_run(run_dir: str | Path) -> RunResult:
     cfg, rows = readers.read_run(d)
     metrics = columns(rows)
     tgt = metrics.get("ctrl/target")
-    if cfg.ctrl.kind == "fixed" and tgt is not None and np.isfinite(tgt).any():
+    if not is_adaptive(cfg.ctrl.kind) and tgt is not None and np.isfinite(tgt).any():
         del metrics["ctrl/target"]  # runs before issue 12 logged a meaningless target for a fixed beta
     return RunResult(cfg, d, metrics)
 

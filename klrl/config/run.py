@@ -36,7 +36,7 @@ from klrl.config.fields import (
 )
 from klrl.config.inputs import FORMATS, TRUNCATE, DataConfig, RewardConfig
 from klrl.config.schema import ConfigError, UnknownFieldError, section, short, strict_init, unknown_field
-from klrl.registry import TASKS  # names are checked against these
+from klrl.registry import TASKS, is_adaptive  # names are checked against these
 
 __all__ = [
     "FORMATS", "TRUNCATE", "KL_UNITS", "PLACEMENTS", "ConfigError", "ControllerConfig", "DataConfig",
@@ -327,7 +327,7 @@ def config_warnings(cfg: RunConfig) -> list[str]:
         )
     if k.loss_coef > 0 and not in_loss:
         out.append(f"kl.loss_coef={k.loss_coef} has no effect with kl.placement={k.placement}")
-    if c.kind != "fixed":
+    if is_adaptive(c.kind):
         if c.drives == "loss" and not in_loss:
             out.append(
                 f"ctrl.drives=loss but kl.placement={k.placement} has no KL loss term: nothing uses beta"

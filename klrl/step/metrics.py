@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from klrl.algo import kl as kl_lib
 from klrl.algo import losses
-from klrl.algo.control import KINDS
+from klrl.algo.control import kinds
+from klrl.registry import is_adaptive
 from klrl.step.parallel import average, gather, total
 from klrl.step.parts import Advantages, Scores, TrainState
 
@@ -84,7 +85,8 @@ def _optional_metrics(ctx: Any, env: Any, state: TrainState, ro: Any, sc: Scores
         metrics["kl/exact_token_mean"] = _seq_mean(kl_lib.token_mean(ad.exact, ro.mask))
     if ctx.log_target:
         p = state.ctrl.params
-        metrics["ctrl/target"] = jnp.where(p.kind == KINDS.index("fixed"), jnp.nan, p.target)
+        static = jnp.asarray([not is_adaptive(k) for k in kinds()])  # by kind index (klrl.algo.control)
+        metrics["ctrl/target"] = jnp.where(static[p.kind], jnp.nan, p.target)
     batch_eval = ctx.task.batch_eval_fn
     if batch_eval is not None:
         tokens_only = ro._replace(logits=None, value=None, hidden=None)  # batch metrics read tokens only

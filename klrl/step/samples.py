@@ -9,8 +9,7 @@
   written to ``RUN_DIR/samples.jsonl`` (:class:`klrl.io.samples.SamplesWriter`) and to TensorBoard as
   text (``samples/text``, a markdown table).
 * Reading them back (``samples.jsonl``, the report's section, ``klrl.samples(result_or_run_dir)``):
-  :mod:`klrl.io.samples`, which the analysis layer may import (``samples`` is re-exported here for
-  the package root until it imports :func:`klrl.io.samples.samples`).
+  :mod:`klrl.io.samples`, which the analysis layer may import.
 
 Per sample: ``prompt`` (the dataset's text where the task has it, else the decoded prompt tokens),
 ``completion`` (decoded, special tokens and the final stop token dropped), ``reward`` (the task
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from klrl.algo import kl as kl_lib
-from klrl.io.samples import SamplesWriter, samples, table_cell  # noqa: F401  (samples: see the docstring)
+from klrl.io.samples import SamplesWriter, table_cell
 from klrl.step.parallel import gather
 
 PREFIX = "_samples/"

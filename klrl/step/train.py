@@ -44,6 +44,7 @@ from klrl.config import ConfigError, RunConfig
 from klrl.models.base import CausalLM, forward
 from klrl.models.heads import ValueHead, detach
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
+from klrl.registry import is_adaptive
 from klrl.step import chunked
 from klrl.step.heads import score_terms, value_out
 from klrl.step.metrics import iteration_metrics
@@ -282,7 +283,7 @@ def make_train(
     here: ``klrl.run`` and ``klrl.sweep`` check them against the policy at their entry
     (:func:`klrl.checks.check_program`; a mismatch is a :class:`ConfigError` naming the part), and a
     direct caller can call :func:`klrl.checks.check_parts` first. ``log_target`` (default:
-    ``cfg.ctrl.kind != 'fixed'``) logs ``ctrl/target`` (a sweep sets it when any member is adaptive;
+    ``is_adaptive(cfg.ctrl.kind)``) logs ``ctrl/target`` (a sweep sets it when any member is adaptive;
     fixed members then log NaN).
     ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
     as ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them).
@@ -307,7 +308,7 @@ def make_train(
         controller=from_config(cfg.ctrl),
         optimizer=make_optimizer(cfg),
         n_dev=n_dev,
-        log_target=cfg.ctrl.kind != "fixed" if log_target is None else log_target,
+        log_target=is_adaptive(cfg.ctrl.kind) if log_target is None else log_target,
         samples=min(int(samples), cfg.train.batch_size),
     )
     one = partial(step_fn, ctx)
