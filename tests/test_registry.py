@@ -10,7 +10,7 @@ import pytest
 
 from klrl.algo import advantages, control, kl, losses, shaping
 from klrl.config import ConfigError, ControllerConfig, KLConfig, PPOConfig, TaskConfig
-from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, FAMILIES, REWARDS, TASKS, Registry
+from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, FAMILIES, REWARDS, TASKS, Registry, is_adaptive
 
 
 def test_the_registries_are_filled_by_their_home_modules():
@@ -118,6 +118,20 @@ def test_plot_labels_come_from_the_controller_registry():
         assert "step=0.01!" in plots.label(RunConfig().replace(ctrl={"kind": "dual", "target": 2.0}))
     finally:
         CONTROLLERS._items["dual"] = old
+
+
+def test_is_adaptive_reads_the_registration_not_the_name():
+    assert not is_adaptive("fixed")
+    assert all(is_adaptive(k) for k in CONTROLLERS if k != "fixed")
+    CONTROLLERS.register("frozen_beta_test", adaptive=False)(lambda *a: a[:2])
+    CONTROLLERS.register("moving_beta_test")(lambda *a: a[:2])  # no metadata: adaptive by default
+    try:
+        assert not is_adaptive("frozen_beta_test") and is_adaptive("moving_beta_test")
+    finally:
+        CONTROLLERS.remove("frozen_beta_test")
+        CONTROLLERS.remove("moving_beta_test")
+    with pytest.raises(ValueError, match="unknown controller"):
+        is_adaptive("nosuch")
 
 
 def test_chex_shape_checks_at_the_public_maths():
