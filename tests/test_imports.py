@@ -14,7 +14,6 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "klrl"
 
 # package -> the packages (layers) its modules may import, besides its own: issue 29's table
 _TABLE = {
