@@ -31,6 +31,7 @@ from klrl.config import ConfigError, RunConfig
 from klrl.config.sweep import check_members
 from klrl.models.base import CausalLM
 from klrl.models.rollout import Rollout
+from klrl.step.chunked import check_estimators
 from klrl.step.parallel import mesh_from_config
 from klrl.tasks.base import HostReward, JaxReward, Task
 
@@ -199,3 +200,4 @@ def check_program(
     parts = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
     check_parts(parts, policy, base.sampling.response_len, base.train.batch_size // n_data)
+    check_estimators(base, policy.vocab_size)  # a KL estimator of the logits needs a chunked form there

@@ -225,11 +225,16 @@ def test_the_new_entries_run_in_one_compiled_iteration(doubling, squared, centre
 def test_a_logits_estimator_without_chunked_form_is_refused_before_compiling(total_variation):
     from test_tasks import _cfg, _task
 
+    import klrl
     from klrl.step.train import make_train
 
     z, zr = (jax.random.normal(jax.random.key(i), (2, 3, 7)) for i in range(2))
     tv = kl_lib.estimate("tv", None, None, jnp.ones((2, 3)), z, zr)  # the full path reads the logits
     assert tv.shape == (2, 3) and bool(jnp.all(tv >= 0))
     cfg = _cfg().replace(kl={"estimator": "tv"}, model={"logits": "chunked"})
+    task = _task(cfg)
     with pytest.raises(ConfigError, match="^kl.estimator: the KL estimator 'tv' reads the full"):
-        make_train(cfg, _task(cfg))
+        klrl.run(cfg, task=task, write=False)  # at the API entry (klrl.checks.check_program)
+    train = make_train(cfg, task)  # make_train trusts its input; the step's trace refuses it all the same
+    with pytest.raises(ConfigError, match="'tv' reads the full"):
+        train.step(train.init(0), task.env)

@@ -297,7 +297,6 @@ def make_train(
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = Models(policy, value, ValueHead(value.hidden_size))
     n_dev = mesh.shape[DATA]
-    chunked.check_estimators(cfg, policy.vocab_size)  # a KL estimator of the logits with no chunked form
     ctx = Context(
         cfg=cfg,
         task=task,
