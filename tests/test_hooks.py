@@ -428,10 +428,13 @@ def test_reward_stop_saves_the_last_good_state_restamped():
 def test_heldout_reward_failure_saves_the_state_as_it_is():
     loop = _loop([_cfg()], rows=[[{}, {}, {}]], state="s")
     ck = _Ckpts([])
-    assert not RewardFailure(loop.prog).heldout_failed(loop, ck) and not ck.calls  # no check
+    assert RewardFailure(loop.prog).heldout_error() is None  # no check
+    assert RewardFailure(_prog([_cfg()], heldout_check=lambda: None)).heldout_error() is None  # it passed
     h = RewardFailure(_prog([_cfg()], heldout_check=_raises("nan reward")))
-    assert h.heldout_failed(loop, ck)
-    assert ck.calls == [("save", 3, "s")]
+    err = h.heldout_error()
+    assert isinstance(err, RewardFunctionError) and str(err) == "nan reward" and not ck.calls
+    h.heldout_stop(loop, ck, err)
+    assert ck.calls == [("save", 3, "s")]  # the state after the rows recorded
     assert loop.reward_stop == "nan reward (held-out evaluation); last good state: there"
 
 

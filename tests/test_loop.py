@@ -289,3 +289,55 @@ def test_metric_aliases_in_metrics_jsonl_and_tensorboard_only(cache_dir, tmp_pat
     assert got == want
     with pytest.raises(ConfigError, match="train.metric_aliases"):
         base.replace(train={"metric_aliases": "openrlhf"})
+
+
+def _heldout_run(cfg, fail_at: int | None, **kw):
+    """A single run whose state's history shows (``w <- w / 2 + t`` at update ``t``), with a held-out
+    evaluation every iteration whose host reward fails when it evaluates the state after ``fail_at``
+    updates (None: never)."""
+    import jax
+
+    from klrl.loop.driver import Program, drive
+    from klrl.rewards.host import RewardFunctionError
+
+    seen = []
+
+    @jax.jit
+    def step(s, env):
+        t, w = s
+        return (t + 1, w / 2 + t), {"reward/gold": w, "guard/skipped": 0.0 * w}
+
+    def evaluate(s, env):
+        seen.append(int(s[0]))
+        return {"eval/w": s[1]}
+
+    def check():
+        if seen and seen[-1] == fail_at:
+            raise RewardFunctionError(f"held-out reward failed at {fail_at}")
+
+    prog = Program(configs=[cfg], stacked=False, init=lambda: (jnp.int32(0), jnp.float32(1.0)), step=step,
+                   place=lambda s: s, env=None, evaluate=evaluate, heldout_check=check)  # fmt: skip
+    return drive(prog, **kw)
+
+
+def test_heldout_reward_failure_after_a_pending_row_saves_the_rows_state(cache_dir, tmp_path):
+    """The held-out reward fails before step 5 (checkpoint_every=3): row 4, fetched one step late, is
+    recorded first, so the checkpoint (5) is the state after exactly the 5 rows written, and a resume
+    with the reward fixed continues bit for bit as a run that never failed."""
+    from klrl.io.resume import prepare
+    from klrl.rewards.host import RewardFunctionError
+
+    cfg = base_config(cache_dir, iterations=8, checkpoint_every=3).replace(data={"eval_every": 1})
+    with pytest.raises(RewardFunctionError, match="held-out evaluation.*last good state: checkpoint 5") as e:
+        _heldout_run(cfg, 5, out_dir=tmp_path / "cut")
+    assert e.value.result[0].info["checkpoint"] == 5 and e.value.result[0].info["iteration"] == 5
+    rows = [json.loads(x) for x in lines(tmp_path / "cut" / "metrics.jsonl")]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4]
+    plan = prepare(cfg, tmp_path / "cut")
+    assert plan.step == 5 and plan.meta["metrics_lines"] == 5 and plan.meta["iteration"] == 5
+    resumed, _ = _heldout_run(cfg, None, resume=plan)
+    full, _ = _heldout_run(cfg, None, out_dir=tmp_path / "full")
+    assert resumed[0].info["start_iteration"] == 5 and resumed[0].info["iteration"] == 8
+    assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(tmp_path / "full" / "metrics.jsonl")
+    for k in ("reward/gold", "eval/w"):
+        np.testing.assert_array_equal(resumed[0].metrics[k], full[0].metrics[k])

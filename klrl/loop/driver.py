@@ -230,8 +230,9 @@ def _iteration(loop: Loop, hooks: _Hooks) -> bool:
     sync = True
     if not stopping and loop.i < loop.iterations:
         # before the step donates the state: the held-out metrics of the state after i updates
-        if hooks.heldout.before_step(loop) and hooks.reward.heldout_failed(loop, hooks.ckpts):
-            return False
+        err = hooks.reward.heldout_error() if hooks.heldout.before_step(loop) else None
+        if err is not None:
+            return _heldout_stop(loop, hooks, fetch, err)
         sync = _step(loop, fetch, hooks.ckpts)
     action = _record(loop, hooks, fetch)
     if action is not None:
@@ -243,6 +244,17 @@ def _iteration(loop: Loop, hooks: _Hooks) -> bool:
         loop.stopped = hooks.signals.name
         return False
     return loop.i < loop.iterations or loop.pending is not None
+
+
+def _heldout_stop(loop: Loop, hooks: _Hooks, fetch: list[tuple[int, Any]], err: Exception) -> bool:
+    """The held-out evaluation's reward failed (``err``) before step ``loop.i``: the rows fetched by now
+    (the previous step's, pending when it was not a checkpoint) recorded first, as any row, so the
+    state saved is the state after exactly the rows written; what a row asks for comes first."""
+    action = _record(loop, hooks, fetch)
+    if action is not None and not _act(action, loop, hooks):
+        return False
+    hooks.reward.heldout_stop(loop, hooks.ckpts, err)
+    return False
 
 
 def _step(loop: Loop, fetch: list[tuple[int, Any]], ckpts: Checkpoints) -> bool:

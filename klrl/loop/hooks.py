@@ -409,12 +409,13 @@ class RewardFailure(Hook):
         loop.reward_stop = f"{r.error}; last good state: {ckpts.where_saved()}"
         loop.i = loop.recorded
 
-    def heldout_failed(self, loop: Loop, ckpts: Checkpoints) -> bool:
-        """Whether the held-out rows' reward failed; then the run ends with the state saved (it is
-        good: only the evaluation's reward failed)."""
-        err = reward_error(self.heldout_check)
-        if err is None:
-            return False
+    def heldout_error(self) -> Exception | None:
+        """The held-out rows' reward failure, or None."""
+        return reward_error(self.heldout_check)
+
+    def heldout_stop(self, loop: Loop, ckpts: Checkpoints, err: Exception) -> None:
+        """End the run at the held-out reward failure ``err`` with the state saved as it is (it is good:
+        only the evaluation's reward failed). The driver has recorded every row fetched by then, so
+        ``loop.state`` is the state after ``loop.recorded`` updates."""
         ckpts.save(loop, loop.recorded)
         loop.reward_stop = f"{err} (held-out evaluation); last good state: {ckpts.where_saved()}"
-        return True
