@@ -20,8 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
+
 from klrl.config import SECTIONS, ConfigError, RunConfig, field_names
 from klrl.config.schema import ALIASES, closest, short
+from klrl.io.readers import RunDirError, read_json, read_text
+from klrl.tasks.pretrain import cache_root
 
 _FLOAT = re.compile(r"^-(\d|\.\d|inf|nan|infinity)", re.IGNORECASE)
 SWEEP_SYNTAX = "expected --sweep section.field=v1,v2 (e.g. --sweep kl.beta=0.01,0.1)"
@@ -151,14 +155,8 @@ def overrides_of(ns: argparse.Namespace) -> list[str]:
 
 def load_config_file(path: str) -> RunConfig:
     """``--config FILE``: a JSON or YAML mapping ``{section: {field: value}}``."""
-    from klrl.io.readers import RunDirError, read_json, read_text
-
     p = Path(path)
     if p.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            fail(f"--config: {p} is YAML and PyYAML is not installed (pip install pyyaml)")
         try:
             d = yaml.safe_load(read_text(p))
         except RunDirError as e:
@@ -236,7 +234,6 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
 
 def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
     """The directories a run writes: ``train.out_dir`` (a new run) and the task's cache."""
-    from klrl.tasks.pretrain import cache_root
 
     if new_run:
         check_writable_dir(cfg.train.out_dir, "train.out_dir")

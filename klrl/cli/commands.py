@@ -24,8 +24,12 @@ import argparse
 import errno
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from klrl.analysis.report import ReportError, maybe_write_report, write_report
+from klrl.analysis.results import load_sweep
+from klrl.checks import check_device_count, check_task
 from klrl.cli.args import (
     SWEEP_SYNTAX,
     build_parser,
@@ -37,9 +41,15 @@ from klrl.cli.args import (
     overrides_of,
     parse,
 )
+from klrl.cli.export import main as export_main
 from klrl.cli.launch import check_reward_fns, run_one, run_sweep
-from klrl.config import ConfigError, RunConfig
+from klrl.config import ConfigError, RunConfig, config_warnings
 from klrl.config.schema import closest
+from klrl.config.sweep import check_members, grid, parse_axis
+from klrl.distributed import initialize
+from klrl.io.readers import RunDirError, read_run
+from klrl.tasks.base import builtin_task_shape
+from klrl.tasks.text import check_model_paths
 
 __all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
@@ -110,7 +120,6 @@ def _study_members(cfg: RunConfig, overridden: bool) -> list[RunConfig]:
 
 
 def _sweep_members(cfg: RunConfig, specs: list[str]) -> tuple[list[RunConfig], dict[str, Any]]:
-    from klrl.config.sweep import check_members, grid, parse_axis
 
     for spec in specs:
         if "=" not in spec:
@@ -131,8 +140,6 @@ def _is_sweep_dir(run_dir: str) -> bool:
 
 
 def _read_sweep_dir(sweep_dir: str) -> list[RunConfig]:
-    from klrl.analysis.results import load_sweep
-    from klrl.io.readers import RunDirError
 
     try:
         return [r.config for r in load_sweep(sweep_dir)]  # damaged files fail here, read-only
@@ -141,7 +148,6 @@ def _read_sweep_dir(sweep_dir: str) -> list[RunConfig]:
 
 
 def _read_resume_dir(run_dir: str) -> RunConfig:
-    from klrl.io.readers import RunDirError, read_run
 
     try:
         cfg, _ = read_run(run_dir)  # a damaged config.json or metrics.jsonl fails here, read-only
@@ -192,10 +198,6 @@ def _check_distributed(ns: argparse.Namespace) -> bool:
 def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig]) -> None:
     """The paths a run writes, the model files, the task's vocabulary and lengths (the built-in task's
     shape, :func:`klrl.checks.check_task`), the reward functions; then the config's warnings."""
-    from klrl.checks import check_task
-    from klrl.config import config_warnings
-    from klrl.tasks.base import builtin_task_shape
-    from klrl.tasks.text import check_model_paths
 
     check_paths(cfg, new_run=mode != "resume")
     try:
@@ -219,15 +221,11 @@ def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunCo
     """``--distributed``: join the other processes (before anything touches a device); then a run's
     ``train.devices`` against the devices there are (:func:`klrl.checks.check_device_count`)."""
     if distributed:
-        from klrl.distributed import initialize
-
         try:
             initialize(ns.coordinator, ns.num_processes, ns.process_id)
         except ValueError as e:
             fail(f"--distributed: {e}")
     if run_alone:
-        from klrl.checks import check_device_count
-
         try:
             check_device_count(cfg)
         except ConfigError as e:
@@ -237,10 +235,6 @@ def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunCo
 # ---- the executor ----------------------------------------------------------------------------------
 def _report(run_dir: str, ns: argparse.Namespace) -> int:
     check_report_alone(ns)
-    from pathlib import Path
-
-    from klrl.analysis.report import ReportError, write_report
-    from klrl.io.readers import RunDirError
 
     if Path(run_dir).is_dir():
         check_run_dir_writable(run_dir, "--report")
@@ -263,7 +257,6 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     distributed = _check_distributed(ns)
     _check_inputs(mode, ns, cfg, members or [cfg])
     _join(ns, distributed, members is None, cfg)
-    from klrl.analysis.report import maybe_write_report  # (the command line attaches the report)
 
     try:
         if members is not None:
@@ -312,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "export":
-        from klrl.cli.export import main as export_main
-
         return export_main(rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)

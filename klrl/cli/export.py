@@ -31,6 +31,18 @@ from typing import Any
 
 import jax
 import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from klrl.cli.args import fail
+from klrl.config import ConfigError
+from klrl.io import checkpoint as ckpt
+from klrl.io.checkpoint import CheckpointError, version
+from klrl.io.digest import leaf_name
+from klrl.io.readers import RunDirError, read_json, read_run, read_sweep_members
+from klrl.models.heads import detach
+from klrl.models.hf import CheckpointFormatError
+from klrl.models.pretrained import from_pretrained, save_pretrained
+from klrl.tasks.text import check_model_paths
 
 FORMAT = "klrl-gpt"
 SAFETENSORS = "model.safetensors"
@@ -48,8 +60,6 @@ def _checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
         )
     parent = run_dir.parent
     if not (run_dir / "checkpoints").is_dir() and (parent / "sweep.json").is_file():
-        from klrl.io.readers import read_sweep_members
-
         names = read_sweep_members(parent)
         if run_dir.name in names:
             return parent, names.index(run_dir.name)
@@ -58,7 +68,6 @@ def _checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
 
 def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any, int]:
     """The policy's parameters (host arrays) at ``step`` (default: the latest), and that step."""
-    from klrl.io import checkpoint as ckpt
 
     mgr = ckpt.manager(root, read_only=True)
     try:
@@ -80,17 +89,11 @@ def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[An
         raise ExportError(f"checkpoint {step} in {root} holds no policy parameters (params/policy)") from None
     if member is not None:
         policy = jax.tree.map(lambda x: np.asarray(x[member]), policy)
-    from klrl.models.heads import detach
 
     return detach(policy)[0], step
 
 
 def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path) -> str:
-    from safetensors.numpy import save_file
-
-    from klrl.io.checkpoint import version
-    from klrl.io.digest import leaf_name
-    from klrl.io.readers import read_json
 
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     tensors = {leaf_name(p): np.ascontiguousarray(np.asarray(x), np.float32) for p, x in flat}
@@ -111,8 +114,6 @@ def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path
 
 
 def _write_hf(cfg, params: Any, out: Path) -> str:
-    from klrl.models.pretrained import from_pretrained, save_pretrained
-    from klrl.tasks.text import check_model_paths
 
     check_model_paths(cfg)  # the architecture and the tokenizer come from model.path
     model, _, tok = from_pretrained(cfg.model.path, tokenizer=True)
@@ -125,10 +126,6 @@ def _write_hf(cfg, params: Any, out: Path) -> str:
 def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> str:
     """Write ``run_dir``'s policy at checkpoint ``step`` (default: the latest) to ``out_dir``
     (module docstring); returns a one-line statement of what was written."""
-    from klrl.config import ConfigError
-    from klrl.io.checkpoint import CheckpointError
-    from klrl.io.readers import RunDirError, read_run
-    from klrl.models.hf import CheckpointFormatError
 
     d, out = Path(run_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -157,7 +154,6 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) ->
 def load_gpt(out_dir: str | Path) -> tuple[dict, Any]:
     """``(config.json, params)`` of a GPT export: the parameters as the nested dict of NumPy arrays
     the policy was trained with (``GPT(...).apply`` takes them)."""
-    from safetensors.numpy import load_file
 
     out = Path(out_dir)
     doc = json.loads((out / "config.json").read_text())
@@ -175,7 +171,6 @@ def load_gpt(out_dir: str | Path) -> tuple[dict, Any]:
 
 def main(argv: list[str]) -> int:
     """``klrl export RUN_DIR OUT_DIR [--step N]``."""
-    from klrl.cli.args import fail
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str):  # one line, exit 2

@@ -8,8 +8,21 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import jax
+
+from klrl import api  # (api.run, api.sweep looked up at the call: tests replace them)
+from klrl.analysis.diagnosis import final_regime
+from klrl.analysis.summary import summary_table
 from klrl.cli.args import fail
 from klrl.config import ConfigError, RunConfig
+from klrl.data.prompts import PromptDataError
+from klrl.distributed import is_main
+from klrl.io.checkpoint import CheckpointError
+from klrl.io.readers import RunDirError
+from klrl.loop.reliability import RunStopped
+from klrl.models.hf import CheckpointFormatError
+from klrl.rewards import RewardFunctionError, RewardLoadError
+from klrl.rewards.host import load_reward_fn, parse_specs
 
 __all__ = ["check_reward_fns", "exit_status", "guarded", "run_one", "run_sweep", "stopped_line"]
 
@@ -18,8 +31,6 @@ def check_reward_fns(cfg: RunConfig) -> None:
     """Every ``reward.fn`` entry loads (a built-in name, ``module:function`` or ``file.py:function``)."""
     if not cfg.reward.fn.strip():
         return
-    from klrl.rewards import RewardLoadError
-    from klrl.rewards.host import load_reward_fn, parse_specs
 
     try:
         for spec in parse_specs(cfg.reward.fn, cfg.reward.weights)[0]:
@@ -34,12 +45,6 @@ def guarded(call: Any) -> Any:
     one line and exit 2 (also a host reward function failing during the run, after the last good state
     is checkpointed), the run stopping itself (guard, rollback limit) one line and exit 1; None
     after Ctrl-C."""
-    from klrl.data.prompts import PromptDataError
-    from klrl.io.checkpoint import CheckpointError
-    from klrl.io.readers import RunDirError
-    from klrl.loop.reliability import RunStopped
-    from klrl.models.hf import CheckpointFormatError
-    from klrl.rewards import RewardFunctionError, RewardLoadError
 
     try:
         return call()
@@ -62,18 +67,12 @@ def run_sweep(
 ) -> int:
     """A sweep as a command (``report``: klrl.sweep's ``report=``): its summary table and diagnoses
     printed (process 0); the exit status."""
-    import jax
 
-    from klrl.analysis.summary import summary_table
-    from klrl.api import sweep
-
-    results = guarded(lambda: sweep(members, sweep_devices=sweep_devices, resume=resume, report=report))
+    results = guarded(lambda: api.sweep(members, sweep_devices=sweep_devices, resume=resume, report=report))
     if results is None:
         return 130
     stopped = results[0].info.get("stopped")
     if jax.process_index() == 0:
-        from klrl.analysis.diagnosis import final_regime
-
         print(summary_table(results, list(axes)))
         for i, r in enumerate(results):
             print(f"member {i:02d}: diagnosis {final_regime(r.metrics, r.config.diag)}")
@@ -90,10 +89,8 @@ def run_sweep(
 def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
     """One run as a command (``report``: klrl.run's ``report=``): its summary printed (process 0);
     the exit status."""
-    from klrl.api import run
-    from klrl.distributed import is_main
 
-    result = guarded(lambda: run(cfg, resume=resume, report=report))
+    result = guarded(lambda: api.run(cfg, resume=resume, report=report))
     if result is None:
         return 130
     stopped = result.info.get("stopped")
