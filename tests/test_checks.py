@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from test_tasks import P, R, V, _cfg, _task  # the toy task of tests/test_tasks.py
 
 from klrl.checks import (
     check_config,
@@ -21,8 +22,6 @@ from klrl.config import ConfigError, RunConfig, TaskShape
 from klrl.data.vocab import WordTokenizer
 from klrl.models.gpt import GPT
 from klrl.tasks.base import HostReward, JaxReward, Task, TokenPool
-
-V, P, R = 11, 8, 4
 
 
 # ---- 1. the configuration -------------------------------------------------------------------------------
@@ -62,35 +61,6 @@ def test_check_task_against_the_vocabulary_and_lengths() -> None:
     check_task(cfg, TaskShape(vocab_size=200, prompt_len=8, max_len=24))
     with pytest.raises(ConfigError, match="^sampling.response_len:"):
         check_task(cfg, TaskShape(vocab_size=200, prompt_len=8, max_len=23))
-
-
-def _cfg() -> RunConfig:
-    return RunConfig().replace(
-        model={"n_layers": 1, "d_model": 16, "n_heads": 2},
-        sampling={"response_len": R},
-        train={"batch_size": 8, "devices": 1, "iterations": 2},
-        ppo={"minibatches": 2, "epochs": 1},
-        task={"prompt_len": P},
-    )
-
-
-def _reward(env, ro):
-    return jnp.mean(ro.mask, axis=-1)
-
-
-def _task(cfg: RunConfig, width: int = P, vocab: int = V, policy=None, **kw) -> Task:
-    policy = policy or GPT(cfg.model, V, P + R + 4)
-    prompts = jax.random.randint(jax.random.PRNGKey(0), (16, width), 2, V)
-    parts = dict(
-        name="toy",
-        tokenizer=WordTokenizer(tuple(f"w{i}" for i in range(vocab)), pad_id=0, stop_ids=(1,)),
-        prompts=TokenPool(prompts, jnp.ones((16, width), jnp.float32)),
-        prompt_len=P,
-        reward=JaxReward(_reward),
-        policy=policy,
-        policy_params=policy.init(jax.random.PRNGKey(1)),
-    )
-    return Task(**{**parts, **kw})
 
 
 @dataclasses.dataclass(frozen=True)
