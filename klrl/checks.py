@@ -5,8 +5,9 @@
    (``write=True``). Before anything is read or built.
 2. **The task and the models against the policy** (:func:`check_task`, :func:`check_parts`): the
    sampling lengths and ``top_k`` against the task's vocabulary and lengths; the task's parts
-   (prompt source, tokenizer, reward) against each other and against the policy that trains. Once
-   the task is built, before anything compiles.
+   (prompt source, tokenizer, reward) against each other and against the policy that trains; on the
+   chunked logits path, a chunked form for every KL estimator of the logits in use
+   (:func:`klrl.step.chunked.check_estimators`). Once the task is built, before anything compiles.
 3. **The devices** (:func:`check_devices`, :func:`check_device_count`): the batch, minibatches and
    groups split over the data devices, and the devices asked for are there.
 
