@@ -177,6 +177,44 @@ def test_sink_without_aliases_writers_or_on_process_0():
     assert len(seen) == 1  # not on the other processes
 
 
+def test_sink_times_the_steps_ready_not_the_recording(monkeypatch):
+    # two rows recorded at the same moment (a checkpoint's pair) whose steps finished 3 s apart
+    loop = _loop([_cfg(batch_size=4)], writers=[_Writer()])
+    monkeypatch.setattr(H.time, "time", lambda: 100.0)
+    sink = MetricsSink({}, None)
+    for it, ready in enumerate([50.0, 53.0]):
+        sink.on_step(loop, Row(it, {}, [{"response/length": 3.0}], {}, ready))
+    assert loop.writers[0].calls[1] == ("timing", 1, {"train/iteration_s": 3.0, "perf/tokens_per_s": 4.0})
+
+
+class _Late:
+    """Ready ``delay`` seconds after it is made (a step still running on a device)."""
+
+    def __init__(self, delay: float) -> None:
+        import time
+
+        self.at = time.time() + delay
+
+    def block_until_ready(self) -> _Late:
+        import time
+
+        time.sleep(max(0.0, self.at - time.time()))
+        return self
+
+
+def test_ready_times_when_outputs_become_ready_in_dispatch_order():
+    import time
+
+    times = H.ReadyTimes()
+    t0 = time.time()
+    a, b = _Late(0.2), _Late(0.4)
+    when_a, when_b = times.watch({"m": a}), times.watch([b])
+    assert time.time() - t0 < 0.1  # watch does not wait
+    assert when_b() == pytest.approx(b.at, abs=0.05) and when_a() == pytest.approx(a.at, abs=0.05)
+    times.on_stop(None)
+    assert times.watch({})() >= b.at  # a new watcher after a stop
+
+
 # ---- samples and progress ------------------------------------------------------------------------------
 
 

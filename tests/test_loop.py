@@ -341,3 +341,66 @@ def test_heldout_reward_failure_after_a_pending_row_saves_the_rows_state(cache_d
     assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(tmp_path / "full" / "metrics.jsonl")
     for k in ("reward/gold", "eval/w"):
         np.testing.assert_array_equal(resumed[0].metrics[k], full[0].metrics[k])
+
+
+# ---- wall time: the finished iteration --------------------------------------------------------------
+
+
+class _Late:
+    """A value a device is still computing: ready at wall time ``at``; waiting for it
+    (``block_until_ready``) or reading it (``__array__``) blocks until then."""
+
+    def __init__(self, value: float, at: float) -> None:
+        self.value, self.at = value, at
+
+    def block_until_ready(self) -> _Late:
+        import time
+
+        time.sleep(max(0.0, self.at - time.time()))
+        return self
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.block_until_ready().value, dtype)
+
+
+def _timed_run(tmp_path, cache_dir, *, dispatch_returns: bool, seconds: float) -> tuple[list[float], float]:
+    """A single run of 6 iterations (checkpoints every 2: rows fetched two at a time) whose step takes
+    ``seconds``: returning at once with outputs ready ``seconds`` after the previous step's (an
+    accelerator's asynchronous dispatch), or returning when it is done (the CPU with a host callback);
+    its ``train/iteration_s`` and the wall time from the first step's end to the run's."""
+    import time
+
+    from klrl.loop.driver import Program, drive
+
+    cfg = base_config(cache_dir, iterations=6, checkpoint_every=2)
+    ends: list[float] = []
+
+    def step(s, env):
+        if dispatch_returns:
+            ends.append(max(ends[-1] if ends else 0.0, time.time()) + seconds)
+        else:
+            time.sleep(seconds)
+            ends.append(time.time())
+        return {"t": s["t"] + 1}, {"response/length": _Late(4.0, ends[-1]), "x": _Late(1.0, ends[-1])}
+
+    prog = Program(configs=[cfg], stacked=False, init=lambda: {"t": jnp.zeros((), jnp.int32)}, step=step,
+                   place=lambda s: s, env=None)  # fmt: skip
+    (r,), _ = drive(prog, out_dir=tmp_path / "r")
+    done = time.time()
+    timing = [json.loads(x) for x in (r.dir / "timing.jsonl").read_text().splitlines()]
+    assert [t["iteration"] for t in timing] == [1, 2, 3, 4, 5]  # iteration 0 holds the compile
+    for t in timing:
+        assert t["perf/tokens_per_s"] == pytest.approx(4.0 * cfg.train.batch_size / t["train/iteration_s"])
+    return [t["train/iteration_s"] for t in timing], done - ends[0]
+
+
+@pytest.mark.parametrize("dispatch_returns", [False, True])
+def test_iteration_s_is_the_finished_iterations_wall_time(cache_dir, tmp_path, dispatch_returns):
+    # rows are recorded one step late, or two at once at a checkpoint: the time between recording two
+    # rows is not an iteration's (it was ~0 s for the second row of a checkpoint's pair, and 0.02 s for
+    # 30 s SmolLM2 iterations); the time from one step's outputs being ready to the next one's is
+    seconds = 0.3
+    its, wall = _timed_run(tmp_path, cache_dir, dispatch_returns=dispatch_returns, seconds=seconds)
+    for s in its:
+        assert seconds * 0.95 <= s < seconds + 0.25, its
+    assert sum(its) == pytest.approx(wall, abs=0.3)  # the run's wall time after the first step, in all

@@ -56,6 +56,7 @@ from klrl.loop.hooks import (
     MetricsSink,
     ProgressLine,
     QualityRollback,
+    ReadyTimes,
     Rejected,
     RewardFailure,
     Row,
@@ -70,6 +71,8 @@ from klrl.rewards.host import RewardFunctionError
 from klrl.step.samples import pop_samples
 
 __all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
+
+_Fetch = tuple[int, Any, Callable[[], float]]  # a step's (iteration, metrics, when its outputs were ready)
 
 
 def drive(
@@ -124,6 +127,7 @@ class _Hooks:
     samples: Samples
     sink: MetricsSink
     progress: ProgressLine
+    ready: ReadyTimes
 
     @property
     def row_order(self) -> list[Hook]:
@@ -133,7 +137,8 @@ class _Hooks:
 
     @property
     def stopping_order(self) -> list[Hook]:
-        return [self.progress, self.samples, self.ckpts, self.rollback, self.sink, self.heldout, self.reward]
+        return [self.progress, self.samples, self.ckpts, self.rollback, self.sink, self.heldout, self.reward,
+                self.ready]  # fmt: skip
 
 
 def _stderr(line: str) -> None:
@@ -218,7 +223,7 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
     signals = Signals(guard.signals if guard is not None else None, log)
     sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
     heldout, reward = HeldOut(prog), RewardFailure(prog)
-    return _Hooks(signals, ckpts, heldout, reward, rollback, Samples.of(loop), sink, progress)
+    return _Hooks(signals, ckpts, heldout, reward, rollback, Samples.of(loop), sink, progress, ReadyTimes())
 
 
 def _iteration(loop: Loop, hooks: _Hooks) -> bool:
@@ -233,7 +238,7 @@ def _iteration(loop: Loop, hooks: _Hooks) -> bool:
         err = hooks.reward.heldout_error() if hooks.heldout.before_step(loop) else None
         if err is not None:
             return _heldout_stop(loop, hooks, fetch, err)
-        sync = _step(loop, fetch, hooks.ckpts)
+        sync = _step(loop, fetch, hooks)
     action = _record(loop, hooks, fetch)
     if action is not None:
         loop.pending = None
@@ -246,7 +251,7 @@ def _iteration(loop: Loop, hooks: _Hooks) -> bool:
     return loop.i < loop.iterations or loop.pending is not None
 
 
-def _heldout_stop(loop: Loop, hooks: _Hooks, fetch: list[tuple[int, Any]], err: Exception) -> bool:
+def _heldout_stop(loop: Loop, hooks: _Hooks, fetch: list[_Fetch], err: Exception) -> bool:
     """The held-out evaluation's reward failed (``err``) before step ``loop.i``: the rows fetched by now
     (the previous step's, pending when it was not a checkpoint) recorded first, as any row, so the
     state saved is the state after exactly the rows written; what a row asks for comes first."""
@@ -257,29 +262,31 @@ def _heldout_stop(loop: Loop, hooks: _Hooks, fetch: list[tuple[int, Any]], err: 
     return False
 
 
-def _step(loop: Loop, fetch: list[tuple[int, Any]], ckpts: Checkpoints) -> bool:
-    """One step; its metrics fetched now (a checkpoint is due: returns True) or with the next one."""
+def _step(loop: Loop, fetch: list[_Fetch], hooks: _Hooks) -> bool:
+    """One step; its metrics fetched now (a checkpoint is due: returns True) or with the next one,
+    with when its outputs were ready (:class:`~klrl.loop.hooks.ReadyTimes`)."""
     release_freed_memory()  # freed heap (compiles, checkpoints) back before the step
     loop.state, metrics = loop.prog.step(loop.state, loop.prog.env)
+    done = (loop.i, metrics, hooks.ready.watch(metrics))
     if loop.i == loop.start:  # the call compiled the step: its heap, while the step runs
         release_freed_memory()
     loop.i += 1
-    sync = ckpts.due(loop.i)
+    sync = hooks.ckpts.due(loop.i)
     if sync:
-        fetch.append((loop.i - 1, metrics))
+        fetch.append(done)
     else:
-        loop.pending = (loop.i - 1, metrics)
+        loop.pending = done
     return sync
 
 
-def _record(loop: Loop, hooks: _Hooks, fetch: list[tuple[int, Any]]) -> Rejected | str | None:
+def _record(loop: Loop, hooks: _Hooks, fetch: list[_Fetch]) -> Rejected | str | None:
     """Record the fetched rows in order, until one asks for something (rows end where a stop was
     decided): a :class:`Rejected` (a host reward failed), ``'skips'`` or ``'rollback'``; else None."""
-    for it, m in fetch:
+    for it, m, ready in fetch:
         rejected = hooks.reward.rejected(it, m)
         if rejected is not None:
             return rejected
-        row = _row(loop, hooks.heldout, it, m)
+        row = _row(loop, hooks.heldout, it, m, ready())
         for h in hooks.row_order:
             h.on_step(loop, row)
         skips = max(r[-1].get("guard/consecutive_skips", 0.0) for r in loop.rows)
@@ -290,8 +297,9 @@ def _record(loop: Loop, hooks: _Hooks, fetch: list[tuple[int, Any]]) -> Rejected
     return None
 
 
-def _row(loop: Loop, heldout: HeldOut, it: int, m: Any) -> Row:
-    """The step's metrics ``m`` on the host as row ``it``, appended to every member's rows."""
+def _row(loop: Loop, heldout: HeldOut, it: int, m: Any, ready: float) -> Row:
+    """The step's metrics ``m`` (ready at ``ready``) on the host as row ``it``, appended to every
+    member's rows."""
     m = dict(distributed.to_host(m))
     m.update(heldout.take(it))
     samples = pop_samples(m)  # decoded and written every train.samples_every iterations
@@ -300,7 +308,7 @@ def _row(loop: Loop, heldout: HeldOut, it: int, m: Any) -> Row:
         mj = member_row(m, j if loop.stacked else None, it, c.train.batch_size, loop.lrs)
         loop.rows[j].append({"iteration": it, **mj})
         members.append(mj)
-    return Row(it, m, members, samples)
+    return Row(it, m, members, samples, ready)
 
 
 def _act(action: Rejected | str, loop: Loop, hooks: _Hooks) -> bool:

@@ -7,7 +7,9 @@ everything else is a hook, each a small class with ``on_step(loop, row)`` (a row
 * :class:`Checkpoints`: the whole (stacked) state every ``train.checkpoint_every`` iterations and at
   the end (``every=``), its metadata, where the last one is (:meth:`Checkpoints.where_saved`);
 * :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard event file of each member (with
-  ``train.metric_aliases``), ``timing.jsonl`` (wall time between two rows) and the ``on_step`` callback;
+  ``train.metric_aliases``), ``timing.jsonl`` (the wall time between two steps' outputs becoming
+  ready, :class:`ReadyTimes`) and the ``on_step`` callback;
+* :class:`ReadyTimes`: when each step's outputs became ready (a watcher thread, no host sync added);
 * :class:`Samples`: the decoded samples (:class:`klrl.step.samples.SampleLog`);
 * :class:`ProgressLine`: the tqdm bar or the plain progress lines;
 * :class:`QualityRollback`: the rollback metric's trace, its reference at iteration 0 and the rollback
@@ -24,6 +26,8 @@ everything else is a hook, each a small class with ``on_step(loop, row)`` (a row
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +72,8 @@ class Loop:
     main: bool = True  # process 0 (klrl.distributed): the only one that writes files
     lrs: Any = None  # the learning rate per member (klrl.loop.metrics.learning_rates)
     i: int = -1  # iterations stepped (default: ``start``)
-    pending: tuple[int, Any] | None = None  # the newest step's (iteration, metrics), not yet fetched
+    # the newest step's (iteration, metrics, when its outputs were ready: ReadyTimes.watch), not yet fetched
+    pending: tuple[int, Any, Callable[[], float]] | None = None
     stopped: str | None = None  # the signal that stopped the run
     stop_error: str | None = None  # why a guard or the rollback limit stopped it
     reward_stop: str | None = None  # why a failed reward function stopped it
@@ -99,12 +104,15 @@ class Loop:
 @dataclass(frozen=True)
 class Row:
     """One recorded row: the step's host ``metrics`` (held-out metrics merged, samples taken out; a
-    sweep's values over members), each member's row as recorded and the step's ``samples`` rows."""
+    sweep's values over members), each member's row as recorded, the step's ``samples`` rows and
+    ``ready``, the wall time (``time.time()``) when the step's outputs were ready (None: unknown, the
+    time it is recorded stands in)."""
 
     it: int
     metrics: dict[str, Any]
     members: list[dict[str, float]]
     samples: dict[str, Any] = field(default_factory=dict)
+    ready: float | None = None
 
 
 class Hook:
@@ -193,22 +201,66 @@ class Checkpoints(Hook):
             ckpt.finish(self.mgr)  # wait + close; a second error on the way out is dropped
 
 
+class ReadyTimes(Hook):
+    """When each step's outputs became ready: :meth:`watch` hands the step's metrics to a watcher
+    thread, which waits for them (``jax.block_until_ready``, in the order the steps were dispatched)
+    and notes the time. The step returns as soon as it is dispatched (on an accelerator; on the CPU a
+    step with a host callback returns when it is done) and the loop fetches its metrics one step late,
+    or with the next step's at a checkpoint: neither the return nor the fetch is the time the step
+    finished, the watcher's is, and the loop's own thread waits for nothing sooner than before."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, outputs: Any) -> Callable[[], float]:
+        """``when()``: the wall time ``outputs`` became ready (waits for the watcher until then)."""
+        done, box = threading.Event(), []
+        self._jobs.put((outputs, done, box))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="klrl-ready-times", daemon=True)
+            self._thread.start()
+
+        def when() -> float:
+            done.wait()
+            return box[0]
+
+        return when
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            outputs, done, box = job
+            try:
+                jax.block_until_ready(outputs)
+            except Exception:  # a failed step: the loop's own fetch raises it
+                pass
+            box.append(time.time())
+            done.set()
+
+    def on_stop(self, loop: Loop) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+
 class MetricsSink(Hook):
     """Each member's row to its ``metrics.jsonl`` and event file (``aliases``: other frameworks' names,
-    there only), the wall time since the previous row to ``timing.jsonl`` (the first row of this
-    process, or after a restore, holds the compile and is not timed), then ``callback(it, metrics)``
-    on process 0 (:func:`klrl.loop.metrics.latest`)."""
+    there only), the iteration's wall time to ``timing.jsonl``: from the previous step's outputs being
+    ready to this one's (:attr:`Row.ready`), so a step that returned before it finished and rows
+    recorded together are timed as they ran (the first row of this process, or after a restore, holds
+    the compile and is not timed), then ``callback(it, metrics)`` on process 0
+    (:func:`klrl.loop.metrics.latest`)."""
 
     def __init__(self, aliases: dict[str, str], callback: Callable[[int, dict[str, Any]], Any] | None):
         self.aliases, self.callback = aliases, callback
-        self.last: float | None = None  # when the previous row was recorded
+        self.last: float | None = None  # when the previous row's step was ready
 
     def restart_clock(self) -> None:
         """The next row follows a restore: not timed."""
         self.last = None
 
     def on_step(self, loop: Loop, row: Row) -> None:
-        now = time.time()
+        now = row.ready if row.ready is not None else time.time()
         dt = None if self.last is None else now - self.last
         self.last = now
         for j, w in enumerate(loop.writers):
