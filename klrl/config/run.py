@@ -183,6 +183,11 @@ class DiagnosisConfig:
     beta_trend: float = _f(0.1, "adaptive beta: change of log beta across the window that counts as a trend")
     trend_t: float = _f(3.0, "hacking: both trends must also exceed this many standard errors")
     persist: int = _f(10, "a new regime or beta trend is reported once it has held this many iterations")
+    baseline: int = _f(20, "a run's start (perplexity, diversity, proxy, gold): median of this many first")
+    gold_drop: float = _f(0.5, "hacking: gold this fraction of its rise below its peak, the proxy held")
+    exit_frac: float = _f(0.5, "hysteresis: a regime is kept while its evidence holds at this x its entry")
+    trend_window: int = _f(50, "adaptive beta: a trend must hold this long (> controller time constant)")
+    settle: int = _f(100, "adaptive beta: no trend until the KL first reaches its target, at most this")
 
     def __post_init__(self) -> None:
         _check(self.window >= 4, "diag.window", "must be >= 4")
@@ -194,6 +199,11 @@ class DiagnosisConfig:
         _check(self.beta_trend > 0, "diag.beta_trend", "must be > 0")
         _check(self.trend_t >= 0, "diag.trend_t", "must be >= 0")
         _check(self.persist >= 1, "diag.persist", "must be >= 1")
+        _check(self.baseline >= 1, "diag.baseline", "must be >= 1")
+        _check(self.gold_drop > 0, "diag.gold_drop", "must be > 0")
+        _check(0 < self.exit_frac <= 1, "diag.exit_frac", "must be in (0, 1]")
+        _check(self.trend_window >= 4, "diag.trend_window", "must be >= 4")
+        _check(self.settle >= 0, "diag.settle", "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
