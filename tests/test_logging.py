@@ -75,6 +75,23 @@ def test_progress_lines_when_not_a_tty(monkeypatch):
     assert "eta 3s" in lines[1] and "eta 2s" in lines[2]  # 1 s/iteration, the compile not counted
 
 
+def test_progress_shows_the_exact_kl_where_logged_and_says_which():
+    import io
+
+    from klrl.io import logging as L
+
+    out = io.StringIO()
+    p = L.Progress(10, every=1, stream=out)
+    # the exact KL (+0.017) where the step computes it, not the k1 estimate (-0.10, negative at small KL)
+    p.update(0, {"reward/task": 0.5, "kl/k1_seq_sum": -0.1, "kl/exact_seq_sum": 0.017, "ctrl/beta": 0.1})
+    p.update(1, {"kl/k1_seq_sum": 0.25})  # kl.exact_metric off: k1, labelled so
+    p.update(2, {"reward/task": 1.0})  # no KL logged
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[1/10] R 0.5 KL/seq(exact) 0.017 beta 0.1 | eta ?")
+    assert lines[1].startswith("[2/10] KL/seq(k1) 0.25 | eta") and "-0.1" not in lines[0]
+    assert lines[2].startswith("[3/10] R 1 | eta")
+
+
 def test_sweep_progress_shows_the_range_of_beta():
     import numpy as np
 

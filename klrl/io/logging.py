@@ -231,7 +231,15 @@ class Progress:
     so after the compile) and counts only the iterations this process runs (``start``: those done
     before a resume)."""
 
-    KEYS = (("reward/task", "R"), ("reward/gold", "gold"), ("kl/k1_seq_sum", "KL/seq"), ("ctrl/beta", "beta"))
+    # (metric, label); a tuple of them: the first the row has. The KL shown is the exact one
+    # (``kl/exact_seq_sum``, logged with ``kl.exact_metric``), else the k1 sample estimate, which is
+    # negative at small KL; the label says which
+    KEYS = (
+        ("reward/task", "R"),
+        ("reward/gold", "gold"),
+        (("kl/exact_seq_sum", "KL/seq(exact)"), ("kl/k1_seq_sum", "KL/seq(k1)")),
+        ("ctrl/beta", "beta"),
+    )
 
     def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None, start: int = 0):
         self.total, self.every, self.quiet, self.start = total, max(int(every), 1), quiet, start
@@ -242,7 +250,11 @@ class Progress:
         self._bar: Any = None
 
     def line(self, done: int, metrics: dict[str, Any], extra: str, eta: float | None) -> str:
-        vals = " ".join(f"{n} {float(metrics[k]):.4g}" for k, n in self.KEYS if k in metrics)
+        shown = []  # (metric, label): the first of each KEYS entry the row has
+        for key in self.KEYS:
+            choices = key if isinstance(key[0], tuple) else (key,)
+            shown += [c for c in choices if c[0] in metrics][:1]
+        vals = " ".join(f"{n} {float(metrics[k]):.4g}" for k, n in shown)
         return " ".join(x for x in (vals, extra) if x) + f" | eta {_fmt_s(eta)}"
 
     def update(self, i: int, metrics: dict[str, Any], extra: str = "") -> None:
