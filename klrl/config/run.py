@@ -36,7 +36,7 @@ from klrl.config.fields import (
 )
 from klrl.config.inputs import FORMATS, TRUNCATE, DataConfig, RewardConfig
 from klrl.config.schema import ConfigError, UnknownFieldError, section, short, strict_init, unknown_field
-from klrl.registry import TASKS, is_adaptive  # names are checked against these
+from klrl.registry import ADVANTAGES, TASKS, is_adaptive  # names are checked against these
 
 __all__ = [
     "FORMATS", "TRUNCATE", "KL_UNITS", "PLACEMENTS", "ConfigError", "ControllerConfig", "DataConfig",
@@ -244,6 +244,12 @@ class RunConfig:
         if self.ppo.group_size > 1:
             mb = b // self.ppo.minibatches
             _check(mb >= 1, "ppo.minibatches", "leaves empty minibatches")
+        mb, k = b // self.ppo.minibatches, self.ppo.grad_accum
+        _check(mb % k == 0, "ppo.grad_accum", f"must divide the minibatch, train.batch_size / ppo.minibatches"
+               f" = {b} / {self.ppo.minibatches} = {mb} sequences ({mb} % {k} != 0)")  # fmt: skip
+        if self.optim.critic_lr > 0:
+            _check(bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]), "optim.critic_lr",
+                   f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate")  # fmt: skip
         c = self.ctrl
         start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
         if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently
