@@ -247,6 +247,12 @@ class PPOConfig:
 
     epochs: int = _f(4, "PPO epochs over each batch")
     minibatches: int = _f(4, "minibatches per epoch (must divide the batch)")
+    grad_accum: int = _f(
+        1,
+        "gradient accumulation: each minibatch is processed in this many micro-batches (must divide the "
+        "minibatch) whose gradients are summed into one optimiser update, the same update as the whole "
+        "minibatch at once, with the activations of one micro-batch in memory",
+    )
     shuffle: str = _f(
         "global",
         "minibatch shuffling: global (over the whole batch, the same maths on any device count) "
@@ -268,6 +274,7 @@ class PPOConfig:
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
         _check(self.minibatches >= 1, "ppo.minibatches", "must be >= 1")
+        _check(self.grad_accum >= 1, "ppo.grad_accum", "must be >= 1")
         _choice(self.shuffle, "ppo.shuffle", ("global", "shard"))
         _check(self.clip > 0, "ppo.clip", "must be > 0")
         _check(self.vf_clip > 0, "ppo.vf_clip", "must be > 0")
@@ -286,6 +293,11 @@ class OptimConfig:
     """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
 
     lr: float = _f(1e-4, "peak learning rate")
+    critic_lr: float = _f(
+        0.0,
+        "peak learning rate of the critic: the value head (model.value_model=head) or the whole separate "
+        "value model (separate), same schedule; 0 = optim.lr",
+    )
     b1: float = _f(0.9, "Adam beta1")
     b2: float = _f(0.95, "Adam beta2")
     eps: float = _f(
@@ -299,6 +311,11 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "must be > 0")
+        _check(
+            math.isfinite(self.critic_lr) and self.critic_lr >= 0,
+            "optim.critic_lr",
+            "must be >= 0 (0 = optim.lr)",
+        )
         _check(0 <= self.b1 < 1, "optim.b1", "must be in [0, 1)")
         _check(0 <= self.b2 < 1, "optim.b2", "must be in [0, 1)")
         _check(self.eps > 0, "optim.eps", "must be > 0")
