@@ -10,6 +10,7 @@ import csv
 import json
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -20,8 +21,11 @@ from klrl.data.prompts import (
     FILES,
     DataConfig,
     PromptDataError,
-    PromptTruncationWarning,
     build_pool,
+    chat_format,
+    check_fields,
+    check_unused,
+    counts_line,
     load_prompts,
     read_records,
     split_indices,
@@ -185,23 +189,217 @@ def test_messages_column(tok, tmp_path) -> None:
         load_prompts(DataConfig(path=path, field="messages", chat_template=False), tok)
 
 
-def test_left_truncation_is_counted(tok, tmp_path) -> None:
+def test_left_truncation_without_template_is_counted_not_warned(tok, tmp_path) -> None:
     long = "the cat sat on the mat and the dog sat on the log " * 3
     recs = [{"prompt": "hello"}, {"prompt": long}, {"prompt": long + "again"}]
     path = write_jsonl(tmp_path / "t.jsonl", recs)
     P = 12
-    with pytest.warns(PromptTruncationWarning, match=r"2 of 3 prompts longer than data.prompt_len = 12"):
-        pool = load_prompts(DataConfig(path=path, prompt_len=P, chat_template=False), tok).train
+    cfg = DataConfig(path=path, prompt_len=P, chat_template=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool = load_prompts(cfg, tok).train
     full = [tok.encode(r["prompt"]) for r in recs]
     assert len(full[0]) < P < len(full[1])
-    want_t, want_m = left_pad(full, P, tok.pad_id)  # keeps the last P tokens
+    want_t, want_m = left_pad(full, P, tok.pad_id)  # no template, no BOS: keeps the last P tokens
     np.testing.assert_array_equal(pool.tokens, want_t)
     np.testing.assert_array_equal(pool.mask, want_m)
     assert pool.n_truncated == 2 and list(pool.truncated) == [False, True, True]
+    assert pool.n_templated == 0
+    assert counts_line(pool, cfg) == (
+        f"prompts {path}: 2 of 3 longer than data.prompt_len = 12 tokens were cut to it (the first tokens "
+        "of the user content dropped; template and generation prompt kept)"
+    )
     with pytest.raises(
         PromptDataError, match=r"t\.jsonl line 2: prompt has \d+ tokens, more than data.prompt_len"
     ):
         load_prompts(DataConfig(path=path, prompt_len=P, chat_template=False, truncate="error"), tok)
+
+
+USER, END = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+LONG = "the cat sat on the mat and the dog sat on the log " * 4 + "What is 17 + 25?"
+
+
+def test_templated_prompts_are_wrapped_once(tok, tmp_path) -> None:
+    """A prompt that is already ChatML text (as apply_chat_template writes it, with the default or its
+    own system turn) is encoded as it is: the ids of one template application, one system turn."""
+    own = "<|im_start|>system\nBe brief.<|im_end|>\n" + USER + "Say hi." + END
+    recs = [{"prompt": chatml("What is 17 + 25?")}, {"prompt": own}, {"prompt": "What is 17 + 25?"}]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "t.jsonl", recs), prompt_len=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool = load_prompts(cfg, tok).train
+    once = tok.encode(chatml("What is 17 + 25?"))
+    want, _ = left_pad([once, tok.encode(own), once], 64, tok.pad_id)
+    np.testing.assert_array_equal(pool.tokens, want)
+    for row, m in zip(pool.tokens, pool.mask, strict=True):
+        text = tok.decode([int(i) for i, k in zip(row, m, strict=True) if k], skip_special_tokens=False)
+        assert text.count("<|im_start|>system") == 1 and text.count("<|im_start|>user") == 1
+    assert list(pool.templated) == [True, True, False] and pool.n_templated == 2 and pool.n_truncated == 0
+    assert pool.texts[:2] == [chatml("What is 17 + 25?"), own]
+    assert counts_line(pool, cfg) == (
+        f"prompts {cfg.path}: 2 of 3 already carry the chat template (not wrapped again)"
+    )
+    # with the template off they are counted the same (and encoded as they are)
+    off = load_prompts(DataConfig(path=cfg.path, prompt_len=64, chat_template=False), tok).train
+    np.testing.assert_array_equal(off.tokens[:2], want[:2])
+    assert list(off.templated) == [True, True, False]
+
+
+def _cut_by_hand(tok, before: str, content: str, after: str, P: int) -> list[int]:
+    """The reference: the template's text before and after the user content encoded alone, the
+    content's own tokens with its first ones dropped so that the row has exactly P tokens."""
+    head, tail = tok.encode(before), tok.encode(after)
+    return head + tok.encode(content)[-(P - len(head) - len(tail)) :] + tail
+
+
+def test_long_prompts_are_cut_inside_the_user_content(tok, tmp_path) -> None:
+    """A plain string, a conversation and an already-templated string longer than P keep the system
+    turn, the user header and the generation prompt; their rows are exactly P tokens; no warning."""
+    P = 48
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG}]
+    recs = [{"prompt": LONG}, {"prompt": conv}, {"prompt": chatml(LONG)}, {"prompt": "What is 17 + 25?"}]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "l.jsonl", recs), prompt_len=P)
+    assert len(tok.encode(chatml(LONG))) > P
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool = load_prompts(cfg, tok).train
+    want, mask = left_pad(
+        [
+            _cut_by_hand(tok, SYSTEM + USER, LONG, END, P),
+            _cut_by_hand(tok, "<|im_start|>system\nBe brief.<|im_end|>\n" + USER, LONG, END, P),
+            _cut_by_hand(tok, SYSTEM + USER, LONG, END, P),
+            tok.encode(chatml("What is 17 + 25?")),
+        ],
+        P,
+        tok.pad_id,
+    )
+    np.testing.assert_array_equal(pool.tokens, want)
+    assert (pool.mask[:3].sum(axis=1) == P).all()
+    for row in pool.tokens[:3]:
+        text = tok.decode([int(i) for i in row], skip_special_tokens=False)
+        assert text.startswith(("<|im_start|>system\n",)) and USER in text and text.endswith(END)
+        assert text.endswith("17 + 25?" + END)  # the end of the request survives
+    assert list(pool.truncated) == [True, True, True, False] and list(pool.templated) == [
+        False,
+        False,
+        True,
+        False,
+    ]
+    assert pool.texts[0] == chatml(LONG)  # the text before the cut
+
+
+def test_conversation_cuts_the_earliest_user_message_first(tok) -> None:
+    first = "the cat sat on the mat " * 3
+    conv = [{"role": "user", "content": first}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "What is 17 + 25?"}]  # fmt: skip
+    before = SYSTEM + USER
+    middle = "<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n" + USER
+    full = (
+        tok.encode(before)
+        + tok.encode(first)
+        + tok.encode(middle)
+        + tok.encode("What is 17 + 25?")
+        + tok.encode(END)
+    )
+    for drop in (2, len(tok.encode(first)) + 1):  # part of the first message; all of it and one more token
+        P = len(full) - drop
+        pool = build_pool([{"prompt": conv}], tok, DataConfig(prompt_len=P), source="mem")
+        firsts, seconds = tok.encode(first), tok.encode("What is 17 + 25?")
+        k1 = max(0, len(firsts) - drop)
+        k2 = len(seconds) - max(0, drop - len(firsts))
+        want = (
+            tok.encode(before)
+            + firsts[len(firsts) - k1 :]
+            + tok.encode(middle)
+            + seconds[len(seconds) - k2 :]
+        )
+        want += tok.encode(END)
+        assert [int(i) for i in pool.tokens[0]] == want and pool.n_truncated == 1
+
+
+def test_template_alone_over_the_budget_is_one_line_naming_prompt_len(tok, tmp_path) -> None:
+    fixed = len(tok.encode(SYSTEM + USER)) + len(tok.encode(END))
+    path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": LONG}])
+    with pytest.raises(PromptDataError) as e:
+        load_prompts(DataConfig(path=path, prompt_len=fixed), tok)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path} line 1: the chat template around the user message")
+    assert f"takes {fixed} tokens" in msg and f"data.prompt_len = {fixed}" in msg
+    # one more token: the user content keeps its last token
+    pool = load_prompts(DataConfig(path=path, prompt_len=fixed + 1), tok).train
+    assert [int(i) for i in pool.tokens[0]] == _cut_by_hand(tok, SYSTEM + USER, LONG, END, fixed + 1)
+
+
+def test_templated_prompt_without_user_turn_over_the_budget_is_an_error(tok) -> None:
+    text = "<|im_start|>system\n" + LONG + "<|im_end|>\n"
+    with pytest.raises(PromptDataError, match=r"mem row 0: prompt has \d+ tokens, more than data.prompt_len "
+                       r"= 20, and its user message cannot be found"):  # fmt: skip
+        build_pool([{"prompt": text}], tok, DataConfig(prompt_len=20), source="mem")
+
+
+def test_chat_format_reads_the_markers_and_user_header(tok) -> None:
+    fmt = chat_format(tok)
+    assert fmt.markers == ("<|im_start|>", "<|im_end|>") and fmt.user_header == "<|im_start|>user\n"
+    assert chat_format(make_tokenizer(None)) is None
+    # Llama-3-shaped (a header of two markers, <|start_header_id|>user<|end_header_id|>, spelled with the
+    # test vocabulary's special tokens; the content is trimmed): the header reaches back to the marker
+    # before the role name, and a templated prompt is cut between it and the next marker
+    shaped = make_tokenizer(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>\n\n"
+        "{{ m['content'] | trim }}<|endoftext|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>\n\n{% endif %}"
+    )
+    fmt = chat_format(shaped)
+    assert fmt.markers == ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    assert fmt.user_header == "<|im_start|>user<|im_end|>\n\n"
+    head, tail = "<|im_start|>user<|im_end|>\n\n", "<|endoftext|><|im_start|>assistant<|im_end|>\n\n"
+    P = 20
+    for value in (f"  {LONG} ", head + LONG + tail):  # rendered (trimmed) and already templated
+        pool = build_pool([{"prompt": value}], shaped, DataConfig(prompt_len=P), source="mem")
+        assert [int(i) for i in pool.tokens[0]] == _cut_by_hand(shaped, head, LONG, tail, P)
+
+
+# ---- data fields set without effect --------------------------------------------------------------
+
+
+def test_split_on_a_file_is_an_error_naming_data_split(tok, tmp_path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", RECORDS)
+    want = (
+        r"^data.split: 'nosuch' is read only from a saved datasets.DatasetDict directory; .*p\.jsonl is a "
+        r"\.jsonl file, which has no splits$"
+    )
+    with pytest.raises(ConfigError, match=want):
+        load_prompts(DataConfig(path=path, split="nosuch"), tok)
+    (tmp_path / "single").mkdir()  # a saved single Dataset has no dataset_dict.json
+    with pytest.raises(ConfigError, match=r"^data.split: .*single is a saved single dataset"):
+        check_fields(DataConfig(path=str(tmp_path / "single"), split="test"))
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    check_fields(DataConfig(path=str(tmp_path / "dd"), split="test"))  # a DatasetDict reads it
+    check_fields(DataConfig(path=path, split="train"))  # the default
+
+
+def test_seed_and_eval_every_without_heldout_prompts_are_errors(tok, tmp_path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", RECORDS)
+    with pytest.raises(
+        ConfigError, match=r"^data.seed: 3 seeds only the held-out split of data.eval_fraction"
+    ):
+        load_prompts(DataConfig(path=path, seed=3), tok)
+    with pytest.raises(ConfigError, match=r"^data.eval_every: 5, but there are no held-out prompts"):
+        load_prompts(DataConfig(path=path, eval_every=5), tok)
+    check_fields(DataConfig(path=path, eval_every=0))  # off: consistent
+    check_fields(DataConfig(path=path, eval_every=5, eval_path=path))
+    check_fields(DataConfig(path=path, seed=3, eval_fraction=0.5, eval_every=5))
+
+
+def test_data_fields_on_a_task_that_generates_its_prompts() -> None:
+    check_unused(DataConfig(), "testbed")
+    want = r"^data.path: the testbed task generates its prompts; data.\* applies to --task.name text$"
+    with pytest.raises(ConfigError, match=want):
+        check_unused(DataConfig(path="p.jsonl"), "testbed")
+    want = r"^data.split, data.prompt_len: the peer task generates its prompts \(its prompt length is task"
+    with pytest.raises(ConfigError, match=want):
+        check_unused(DataConfig(split="x", prompt_len=8), "peer")
 
 
 def test_eval_fraction_is_a_deterministic_disjoint_split(tok, tmp_path) -> None:

@@ -18,13 +18,36 @@ prompt, then encoded without added special tokens (the template writes them, as 
 does). With it off, a string is encoded with ``add_special_tokens=True`` (a BOS where the tokenizer
 adds one) and a conversation is an error.
 
-Tokens are left-padded to the prompt budget ``P = prompt_len`` (``mask`` 1 on prompt tokens, 0 on
-pads), so every prompt ends at column ``P - 1`` and the response starts at column ``P``. A prompt
-longer than ``P`` keeps its last ``P`` tokens (``truncate='left'``: the generation prompt survives;
-one warning counts them, and ``PromptPool.n_truncated`` holds the count) or is an error
-(``truncate='error'``). Held-out prompts: a separate file (``eval_path``) or a deterministic
-fraction (``eval_fraction``: a ``seed``-ed permutation picks ``round(fraction * N)`` rows, at least
-one; both pools keep file order).
+**Prompts that already carry the template** (the output of ``apply_chat_template``, e.g. a string
+starting ``<|im_start|>system``): a string that contains a special token the tokenizer's chat
+template writes (:func:`chat_format`: its markers, e.g. ``<|im_start|>``, ``<|im_end|>``; found by
+rendering a probe conversation) is encoded as it is, never wrapped a second time;
+``PromptPool.templated`` marks them (counted as ``data/prompts_templated`` by the text task).
+
+**Truncation** to the prompt budget ``P = prompt_len`` (``truncate='left'``, the default) keeps the
+template: a prompt longer than ``P`` tokens loses the *first* tokens of its user content (the end of
+the request, usually the question, survives), while the system turn, the user header, the end of
+turn and the generation prompt (``<|im_start|>assistant\n``) stay whole; its row is then exactly
+``P`` tokens. The pieces are encoded separately (template text, user content), the content's tokens
+cut from the left, and concatenated. In a conversation the user messages are shortened in order,
+the earliest first (an emptied one keeps its header); a string that already carries the template is
+cut the same way inside its user turns (the text between the template's user header and the next
+marker); with ``chat_template`` off a string loses its first tokens after the BOS the tokenizer
+adds. Where the template alone (every piece but the user content) takes ``P`` tokens or more, or
+the user content cannot be found, it is a :class:`PromptDataError` naming ``data.prompt_len``;
+``truncate='error'`` makes any long prompt one. ``PromptPool.truncated`` marks the cut prompts
+(``data/prompts_truncated``); the caller logs the counts (:func:`counts_line`), no Python warning
+is emitted.
+
+Tokens are left-padded to ``P`` (``mask`` 1 on prompt tokens, 0 on pads), so every prompt ends at
+column ``P - 1`` and the response starts at column ``P``. Held-out prompts: a separate file
+(``eval_path``) or a deterministic fraction (``eval_fraction``: a ``seed``-ed permutation picks
+``round(fraction * N)`` rows, at least one; both pools keep file order).
+
+A ``data`` field that is set but has no effect is an error naming it (:func:`check_fields`):
+``split`` without a saved ``datasets.DatasetDict`` directory to read it from (a JSONL, JSON, CSV,
+Parquet or text file has no splits), ``seed`` without ``eval_fraction``, ``eval_every`` without
+held-out prompts; and any of them on a task that generates its own prompts (:func:`check_unused`).
 
 Every user mistake raises :class:`PromptDataError` with one line naming the file (and row or
 column); a bad configuration value raises :class:`klrl.config.run.ConfigError` naming the field.
@@ -33,8 +56,9 @@ column); a bad configuration value raises :class:`klrl.config.run.ConfigError` n
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
-import warnings
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -59,7 +83,8 @@ class PromptDataError(ValueError):
 
 
 class PromptTruncationWarning(UserWarning):
-    """Some prompts were longer than the prompt budget and lost their first tokens."""
+    """No longer emitted (truncation is counted and logged, see the module docstring); kept so that
+    warning filters naming it still resolve."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +94,8 @@ class PromptPool:
     ``prompts`` are the field's values as read (strings or message lists), ``texts`` the strings
     that were encoded (after the chat template, before truncation), ``columns`` every other
     column (name -> list of N values; ``None`` where a row lacks it), ``rows`` each prompt's row
-    in its file (0-based), ``truncated [N] bool`` which prompts lost tokens on the left.
+    in its file (0-based), ``truncated [N] bool`` which prompts were cut to the budget (inside
+    their user content), ``templated [N] bool`` which already carried the chat template.
     """
 
     tokens: np.ndarray
@@ -80,6 +106,11 @@ class PromptPool:
     rows: np.ndarray
     truncated: np.ndarray
     source: str
+    templated: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.templated is None:
+            object.__setattr__(self, "templated", np.zeros(len(self.truncated), dtype=bool))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -87,6 +118,10 @@ class PromptPool:
     @property
     def n_truncated(self) -> int:
         return int(self.truncated.sum())
+
+    @property
+    def n_templated(self) -> int:
+        return int(self.templated.sum())
 
     def take(self, idx: np.ndarray) -> PromptPool:
         """The prompts at positions ``idx`` (in that order)."""
@@ -101,6 +136,7 @@ class PromptPool:
             rows=self.rows[idx],
             truncated=self.truncated[idx],
             source=self.source,
+            templated=self.templated[idx],
         )
 
 
@@ -261,6 +297,165 @@ def render(value: Any, tokenizer: Tokenizer, chat_template: bool, label: str) ->
         raise PromptDataError(f"{label}: the chat template failed ({one_line(e)})") from None
 
 
+# a message content the templates write through unchanged (no spaces for `trim`, no markup)
+_PROBE = "KLRLPROBE{}Z"
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What a tokenizer's chat template writes around a message: ``markers``, the special tokens it
+    emits (longest first), and ``user_header``, the text from the marker that opens a user turn up
+    to the user's content (``<|im_start|>user\\n``; None where no marker precedes a ``user`` role)."""
+
+    markers: tuple[str, ...]
+    user_header: str | None
+
+    def carries(self, text: str) -> bool:
+        """Whether ``text`` already carries the template (contains one of its markers)."""
+        return any(m in text for m in self.markers)
+
+
+def chat_format(tokenizer: Tokenizer) -> ChatFormat | None:
+    """The :class:`ChatFormat` of ``tokenizer``'s chat template, read off a rendered one-message
+    conversation: a marker is a token of the rendering that decodes to nothing once special tokens
+    are skipped. None without a template (or one that cannot render the probe)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    probe = _PROBE.format(0)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": probe}], add_generation_prompt=True)
+    except Exception:  # a template that rejects the probe: no detection, the prompts are rendered as usual
+        return None
+    found = set()
+    for i in tokenizer.encode(text):
+        raw = tokenizer.decode([i], skip_special_tokens=False)
+        if raw and raw in text and not tokenizer.decode([i], skip_special_tokens=True):
+            found.add(raw)
+    markers = tuple(sorted(found, key=lambda m: (-len(m), m)))
+    at, header = text.find(probe), None
+    starts = sorted({k for m in markers for k in _find_all(text[:at], m)}, reverse=True)
+    for k in starts:  # the nearest marker before the content whose text names the user role
+        if "user" in text[k:at].lower():
+            header = text[k:at]
+            break
+    return ChatFormat(markers, header)
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    return [m.start() for m in re.finditer(re.escape(sub), text)]
+
+
+Segments = list[tuple[str, bool]]  # (text, True where it is user content that may be shortened)
+
+
+def _templated_segments(text: str, fmt: ChatFormat) -> Segments | None:
+    """A string that carries the template, split around its user contents: each starts after the
+    user header and ends at the next marker. None where it has no user header."""
+    if not fmt.user_header:
+        return None
+    segs: Segments = []
+    pos = 0
+    while (h := text.find(fmt.user_header, pos)) >= 0:
+        start = h + len(fmt.user_header)
+        ends = [e for m in fmt.markers if (e := text.find(m, start)) >= 0]
+        end = min(ends) if ends else len(text)
+        segs += [(text[pos:start], False), (text[start:end], True)]
+        pos = end
+    return segs + [(text[pos:], False)] if segs else None
+
+
+def _rendered_segments(msgs: list[dict[str, str]], text: str, tokenizer: Tokenizer) -> Segments | None:
+    """``text`` (the template's rendering of ``msgs``) split around its user messages' contents: the
+    template is rendered again with a probe for each user content, and ``text`` must read as the
+    same pieces around the contents (a template that trims them is fine). None otherwise."""
+    users = [j for j, m in enumerate(msgs) if m["role"] == "user"]
+    if not users:
+        return None
+    probe = [dict(m, content=_PROBE.format(j)) if j in users else m for j, m in enumerate(msgs)]
+    try:
+        rendered = tokenizer.apply_chat_template(probe, add_generation_prompt=True)
+    except Exception:
+        return None
+    fixed, pos = [], 0
+    for j in users:
+        s = _PROBE.format(j)
+        k = rendered.find(s, pos)
+        if k < 0 or rendered.count(s) != 1:
+            return None
+        fixed.append(rendered[pos:k])
+        pos = k + len(s)
+    fixed.append(rendered[pos:])
+    pattern = "(.*?)".join(re.escape(f) for f in fixed)
+    found = re.fullmatch(pattern, text, flags=re.DOTALL)
+    if found is None:
+        return None
+    segs: Segments = []
+    for f, c in zip(fixed, found.groups(), strict=False):
+        segs += [(f, False), (c, True)]
+    return segs + [(fixed[-1], False)]
+
+
+def _around(tokenizer: Tokenizer, text: str, add_special: bool) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer adds before and after ``text``'s own with ``add_special_tokens`` (a BOS)."""
+    if not add_special:
+        return [], []
+    whole, bare = list(tokenizer.encode(text, add_special_tokens=True)), list(tokenizer.encode(text))
+    for k in range(len(whole) - len(bare) + 1):
+        if whole[k : k + len(bare)] == bare:
+            return whole[:k], whole[k + len(bare) :]
+    return [], []
+
+
+def _cut(
+    segs: Segments, around: tuple[list[int], list[int]], P: int, tokenizer: Tokenizer, label: str
+) -> list[int]:
+    """The ids of ``segs`` (each encoded alone) with the first tokens of the user contents dropped
+    (the earliest content first) until ``P`` remain. The template's pieces are never cut: where they
+    take ``P`` tokens or more it is an error."""
+    lead, trail = around
+    enc = [list(tokenizer.encode(t)) if t else [] for t, _ in segs]
+    fixed = len(lead) + len(trail) + sum(len(e) for e, (_, user) in zip(enc, segs, strict=True) if not user)
+    if fixed >= P:
+        raise PromptDataError(
+            f"{label}: the chat template around the user message alone takes {fixed} tokens, no room left "
+            f"in data.prompt_len = {P}; raise data.prompt_len (or set data.chat_template false)"
+        )
+    excess = len(lead) + len(trail) + sum(map(len, enc)) - P
+    out = list(lead)
+    for e, (_, user) in zip(enc, segs, strict=True):
+        if user and excess > 0:
+            k = min(excess, len(e))
+            e, excess = e[k:], excess - k
+        out += e
+    return out + list(trail)
+
+
+def _shorten(
+    value: Any, text: str, templated: bool, tokenizer: Tokenizer, cfg: DataConfig, fmt: ChatFormat | None,
+    label: str, n: int,
+) -> list[int]:  # fmt: skip
+    """The ids of a prompt of ``n > P`` tokens, cut inside its user content (module docstring)."""
+    P = cfg.prompt_len
+    if cfg.truncate == "error":
+        raise PromptDataError(
+            f"{label}: prompt has {n} tokens, more than data.prompt_len = {P} (data.truncate = 'error')"
+        )
+    if templated:
+        segs = _templated_segments(text, fmt)
+    elif cfg.chat_template:
+        msgs = _messages(value, label) or [{"role": "user", "content": value}]
+        segs = _rendered_segments(msgs, text, tokenizer)
+    else:
+        segs = [(text, True)]
+    if segs is None:
+        what = "its user message cannot be found in the chat template's text"
+        raise PromptDataError(
+            f"{label}: prompt has {n} tokens, more than data.prompt_len = {P}, and {what} to shorten it "
+            "there; raise data.prompt_len or shorten the prompt"
+        )
+    return _cut(segs, _around(tokenizer, text, not cfg.chat_template), P, tokenizer, label)
+
+
 def build_pool(
     records: list[dict],
     tokenizer: Tokenizer,
@@ -270,7 +465,8 @@ def build_pool(
     where: list[str] | None = None,
     rows: np.ndarray | None = None,
 ) -> PromptPool:
-    """Encode ``records`` into a left-padded pool (chat template, truncation, padding as configured)."""
+    """Encode ``records`` into a left-padded pool (chat template, truncation, padding as configured;
+    a string that already carries the template is not wrapped again)."""
     if not records:
         raise PromptDataError(f"{source}: no prompts")
     where = where or [f"row {i}" for i in range(len(records))]
@@ -281,32 +477,23 @@ def build_pool(
             f"{source}: no column {cfg.field!r} ({missing[0]}; columns: {cols}); set data.field"
         )
     n, P = len(records), cfg.prompt_len
+    fmt = chat_format(tokenizer)
     tokens = np.full((n, P), tokenizer.pad_id, dtype=np.int32)
     mask = np.zeros((n, P), dtype=np.float32)
-    texts, truncated = [], np.zeros(n, dtype=bool)
+    texts, truncated, templated = [], np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     for i, (rec, w) in enumerate(zip(records, where, strict=True)):
-        label = f"{source} {w}"
-        text = render(rec[cfg.field], tokenizer, cfg.chat_template, label)
+        label, value = f"{source} {w}", rec[cfg.field]
+        templated[i] = fmt is not None and isinstance(value, str) and fmt.carries(value)
+        text = value if templated[i] else render(value, tokenizer, cfg.chat_template, label)
         ids = list(tokenizer.encode(text, add_special_tokens=not cfg.chat_template))
         if not ids:
             raise PromptDataError(f"{label}: the prompt encodes to no tokens")
         if len(ids) > P:
-            if cfg.truncate == "error":
-                raise PromptDataError(
-                    f"{label}: prompt has {len(ids)} tokens, more than data.prompt_len "
-                    f"= {P} (data.truncate = 'error')"
-                )
-            ids, truncated[i] = ids[-P:], True
+            ids = _shorten(value, text, bool(templated[i]), tokenizer, cfg, fmt, label, len(ids))
+            truncated[i] = True
         tokens[i, P - len(ids) :] = ids
         mask[i, P - len(ids) :] = 1.0
         texts.append(text)
-    if truncated.any():
-        warnings.warn(
-            f"{source}: {truncated.sum()} of {n} prompts longer than data.prompt_len = {P} tokens "
-            "were truncated from the left",
-            PromptTruncationWarning,
-            stacklevel=2,
-        )
     names: dict[str, None] = {}
     for r in records:
         names.update(dict.fromkeys(k for k in r if k != cfg.field))
@@ -320,7 +507,86 @@ def build_pool(
         rows=np.arange(n) if rows is None else np.asarray(rows),
         truncated=truncated,
         source=source,
+        templated=templated,
     )
+
+
+def counts_line(pool: PromptPool, cfg: DataConfig, what: str = "prompts") -> str | None:
+    """One log line on the prompts of ``pool`` that already carried the chat template and those cut
+    to the budget; None when there are none."""
+    n, parts = len(pool), []
+    if pool.n_templated:
+        parts.append(f"{pool.n_templated} of {n} already carry the chat template (not wrapped again)")
+    if pool.n_truncated:
+        parts.append(
+            f"{pool.n_truncated} of {n} longer than data.prompt_len = {cfg.prompt_len} tokens were cut to it "
+            "(the first tokens of the user content dropped; template and generation prompt kept)"
+        )
+    return f"{what} {pool.source}: " + "; ".join(parts) if parts else None
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+
+
+def _changed(cfg: DataConfig) -> list[str]:
+    """The ``data`` fields ``cfg`` sets to something other than their default, in field order."""
+    return [k for k, v in _DEFAULTS.items() if getattr(cfg, k) != v]
+
+
+def _kind(path: str, fmt: str) -> str | None:
+    """What a prompt source is, for the data.split message ("a .jsonl file"); None when it reads
+    ``data.split`` (a saved ``DatasetDict``) or does not exist (read_records reports it)."""
+    try:
+        p = resolve_path(path)
+    except PromptDataError:
+        return None
+    if not p.exists():
+        return None
+    if p.is_dir():
+        if (p / "dataset_dict.json").is_file():  # what DatasetDict.save_to_disk writes
+            return None
+        return "a saved single dataset (no splits)"
+    name = fmt if fmt not in ("auto", "disk") else (p.suffix or "suffix-less")
+    return f"a {name} file"
+
+
+def check_fields(cfg: DataConfig) -> None:
+    """A ``data`` field that is set but has no effect on these prompt sources is a
+    :class:`ConfigError` naming it: ``split`` when no source is a saved ``datasets.DatasetDict``
+    directory (the only source with splits), ``seed`` without ``eval_fraction`` (it seeds that
+    split only), ``eval_every`` (> 0) without held-out prompts (``eval_path`` or ``eval_fraction``)."""
+    changed = set(_changed(cfg))
+    if "split" in changed:
+        sources = [cfg.path] + ([cfg.eval_path] if cfg.eval_path else [])
+        kinds = [_kind(s, cfg.format) for s in sources]
+        if all(k is not None for k in kinds):
+            what = "; ".join(f"{s} is {k}" for s, k in zip(sources, kinds, strict=True))
+            raise ConfigError(
+                f"data.split: {cfg.split!r} is read only from a saved datasets.DatasetDict directory; "
+                f"{what}, which has no splits"
+            )
+    if "seed" in changed and cfg.eval_fraction <= 0:
+        raise ConfigError(
+            f"data.seed: {cfg.seed} seeds only the held-out split of data.eval_fraction, which is 0 here; "
+            "set data.eval_fraction or drop data.seed"
+        )
+    if "eval_every" in changed and cfg.eval_every > 0 and not (cfg.eval_path or cfg.eval_fraction > 0):
+        raise ConfigError(
+            f"data.eval_every: {cfg.eval_every}, but there are no held-out prompts to score; "
+            "set data.eval_path or data.eval_fraction"
+        )
+
+
+def check_unused(cfg: DataConfig, task: str) -> None:
+    """The ``data`` section is for prompt files (``task.name=text``): on a task that generates its own
+    prompts, any field set is a :class:`ConfigError` naming the fields."""
+    changed = _changed(cfg)
+    if changed:
+        hint = " (its prompt length is task.prompt_len)" if "prompt_len" in changed else ""
+        raise ConfigError(
+            f"{', '.join('data.' + k for k in changed)}: the {task} task generates its prompts{hint}; "
+            "data.* applies to --task.name text"
+        )
 
 
 def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -336,7 +602,9 @@ def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 
 def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptSplits:
-    """The training pool and the evaluation pool (None without ``eval_path`` or ``eval_fraction``)."""
+    """The training pool and the evaluation pool (None without ``eval_path`` or ``eval_fraction``);
+    first :func:`check_fields`."""
+    check_fields(cfg)
     src = str(resolve_path(cfg.path))
     records, where = read_records(cfg.path, format=cfg.format, field=cfg.field, split=cfg.split)
     if cfg.limit:

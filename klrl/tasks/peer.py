@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from klrl.config import RunConfig
+from klrl.data.prompts import check_unused
 from klrl.data.vocab import WordTokenizer
 from klrl.models.base import forward
 from klrl.models.gpt import GPT
@@ -81,5 +82,7 @@ def make_peer_task(cfg: RunConfig, *, prompt_len: int, vocab: int = 256, seed: i
 
 @register_task("peer", help="a PPO-shaped benchmark without language")
 def make_peer(cfg: RunConfig, log: object = None) -> Task:
-    """The peer task of ``cfg`` by name (``task.name=peer``): ``task.prompt_len``, 256 tokens, seed 0."""
+    """The peer task of ``cfg`` by name (``task.name=peer``): ``task.prompt_len``, 256 tokens, seed 0;
+    it generates its prompts (a ``data`` field set is an error)."""
+    check_unused(cfg.data, "peer")
     return make_peer_task(cfg, prompt_len=cfg.task.prompt_len)

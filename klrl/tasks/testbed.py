@@ -29,6 +29,7 @@ from klrl.algo.logprobs import token_logprobs
 from klrl.algo.metrics import spearman
 from klrl.algo.textmetrics import distinct_n
 from klrl.config import RunConfig, SamplingConfig
+from klrl.data.prompts import check_unused
 from klrl.models.base import CausalLM, forward
 from klrl.models.gpt import GPT
 from klrl.models.heads import ScalarHead, attach, detach
@@ -262,7 +263,9 @@ def _batch_eval_fn(env, ro, proxy, ev):
 
 @register_task("testbed", help="proxy reward model, exact gold")
 def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
-    """The testbed task of ``cfg`` (module docstring): every model trained or read from the cache."""
+    """The testbed task of ``cfg`` (module docstring): every model trained or read from the cache.
+    The task generates its prompts: a ``data`` field set is an error (before anything is built)."""
+    check_unused(cfg.data, "testbed")
     t = cfg.task
     lang = L.make_language(t.seed)
     max_len = max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len)

@@ -5,7 +5,11 @@
 * **Tokenizer**: the checkpoint's (``tokenizer.json`` or the GGUF's); its stop ids (several for
   SmolLM2) end a response.
 * **Prompts**: :func:`klrl.data.prompts.load_prompts` of the ``data`` section (default the shipped
-  ``klrl:instructions``), left-padded to ``data.prompt_len``.
+  ``klrl:instructions``), left-padded to ``data.prompt_len``; a prompt that already carries the
+  chat template is not wrapped again, a long one is cut inside its user content (the template and
+  the generation prompt kept). Both are counted: one log line, ``task.json`` and the metrics
+  ``data/prompts_templated``, ``data/prompts_truncated``. A ``data`` field set without effect on
+  these files is an error (:func:`klrl.data.prompts.check_fields`), raised before the model is read.
 * **Reward**: a frozen reward model read at the last real response token (a
   :class:`~klrl.tasks.base.JaxReward`; its parameters travel in ``env['reward_params']``):
   ``model.reward_path`` an HF ``*ForSequenceClassification`` directory (its bias-free ``score``
@@ -36,7 +40,7 @@ import numpy as np
 from klrl.algo.logprobs import token_logprobs
 from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.config import ConfigError, RunConfig
-from klrl.data.prompts import load_prompts
+from klrl.data.prompts import PromptPool, check_fields, counts_line, load_prompts
 from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
@@ -136,7 +140,9 @@ def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> Ja
     return JaxReward(reward_fn, check=host.check)
 
 
-def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None) -> Evaluators:
+def text_evaluators(
+    r_len: int, eval_model: Any = None, eval_params: Any = None, prompt_counts: dict[str, int] | None = None
+) -> Evaluators:
     """The text task's metrics of each iteration's samples (over the global batch, on token ids):
 
     * ``text/distinct_1``, ``text/distinct_2``: distinct n-grams / n-grams in the batch (Li et al.
@@ -145,7 +151,10 @@ def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None)
       :mod:`klrl.algo.textmetrics`;
     * with an evaluator LM (``model.eval_path``): ``eval/independent_ppl = exp(-sum_b sum_t m_bt
       log p_eval(y_bt | prompt, y_<t) / sum_b sum_t m_bt)`` over the batch, its token-weighted
-      perplexity of the samples (the reference's is ``eval/ref_ppl``, logged by every run).
+      perplexity of the samples (the reference's is ``eval/ref_ppl``, logged by every run);
+    * ``prompt_counts`` (:func:`prompt_counts`): constants of the run, logged with every iteration's
+      metrics: ``data/prompts_templated`` (training prompts that already carried the chat template,
+      not wrapped again) and ``data/prompts_truncated`` (training prompts cut to ``data.prompt_len``).
     """
 
     def per_example(env: Any, ro: Rollout) -> dict[str, Array]:
@@ -167,6 +176,7 @@ def text_evaluators(r_len: int, eval_model: Any = None, eval_params: Any = None)
         if "_eval_nll_sum" in evals:
             n = jnp.maximum(jnp.sum(evals["_eval_len"]), 1.0)
             out["eval/independent_ppl"] = jnp.exp(jnp.sum(evals["_eval_nll_sum"]) / n)
+        out.update({k: jnp.float32(v) for k, v in (prompt_counts or {}).items()})
         return out
 
     params = {"eval_lm_params": eval_params} if eval_model is not None else {}
@@ -200,20 +210,45 @@ def value_models(cfg: RunConfig, task: Task) -> dict[str, Any]:
     return {"value": model, "value_params": attach(params, head)}
 
 
+def prompt_counts(pool: PromptPool) -> dict[str, int]:
+    """``data/prompts_templated`` and ``data/prompts_truncated`` of a training pool (see
+    :mod:`klrl.data.prompts`): metrics of every iteration, and fields of ``task.json``."""
+    return {"data/prompts_templated": pool.n_templated, "data/prompts_truncated": pool.n_truncated}
+
+
+def _report_counts(cfg: RunConfig, splits: Any, log: Any) -> dict[str, int]:
+    """The prompt counts of the training (and held-out) pool for ``task.json``, each pool's in one
+    log line where there are any (:func:`klrl.data.prompts.counts_line`)."""
+    info = prompt_counts(splits.train)
+    lines = [counts_line(splits.train, cfg.data)]
+    if splits.eval is not None:
+        info.update({k.replace("data/", "data/heldout_"): v for k, v in prompt_counts(splits.eval).items()})
+        lines.append(counts_line(splits.eval, cfg.data, "held-out prompts"))
+    for line in lines:
+        if line is not None and log is not None:
+            log(line)
+    return info
+
+
 def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None = None) -> Task:
-    """The text task of ``cfg`` (module docstring); ``prompts`` replaces the ``data`` section's pool."""
+    """The text task of ``cfg`` (module docstring); ``prompts`` replaces the ``data`` section's pool.
+    The prompts that already carried the chat template and those cut to ``data.prompt_len`` are
+    counted in one log line, in ``task.info`` (``task.json``) and as metrics (:func:`prompt_counts`)."""
     check_model_paths(cfg)
+    if prompts is None:
+        check_fields(cfg.data)  # before the model is read
     policy, params, tok = _load(cfg.model.path, compute_dtype(cfg), tokenizer=True)
     if tok is None:
         raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
     info: dict[str, Any] = {"model_path": str(cfg.model.path)}
-    held = None
+    held, counts = None, None
     if prompts is None:
         splits = load_prompts(cfg.data, tok)
         prompts = TokenPool(jnp.asarray(splits.train.tokens), jnp.asarray(splits.train.mask, jnp.float32))
         info["prompts"] = splits.train.source
         texts, columns = splits.train.prompts, splits.train.columns
-        held = splits.eval
+        held, counts = splits.eval, prompt_counts(splits.train)
+        info.update(_report_counts(cfg, splits, log))
     else:
         texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
     if cfg.reward.fn:
@@ -240,7 +275,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         policy=policy,
         policy_params=params,
         info=info,
-        evaluators=text_evaluators(cfg.sampling.response_len, *eval_lm(cfg, policy)),
+        evaluators=text_evaluators(cfg.sampling.response_len, *eval_lm(cfg, policy), prompt_counts=counts),
         prompt_texts=list(texts),
         heldout=heldout,
     )

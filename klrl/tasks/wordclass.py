@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from klrl.config import RunConfig
+from klrl.data.prompts import check_unused
 from klrl.data.vocab import WordTokenizer
 from klrl.models.gpt import GPT
 from klrl.tasks import language as L
@@ -70,6 +71,8 @@ def tokenizer(lang: L.Language) -> WordTokenizer:
 
 @register_task("wordclass", help="fraction of positive words")
 def make_task(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
+    """The wordclass task of ``cfg``; it generates its prompts (a ``data`` field set is an error)."""
+    check_unused(cfg.data, "wordclass")
     t = cfg.task
     lang = L.make_language(t.seed)
     max_len = max(t.pretrain_len, t.prompt_len + cfg.sampling.response_len)
