@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,20 @@ class NotARunDirError(RunDirError, FileNotFoundError):
 
 
 def _read_bytes(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of ``path``: a regular file, or a pipe (``--config <(...)``) when there is a ``limit``;
+    a device (``/dev/zero``), socket or directory is refused. At most ``limit + 1`` bytes are read:
+    ``stat``'s size is not trusted (a device or a pipe has none, a file may grow)."""
     try:
-        if limit is not None and path.is_file() and path.stat().st_size > limit:
-            raise RunDirError(f"{path}: {path.stat().st_size} bytes, too large for a klrl file")
-        return path.read_bytes()
+        mode = path.stat().st_mode
+        if not (stat.S_ISREG(mode) or (limit is not None and stat.S_ISFIFO(mode))):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError
+            raise RunDirError(f"{path}: not a regular file (a device, pipe or socket)")
+        with path.open("rb") as f:
+            data = f.read() if limit is None else f.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise RunDirError(f"{path}: more than {limit} bytes, too large for a klrl file")
+        return data
     except IsADirectoryError:
         raise RunDirError(f"{path}: is a directory, expected a file") from None
     except FileNotFoundError:
