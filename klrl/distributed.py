@@ -24,12 +24,18 @@ What changes with more than one process:
 Launch: see ``docs/launch.md``. On Cloud TPU, Slurm, Kubernetes and other
 clusters JAX detects the coordinator, process count and id itself; elsewhere pass
 them as arguments or as ``KLRL_COORDINATOR`` (``host:port``), ``KLRL_NUM_PROCESSES``
-and ``KLRL_PROCESS_ID``.
+and ``KLRL_PROCESS_ID``. Joining waits at most ``timeout_s`` (``KLRL_DISTRIBUTED_TIMEOUT``, default
+:data:`DEFAULT_TIMEOUT_S`) for the coordinator and the other processes; then the process ends with
+one line naming the coordinator and the timeout, and exit status 2 (JAX's own deadline would abort
+the process from C++ with a stack trace, after 300 s).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,9 @@ from jax.sharding import PartitionSpec as P
 ENV_COORDINATOR = "KLRL_COORDINATOR"
 ENV_NUM_PROCESSES = "KLRL_NUM_PROCESSES"
 ENV_PROCESS_ID = "KLRL_PROCESS_ID"
+ENV_TIMEOUT = "KLRL_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0  # processes a launcher starts together join in seconds; a slow cluster sets more
+_JAX_MARGIN_S = 30  # JAX's own deadline comes this much later: the watchdog's line is the one printed
 
 
 def _env_int(name: str) -> int | None:
@@ -54,10 +63,46 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}: expected an integer, got {raw!r}") from e
 
 
+def timeout_from_env() -> float:
+    """``KLRL_DISTRIBUTED_TIMEOUT`` in seconds, else :data:`DEFAULT_TIMEOUT_S` (``ValueError`` if not > 0)."""
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{ENV_TIMEOUT}: expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def _exit_with(message: str) -> None:
+    """The default of :func:`initialize`'s ``on_timeout``: one line on stderr, exit status 2, now
+    (from the watchdog thread, while the main thread is blocked inside JAX's C++ ``Connect``)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def timeout_message(coordinator_address: str | None, num_processes: Any, process_id: Any, s: float) -> str:
+    """The line of a join that timed out: the coordinator, this process, the timeout and its knob."""
+    where = coordinator_address or "the auto-detected coordinator"
+    who = f"process {process_id} of {num_processes}" if process_id is not None else "this process"
+    if process_id == 0:  # the coordinator itself: the others did not come
+        why = "did every other process start, with this address?"
+    else:
+        why = "is process 0 running there, the port open, and every process started?"
+    return (
+        f"--distributed: {who} could not join the run at {where} within {s:g} s ({why} "
+        f"--distributed-timeout or ${ENV_TIMEOUT} sets the wait)"
+    )
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    timeout_s: float | None = None,
+    on_timeout: Callable[[str], Any] = _exit_with,
     **kwargs: Any,
 ) -> None:
     """Join the multi-process run: ``jax.distributed.initialize`` with arguments from here or the env.
@@ -67,6 +112,11 @@ def initialize(
     (Cloud TPU, Slurm, Open MPI, Kubernetes, ...). Call it once per process, before anything
     touches a device. ``kwargs`` go to ``jax.distributed.initialize`` (e.g. ``local_device_ids``).
     On CPU the cross-process collectives are gloo (JAX's default since 0.5.1).
+
+    ``timeout_s`` (None: :func:`timeout_from_env`): the longest wait for the coordinator and the
+    other processes. A join that takes longer cannot be interrupted from Python (JAX's client blocks
+    in C++ and aborts the process at its own deadline), so a watchdog thread calls
+    ``on_timeout(message)`` at ``timeout_s``: by default one line on stderr and ``os._exit(2)``.
     """
     if coordinator_address is None:
         coordinator_address = os.environ.get(ENV_COORDINATOR, "").strip() or None
@@ -74,12 +124,26 @@ def initialize(
         num_processes = _env_int(ENV_NUM_PROCESSES)
     if process_id is None:
         process_id = _env_int(ENV_PROCESS_ID)
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        **kwargs,
-    )
+    if timeout_s is None:
+        timeout_s = timeout_from_env()
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout: expected a number of seconds > 0, got {timeout_s}")
+    message = timeout_message(coordinator_address, num_processes, process_id, timeout_s)
+    joined = threading.Event()
+    watchdog = threading.Timer(timeout_s, lambda: joined.is_set() or on_timeout(message))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=int(timeout_s) + 1 + _JAX_MARGIN_S,
+            **kwargs,
+        )
+    finally:
+        joined.set()
+        watchdog.cancel()
 
 
 def is_multiprocess() -> bool:

@@ -36,6 +36,20 @@ BAD = {
     "unknown_field": (["--kl.betta", "0.1"], "kl.betta", {}),
     "unparsable_float": (["--kl.beta", "abc"], "kl.beta", {}),
     "unparsable_bool": (["--sampling.use_eos", "maybe"], "sampling.use_eos", {}),
+    # a device has no size to trust: read unbounded it was a MemoryError
+    "config_is_a_device": (["--config", "/dev/zero"], "--config: /dev/zero: not a regular file", {}),
+    # root may write anywhere by its permission bits, but not into /proc: tried, not inferred
+    "cache_not_creatable": (
+        [],
+        "$KLRL_CACHE): /proc/klrl-nope cannot be created",
+        {"KLRL_CACHE": "/proc/klrl-nope"},
+    ),
+    "cache_dir_not_creatable": (
+        ["--task.cache_dir", "/proc/klrl-nope"],
+        "task.cache_dir: /proc/klrl-nope",
+        {},
+    ),
+    "out_dir_not_creatable": (["--train.out_dir", "/proc/klrl-nope"], "train.out_dir: /proc/klrl-nope", {}),
 }
 
 
@@ -43,8 +57,9 @@ def _start(args: list[str], cache: Path, extra_env: dict[str, str]) -> subproces
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env.update({"KLRL_CACHE": str(cache), "JAX_PLATFORMS": "cpu", **extra_env})
+    out = [] if "--train.out_dir" in args else ["--train.out_dir", str(cache / "runs")]
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args, "--train.out_dir", str(cache / "runs")],
+        [sys.executable, str(SCRIPT), *args, *out],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -247,3 +262,39 @@ def test_negative_and_nonfinite_values_reach_the_field(capsys) -> None:
     assert line == "error: ppo.ent_coef: must be a finite number (got -inf)"
     line = one_line_error(capsys, _klrl_run_module().main, ["--kl.beta", "-1e-3"])
     assert line.startswith("error: kl.beta: must be >= 0")
+
+
+def test_config_is_read_up_to_its_cap(tmp_path, monkeypatch, capsys) -> None:
+    """A pipe (``--config <(...)``) has no size in ``stat``: it is read up to the cap and one byte more,
+    and refused there; under the cap it is read like a file."""
+    import threading
+
+    import klrl.io.readers as readers
+
+    monkeypatch.setattr(readers, "MAX_JSON_BYTES", 100)
+    fifo = tmp_path / "config.json"
+
+    def feed(data: bytes) -> threading.Thread:
+        def write() -> None:
+            try:
+                with open(fifo, "wb") as f:
+                    f.write(data)
+            except BrokenPipeError:  # the reader stopped at the cap
+                pass
+
+        t = threading.Thread(target=write, daemon=True)
+        t.start()
+        return t
+
+    os.mkfifo(fifo)
+    t = feed(b" " * 10_000 + b"{}")
+    from klrl.cli.commands import main
+
+    line = one_line_error(capsys, main, ["train", "--config", str(fifo)])
+    assert line == f"error: --config: {fifo}: more than 100 bytes, too large for a klrl file"
+    t.join(5)
+    t = feed(b'{"kl": {"beta": 0.5}}')
+    from klrl.cli.args import load_config_file
+
+    assert load_config_file(str(fifo)).kl.beta == 0.5
+    t.join(5)

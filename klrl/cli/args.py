@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -221,23 +222,37 @@ def _existing_ancestor(p: Path) -> Path:
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> None:
-    """``path`` is (or can be created as) a directory this process can write into."""
+    """``path`` is (or can be created as) a directory this process can write into.
+
+    Tried, not inferred from permission bits (``os.access`` says yes to root in ``/proc``, or on a
+    read-only mount): a directory (``path``'s first missing component) is created in the nearest
+    existing ancestor and removed at once; nothing is left behind."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         fail(f"{what}: {p} exists and is not a directory")
     top = _existing_ancestor(p)
     if not top.is_dir():
         fail(f"{what}: {p} cannot be created: {top} is not a directory")
-    if not os.access(top, os.W_OK | os.X_OK):
-        fail(f"{what}: {top} is not writable (read-only or no permission)")
+    try:
+        probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
+        os.rmdir(probe)
+    except OSError as e:
+        verb = "is not writable" if top == p.absolute() else f"cannot be created in {top}"
+        fail(f"{what}: {p} {verb} ({e.strerror or type(e).__name__})")
 
 
 def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
-    """The directories a run writes: ``train.out_dir`` (a new run) and the task's cache."""
+    """The directories a run writes: ``train.out_dir`` (a new run) and the task's cache (named by the
+    field or the environment variable it came from)."""
 
     if new_run:
         check_writable_dir(cfg.train.out_dir, "train.out_dir")
-    what = "task.cache_dir" if cfg.task.cache_dir else "the task cache ($KLRL_CACHE or ~/.cache/klrl)"
+    if cfg.task.cache_dir:
+        what = "task.cache_dir"
+    elif os.environ.get("KLRL_CACHE"):
+        what = "the task cache ($KLRL_CACHE)"
+    else:
+        what = "the task cache (~/.cache/klrl; $KLRL_CACHE or --task.cache_dir sets another)"
     check_writable_dir(cache_root(cfg.task.cache_dir), what)
 
 

@@ -46,7 +46,7 @@ from klrl.cli.launch import check_reward_fns, run_one, run_sweep
 from klrl.config import ConfigError, RunConfig, config_warnings
 from klrl.config.schema import closest
 from klrl.config.sweep import check_members, grid, parse_axis
-from klrl.distributed import initialize
+from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
 from klrl.io.readers import RunDirError, read_run
 from klrl.tasks.base import builtin_task_shape
 from klrl.tasks.text import check_model_paths
@@ -61,7 +61,7 @@ _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQU
 # the flags besides the config fields, and their defaults (a namespace lacking one gets it)
 FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep", []), ("sweep_devices", 1),
                  ("study", False), ("quiet", False), ("distributed", False), ("coordinator", None),
-                 ("num_processes", None), ("process_id", None))  # fmt: skip
+                 ("num_processes", None), ("process_id", None), ("distributed_timeout", None))  # fmt: skip
 
 
 # ---- flags -----------------------------------------------------------------------------------------
@@ -77,6 +77,10 @@ def distributed_args(p: argparse.ArgumentParser) -> None:
                    help="--distributed: process count ($KLRL_NUM_PROCESSES)")  # fmt: skip
     p.add_argument("--process-id", metavar="I", type=int, default=None,
                    help="--distributed: this process's index ($KLRL_PROCESS_ID)")  # fmt: skip
+    p.add_argument("--distributed-timeout", metavar="SECONDS", type=float, default=None,
+                   help="--distributed: the longest wait for the coordinator and the other "
+                        "processes, then one line and exit 2 "
+                        f"($KLRL_DISTRIBUTED_TIMEOUT; default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
 
 
 def sweep_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +190,11 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
 def _check_distributed(ns: argparse.Namespace) -> bool:
     want = ns.distributed or ns.coordinator or ns.num_processes is not None or ns.process_id is not None
     check_coordinator(ns.coordinator)
+    t = ns.distributed_timeout
+    if t is not None and not 0 < t < float("inf"):
+        fail(f"--distributed-timeout: must be a number of seconds > 0 (got {t})")
+    if t is not None and not want:
+        fail("--distributed-timeout: needs --distributed")
     if ns.num_processes is not None and ns.num_processes < 1:
         fail(f"--num-processes: must be >= 1 (got {ns.num_processes})")
     if ns.process_id is not None:
@@ -222,7 +231,13 @@ def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunCo
     ``train.devices`` against the devices there are (:func:`klrl.checks.check_device_count`)."""
     if distributed:
         try:
-            initialize(ns.coordinator, ns.num_processes, ns.process_id)
+            timeout = ns.distributed_timeout or timeout_from_env()
+        except ValueError as e:
+            fail(f"--distributed-timeout: {e}")
+        where = ns.coordinator or os.environ.get(ENV_COORDINATOR) or "the auto-detected coordinator"
+        print(f"joining the distributed run at {where} (waiting up to {timeout:g} s)", flush=True)
+        try:
+            initialize(ns.coordinator, ns.num_processes, ns.process_id, timeout_s=timeout)
         except ValueError as e:
             fail(f"--distributed: {e}")
     if run_alone:
