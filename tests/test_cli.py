@@ -249,6 +249,8 @@ def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
         (["--sweep", "kl.beta", "0.1,1"], "expected --sweep section.field=v1,v2"),
         (["--estimator", "k3"], "--kl.estimator or --ctrl.estimator"),
         (["--sweep-device", "2"], "did you mean --sweep-devices?"),
+        (["--distributed-timeout", "5"], "--distributed-timeout: needs --distributed"),
+        (["--distributed", "--distributed-timeout", "0"], "must be a number of seconds > 0 (got 0.0)"),
     ],
 )
 def test_errors_that_teach(argv, want, capsys) -> None:

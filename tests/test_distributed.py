@@ -236,3 +236,57 @@ def test_two_processes_roll_back_as_one(rollback_jobs) -> None:
     # two rollbacks to the initial state: beta compounds (0.001 -> 0.002, then -> 0.004)
     assert len(events["multi"]) == 2
     assert "beta 0.001 -> 0.002" in events["multi"][0] and "beta 0.001 -> 0.004" in events["multi"][1]
+
+
+# ---- joining that cannot complete: one line and exit 2 in seconds, not a silent wait ----------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("process_id", [1, 0])
+def test_a_join_that_cannot_complete_ends_in_one_line(process_id, tmp_path) -> None:
+    """Process 1 with no coordinator listening, and process 0 (the coordinator) whose partner never
+    comes: ``--distributed-timeout 2`` ends each in one line naming the coordinator and the timeout,
+    exit status 2, within seconds (JAX alone waits 300 s, then aborts with a C++ stack trace)."""
+    import time
+
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "KLRL_CACHE": str(tmp_path / "cache")}
+    argv = [
+        "--distributed",
+        "--coordinator",
+        address,
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(process_id),
+    ]
+    argv += ["--distributed-timeout", "2", "--train.out_dir", str(tmp_path / "runs")]
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "klrl", "train", *argv], env=env, capture_output=True,
+                       text=True, timeout=90)  # fmt: skip
+    took = time.monotonic() - t0
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith(
+        f"error: --distributed: process {process_id} of 2 could not join the run at {address}"
+    )
+    assert "within 2 s" in lines[0] and "--distributed-timeout" in lines[0]
+    assert took < 40, took  # start-up (~5 s on a loaded machine) and the 2 s wait
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_join_timeout_from_the_environment(monkeypatch) -> None:
+    import klrl.distributed as D
+
+    monkeypatch.delenv(D.ENV_TIMEOUT, raising=False)
+    assert D.timeout_from_env() == D.DEFAULT_TIMEOUT_S == 120.0
+    monkeypatch.setenv(D.ENV_TIMEOUT, "7.5")
+    assert D.timeout_from_env() == 7.5
+    for bad in ("0", "-1", "abc", "inf", "nan"):
+        monkeypatch.setenv(D.ENV_TIMEOUT, bad)
+        with pytest.raises(ValueError, match="KLRL_DISTRIBUTED_TIMEOUT"):
+            D.timeout_from_env()
