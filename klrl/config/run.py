@@ -187,7 +187,7 @@ class DiagnosisConfig:
     gold_drop: float = _f(0.5, "hacking: gold this fraction of its rise below its peak, the proxy held")
     exit_frac: float = _f(0.5, "hysteresis: a regime is kept while its evidence holds at this x its entry")
     trend_window: int = _f(50, "adaptive beta: a trend must hold this long (> controller time constant)")
-    settle: int = _f(100, "adaptive beta: no trend until the KL first reaches its target, at most this")
+    settle: int = _f(200, "adaptive beta: no trend until the KL first reaches its target, at most this")
 
     def __post_init__(self) -> None:
         _check(self.window >= 4, "diag.window", "must be >= 4")
