@@ -75,6 +75,9 @@ def test_required_aliases():
         "num_mini_batches": "ppo.minibatches",
         "cliprange_value": "ppo.vf_clip",
         "vf_coef": "ppo.vf_coef",
+        "model_name_or_path": "model.path",  # transformers / TRL (difflib said model.value_path)
+        "sft_model_path": "model.path",
+        "reward_model_path": "model.reward_path",
     }
     assert {k: aliases.FLAG_ALIASES[k] for k in expect} == expect
 
@@ -124,6 +127,14 @@ def test_lookup_normalises():
     assert aliases.lookup("actor_rollout_ref.actor.kl_loss_coef") == "kl.loss_coef"
     assert aliases.lookup("--Num-PPO-Epochs") == "ppo.epochs"
     assert aliases.lookup("whiten_rewards") is None
+    assert aliases.lookup("--Model-Name-Or-Path") == "model.path"
+    assert aliases.lookup("--actor_rollout_ref.model.path=/m") == "model.path"  # verl: by role
+    assert aliases.lookup("critic.model.path") == "model.value_path"
+    assert aliases.lookup("reward_model.model.path") == "model.reward_path"
+    # the key matched, for its note: the longest suffix that is a key, not any key it ends with
+    assert aliases.matched_key("--lr_warmup_ratio") == "lr_warmup_ratio"
+    assert aliases.matched_key("--a.b.kl_loss_coef") == "kl_loss_coef"
+    assert aliases.matched_key("--nothing_like_it") is None
 
 
 def test_no_counterpart_is_not_aliased():

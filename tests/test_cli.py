@@ -250,6 +250,12 @@ def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
         (["--estimator", "k3"], "--kl.estimator or --ctrl.estimator"),
         (["--sweep-device", "2"], "did you mean --sweep-devices?"),
         (["--distributed-timeout", "5"], "--distributed-timeout: needs --distributed"),
+        (["--model_name_or_path", "m"], "--model_name_or_path: not a klrl flag; klrl's is --model.path"),
+        (["--model-name-or-path=m"], "klrl's is --model.path"),
+        (["--reward_model_path", "m"], "klrl's is --model.reward_path"),
+        (["--actor_rollout_ref.model.path", "m"], "klrl's is --model.path"),
+        (["--actor_rollout_ref.actor.kl_loss_coef", "0.1"], "klrl's is --kl.loss_coef"),
+        (["--lr_warmup_ratio", "0.1"], "klrl's is --optim.warmup_steps (a fraction of all steps (see warmup"),
         (["--distributed", "--distributed-timeout", "0"], "must be a number of seconds > 0 (got 0.0)"),
     ],
 )

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from klrl.config import SECTIONS, ConfigError, RunConfig, field_names
+from klrl.config import SECTIONS, ConfigError, RunConfig, aliases, field_names
 from klrl.config.schema import ALIASES, closest, short
 from klrl.io.readers import RunDirError, read_json, read_text
 from klrl.tasks.pretrain import cache_root
@@ -90,6 +90,10 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
     if bare in ALIASES:
         target, where = ALIASES[bare]
         note = f" ({where})" if where else ""
+        return f"{name}: not a klrl flag; klrl's is --{target}{note}"
+    if bare.split(".", 1)[0] not in SECTIONS and (target := aliases.lookup(bare)):  # TRL/verl/OpenRLHF
+        note = aliases.FLAG_NOTES.get(aliases.matched_key(bare) or "")
+        note = f" ({note})" if note else ""
         return f"{name}: not a klrl flag; klrl's is --{target}{note}"
     if "." in bare:
         sec, fld = bare.split(".", 1)

@@ -222,6 +222,14 @@ FLAG_ALIASES: dict[str, str] = {
     "train_batch_size": "train.batch_size",
     "rollout.batch_size": "train.batch_size",
     "total_episodes": "train.iterations", "steps": "train.iterations", "seed": "train.seed",
+    # models (transformers' and TRL's model_name_or_path, TRL PPO's *_model_path, OpenRLHF's *pretrain,
+    # verl's <role>.model.path)
+    "model_name_or_path": "model.path", "sft_model_path": "model.path", "pretrain": "model.path",
+    "actor_rollout_ref.model.path": "model.path",
+    "reward_model_path": "model.reward_path", "reward_pretrain": "model.reward_path",
+    "reward_model.model.path": "model.reward_path",
+    "value_model_path": "model.value_path", "critic_pretrain": "model.value_path",
+    "critic.model.path": "model.value_path",
 }  # fmt: skip
 
 # Keys whose value must be converted (unit, meaning or a pair), for hints and for docs/names.md.
@@ -251,6 +259,11 @@ FLAG_NOTES: dict[str, str] = {
     "total_episodes": "episodes = sequences: --train.iterations = total_episodes / batch_size",
     "steps": "TRL 0.11: PPO steps = iterations",
     "lr_scheduler_type": "klrl: constant, linear, cosine (OpenRLHF's cosine_with_min_lr has no floor here)",
+    "model_name_or_path": "a local HF model directory, a .gguf file, or a Hub name already in the local "
+    "Hugging Face cache: klrl downloads nothing; `klrl models` lists what it can see",
+    "value_model_path": "with --model.value_model separate",
+    "critic_pretrain": "with --model.value_model separate",
+    "critic.model.path": "with --model.value_model separate",
 }
 
 # Their knobs with no klrl counterpart, and why.
@@ -271,13 +284,14 @@ def normalise(name: str) -> str:
     return name.split("=", 1)[0].lstrip("-").strip().lower().replace("-", "_")
 
 
+def matched_key(name: str) -> str | None:
+    """The key of :data:`FLAG_ALIASES` that :func:`lookup` matches ``name`` with, or None."""
+    parts = normalise(name).split(".")
+    return next((k for i in range(len(parts)) if (k := ".".join(parts[i:])) in FLAG_ALIASES), None)
+
+
 def lookup(name: str) -> str | None:
     """klrl's ``section.field`` for another framework's knob, or None: the full key first, then its
     trailing dotted components (``actor_rollout_ref.actor.kl_loss_coef`` -> ``kl_loss_coef``)."""
-    key = normalise(name)
-    parts = key.split(".")
-    for i in range(len(parts)):
-        hit = FLAG_ALIASES.get(".".join(parts[i:]))
-        if hit is not None:
-            return hit
-    return None
+    key = matched_key(name)
+    return None if key is None else FLAG_ALIASES[key]

@@ -63,6 +63,11 @@ ALIASES = {
     "batch_size": ("train.batch_size", ""),
     "max_grad_norm": ("optim.max_grad_norm", ""),
     "weight_decay": ("optim.weight_decay", ""),
+    "model_name_or_path": (
+        "model.path",
+        "transformers/TRL; a local directory, a .gguf, or a Hub name "
+        "in the local Hugging Face cache: `klrl models` lists them",
+    ),
 }
 
 
