@@ -206,8 +206,8 @@ def test_left_truncation_without_template_is_counted_not_warned(tok, tmp_path) -
     assert pool.n_truncated == 2 and list(pool.truncated) == [False, True, True]
     assert pool.n_templated == 0
     assert counts_line(pool, cfg) == (
-        f"prompts {path}: 2 of 3 longer than data.prompt_len = 12 tokens were cut to it (the first tokens "
-        "of the user content dropped; template and generation prompt kept)"
+        f"prompts {path}: 2 of 3 longer than data.prompt_len = 12 tokens were cut to it inside the user "
+        "content (its first tokens dropped; the chat template kept)"
     )
     with pytest.raises(
         PromptDataError, match=r"t\.jsonl line 2: prompt has \d+ tokens, more than data.prompt_len"

@@ -68,6 +68,25 @@ def test_built_in_tasks_are_registered():
         RunConfig().replace(task={"name": "nope"})
 
 
+@pytest.mark.parametrize("name", ["wordclass", "peer"])
+def test_tasks_that_generate_their_prompts_refuse_data_fields_first(name, monkeypatch):
+    """A ``data`` field set is a ConfigError naming it, raised before anything is built (the
+    language, the pretrained reference or the peer's models: building them here fails the test)."""
+    from klrl.tasks import peer, wordclass
+
+    def built(*a, **k):
+        raise AssertionError("built before the check")
+
+    monkeypatch.setattr(wordclass.L, "make_language", built)
+    monkeypatch.setattr(peer, "make_peer_task", built)
+    cfg = _cfg().replace(task={"name": name}, data={"split": "nosuch", "eval_fraction": 0.5})
+    want = f"data.split, data.eval_fraction: the {name} task generates its prompts; data.* applies to "
+    want += "--task.name text"
+    with pytest.raises(ConfigError) as e:
+        TASKS.get(name)(cfg)
+    assert str(e.value) == want
+
+
 @dataclass(frozen=True)
 class Bigram:
     """A CausalLM that is not klrl's GPT: logits depend on the current token only (no attention)."""

@@ -49,3 +49,28 @@ def test_testbed_step_reports_gold_and_perplexities(testbed):
     assert 1.0 < m["eval/oracle_ppl_floored"] < 100 and 1.0 < m["eval/independent_ppl"] < 100
     assert 0 < m["eval/distinct_1"] <= m["eval/distinct_2"] <= 1
     assert m["reward/proxy"] == pytest.approx(m["reward/task"])
+
+
+@pytest.mark.parametrize(
+    "flags, field",
+    [(["--data.path", "p.jsonl"], "data.path"), (["--data.split", "nosuch"], "data.split"),
+     (["--data.prompt_len", "8", "--data.seed", "2"], "data.prompt_len, data.seed")],
+)  # fmt: skip
+def test_data_flags_on_the_testbed_are_one_line_before_anything_is_built(
+    capsys, tmp_path, monkeypatch, flags, field
+):
+    """The testbed generates its prompts: a ``data`` field is refused (exit 2, one line naming it)
+    before the reference is pretrained (pretraining here fails the test)."""
+    from conftest import one_line_error
+
+    from klrl.cli import main
+    from klrl.tasks import wordclass
+
+    monkeypatch.setattr(wordclass, "pretrain", lambda *a, **k: pytest.fail("pretrained before the check"))
+    argv = ["train", "--task.name", "testbed", *flags, "--train.out_dir", str(tmp_path / "runs"),
+            "--task.cache_dir", str(tmp_path / "cache")]  # fmt: skip
+    line = one_line_error(capsys, main, argv)
+    assert line == (f"error: {field}: the testbed task generates its prompts"
+                    + (" (its prompt length is task.prompt_len)" if "prompt_len" in field else "")
+                    + "; data.* applies to --task.name text")  # fmt: skip
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

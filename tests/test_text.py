@@ -83,7 +83,6 @@ def test_tiny_pretrained_end_to_end_saves_trained_policy(tiny_gguf_run):
     assert tuple(tok.stop_ids) == (254, 252)
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_host_reward_sees_each_rows_prompt(tmp_path):
     """reward.fn: the host function gets the prompt of each row (by the rollout's prompt_idx) and the
     response text."""
@@ -113,13 +112,66 @@ def test_host_reward_sees_each_rows_prompt(tmp_path):
     np.testing.assert_allclose(got, want)
 
 
+def test_text_task_counts_templated_and_truncated_prompts_in_a_log_line_not_a_warning(tmp_path):
+    """On the tiny GGUF (its template: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, 8 tokens around
+    the content): a templated prompt is encoded as it is, a long one keeps the user header and the end
+    of turn and fills the budget exactly; the counts are in one log line, task.json's info and the
+    metrics, and no Python warning is emitted."""
+    import warnings
+
+    from klrl.tasks.text import make_text_task
+
+    templated = "<|im_start|>user\nName a fruit.<|im_end|>\n"
+    long = "Describe a rainy afternoon in a few calm sentences, then say why it was lovely. " * 3
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (templated, "Say hi.", long)))
+    P = 24
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF)}, "task": {"name": "text"}, "data": {"path": str(path), "prompt_len": P}}
+    )
+    lines = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        task = make_text_task(cfg, log=lines.append)
+    tok = task.tokenizer
+    tokens, mask = np.asarray(task.env["prompts"]), np.asarray(task.env["prompt_mask"])
+    rows = [[int(t) for t, k in zip(r, m, strict=True) if k] for r, m in zip(tokens, mask, strict=True)]
+    assert rows[0] == tok.encode(templated)  # once, not wrapped in a second user turn
+    assert rows[1] == tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n")
+    head, tail = tok.encode("<|im_start|>user\n"), tok.encode("<|im_end|>\n")
+    assert len(rows[2]) == P and rows[2] == head + tok.encode(long)[-(P - len(head) - len(tail)) :] + tail
+    assert task.info["data/prompts_templated"] == 1 and task.info["data/prompts_truncated"] == 1
+    assert lines[0] == (
+        f"prompts {path}: 1 of 3 already carry the chat template (not wrapped again); 1 of 3 longer than "
+        f"data.prompt_len = {P} tokens were cut to it inside the user content (its first tokens dropped; "
+        "the chat template kept)"
+    )
+    out = task.evaluators.batch(
+        None, Rollout(tokens, mask, tokens[:, :4], mask[:, :4], None, None, None), None, {}
+    )
+    assert float(out["data/prompts_templated"]) == 1.0 and float(out["data/prompts_truncated"]) == 1.0
+
+
+def test_data_split_on_a_jsonl_file_is_one_line_before_the_model_is_read(capsys, tmp_path, monkeypatch):
+    from klrl.tasks import text
+
+    monkeypatch.setattr(text, "_load", lambda *a, **k: pytest.fail("the model was read before the check"))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "Say hi."}\n')
+    line = _error(capsys, ["--task.name", "text", "--model.path", str(GGUF), "--data.path", str(path),
+                           "--data.split", "nosuch", "--train.out_dir", str(tmp_path / "runs")])  # fmt: skip
+    assert line == (
+        f"error: data.split: 'nosuch' is read only from a saved datasets.DatasetDict directory; {path} is a "
+        ".jsonl file, which has no splits"
+    )
+
+
 def test_bad_reward_fn_is_one_line(capsys, tmp_path):
     line = _error(capsys, ["--task.name", "text", "--model.path", str(GGUF), "--reward.fn", "nonesuch_reward",
                            "--data.prompt_len", "16", "--train.out_dir", str(tmp_path)])  # fmt: skip
     assert "nonesuch_reward" in line
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_separate_value_model_is_the_pretrained_trunk_with_a_fresh_head():
     from klrl.models.heads import HEAD_KEY
     from klrl.tasks.text import make_text_task, value_models
@@ -157,7 +209,6 @@ def test_text_evaluators_match_python_loop_references():
     assert "text/rep_4" not in text_evaluators(3).batch(None, short, None, {})
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_text_run_logs_text_metrics_and_the_evaluator_lms_perplexity(tmp_path):
     """With the reference itself as the evaluator LM (``model.eval_path`` = ``model.path``), its
     perplexity of the samples is the reference's (``eval/ref_ppl``) at every iteration."""
@@ -174,6 +225,9 @@ def test_text_run_logs_text_metrics_and_the_evaluator_lms_perplexity(tmp_path):
     for k in ("text/distinct_1", "text/distinct_2", "text/rep_4"):
         assert ((m[k] >= 0) & (m[k] <= 1)).all(), (k, m[k])
     assert (m["text/distinct_1"] > 0).all()
+    # every one of the 8 prompts is longer than 16 tokens with the template: a constant of the run
+    np.testing.assert_array_equal(m["data/prompts_truncated"], [8.0, 8.0])
+    np.testing.assert_array_equal(m["data/prompts_templated"], [0.0, 0.0])
 
 
 def test_model_path_on_the_default_task_selects_the_text_task():
@@ -211,7 +265,6 @@ def _n_dots(fn, *args) -> int:
     return count(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 @pytest.mark.parametrize("logits", ["full", "chunked"])
 def test_reward_on_the_policy_trunk_is_read_from_the_reference_forward(logits):
     """A reward model on the policy's trunk (``model.reward_path`` empty): the scoring reads it from
@@ -246,7 +299,6 @@ def test_reward_on_the_policy_trunk_is_read_from_the_reference_forward(logits):
     assert separate - shared >= 7  # q, k, v, o, gate, up, down of the reward trunk's (scanned) layer
 
 
-@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_reward_reads_the_reference_only_when_it_is_the_same_frozen_trunk():
     """The shared forward is taken only when the reward's trunk is the reference: not when the
     reference is refreshed, stored in bfloat16, or starts from other parameters; ``model.reward_path``

@@ -520,7 +520,7 @@ def counts_line(pool: PromptPool, cfg: DataConfig, what: str = "prompts") -> str
     if pool.n_truncated:
         parts.append(
             f"{pool.n_truncated} of {n} longer than data.prompt_len = {cfg.prompt_len} tokens were cut to it "
-            "(the first tokens of the user content dropped; template and generation prompt kept)"
+            "inside the user content (its first tokens dropped; the chat template kept)"
         )
     return f"{what} {pool.source}: " + "; ".join(parts) if parts else None
 
