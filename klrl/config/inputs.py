@@ -67,7 +67,10 @@ class DataConfig:
     split: str = _f("train", "split to read from a saved datasets.DatasetDict")
     chat_template: bool = _f(True, "render prompts with the tokenizer's chat template")
     prompt_len: int = _f(64, "prompt budget P in tokens (left padding)")
-    truncate: str = _f("left", "a prompt longer than P: 'left' (keep its last P tokens) or 'error'")
+    truncate: str = _f(
+        "left", "a prompt longer than P: 'left' (cut the first tokens of its user content; the chat template "
+        "and generation prompt kept) or 'error'",
+    )  # fmt: skip
     eval_path: str = _f("", "separate file of evaluation prompts (same format rules)")
     eval_fraction: float = _f(0.0, "fraction of the prompts held out for evaluation (if no eval_path)")
     seed: int = _f(0, "seed of the held-out split")
