@@ -65,7 +65,11 @@ class DataConfig:
     format: str = _f("auto", "file format: auto (from the suffix), jsonl, json, csv, parquet, text, disk")
     field: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
     split: str = _f("train", "split to read from a saved datasets.DatasetDict")
-    chat_template: bool = _f(True, "render prompts with the tokenizer's chat template")
+    chat_template: bool = _f(
+        True, "wrap each prompt in the tokenizer's chat template (a string: one user turn) with the "
+        "generation prompt, as TRL does; false: raw prompts, encoded as they are. A prompt that already "
+        "carries the template is not wrapped again",
+    )  # fmt: skip
     prompt_len: int = _f(64, "prompt budget P in tokens (left padding)")
     truncate: str = _f(
         "left", "a prompt longer than P: 'left' (cut the first tokens of its user content; the chat template "
