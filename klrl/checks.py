@@ -28,17 +28,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from klrl.algo.advantages import needs_critic
 from klrl.config import ConfigError, RunConfig
 from klrl.config.sweep import check_members
 from klrl.models.base import CausalLM
 from klrl.models.rollout import Rollout
+from klrl.rewards.host import HostReward as TextReward
+from klrl.rewards.host import RewardFunctionError
 from klrl.step.chunked import check_estimators
 from klrl.step.parallel import mesh_from_config
-from klrl.tasks.base import HostReward, JaxReward, Task
+from klrl.tasks.base import OWN_MODEL_TASKS, HostReward, JaxReward, Task
 
 __all__ = [
     "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
-    "check_task",
+    "check_export", "check_model_fields", "check_task", "check_text_reward", "text_reward",
 ]  # fmt: skip
 
 
@@ -69,6 +72,39 @@ def check_config(
         raise ConfigError(f"resume: a resumed {where} (write=True)")
     if members[0].train.rollback_metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
+    check_model_fields(members[0], stacked=stacked)
+
+
+def check_model_fields(cfg: RunConfig, *, stacked: bool = False) -> None:
+    """The ``model.*`` checkpoint paths are read by the run they are given to: a built-in task that
+    trains klrl's own GPT (:data:`klrl.tasks.base.OWN_MODEL_TASKS`) reads none of them;
+    ``model.reward_path`` is not read when ``reward.fn`` scores the responses; ``model.value_path``
+    only by ``model.value_model=separate`` in a single run (a sweep's members draw a fresh value model
+    each). The task built for a ``model.path`` must also be able to write its policy back
+    (:func:`check_export`, once it is built)."""
+    m, name = cfg.model, cfg.task.name
+    given = [f for f in ("path", "value_path", "reward_path", "eval_path") if getattr(m, f)]
+    if given and name in OWN_MODEL_TASKS:
+        raise ConfigError(
+            f"model.{given[0]}: task {name} does not read it (it trains klrl's own GPT, sized by "
+            f"model.n_layers/d_model/n_heads); a pretrained model trains with task.name=text"
+        )
+    if m.reward_path and cfg.reward.fn:
+        raise ConfigError(
+            f"model.reward_path: not read when reward.fn is given (the functions {cfg.reward.fn} score the "
+            "responses); give one of them"
+        )
+    if m.value_path and m.value_model != "separate":
+        raise ConfigError(
+            f"model.value_path: read only with model.value_model=separate (got {m.value_model})"
+        )
+    if m.value_path and not needs_critic(cfg.ppo.advantage):
+        raise ConfigError(f"model.value_path: ppo.advantage={cfg.ppo.advantage} trains no value model")
+    if m.value_path and stacked:
+        raise ConfigError(
+            "model.value_path: a sweep's members draw a fresh value model each; the value trunk of "
+            "model.value_path is read by single runs only"
+        )
 
 
 # ---- 2. the task and the models against the policy ---------------------------------------------------
@@ -134,7 +170,9 @@ def check_parts(task: Task, policy: CausalLM, response_len: int, batch: int) -> 
 
 
 def check_reward(task: Task, batch: int, response_len: int) -> None:
-    """Trace the reward on an abstract rollout of ``batch`` rows: it must give ``[batch]`` float32."""
+    """Trace the reward on an abstract rollout of ``batch`` rows: it must give ``[batch]`` float32.
+    Then the user's host text reward functions behind it (and behind the held-out reward), if any:
+    :func:`check_text_reward`."""
     b, p, r = batch, task.prompt_len, response_len
     i32 = jax.ShapeDtypeStruct((b, p), jnp.int32)
     f32 = jax.ShapeDtypeStruct((b, p), jnp.float32)
@@ -146,6 +184,59 @@ def check_reward(task: Task, batch: int, response_len: int) -> None:
     if not hasattr(out, "shape") or tuple(out.shape) != (b,) or out.dtype != jnp.float32:
         got = f"{tuple(out.shape)} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
         raise ConfigError(f"task {task.name} reward: must return [B] = ({b},) float32 per batch, got {got}")
+    env = task.env
+    check_text_reward(task.reward, env["prompts"], env["prompt_mask"])
+    if task.heldout is not None:
+        check_text_reward(
+            task.heldout.reward, env["heldout_prompts"], env["heldout_prompt_mask"], " (held-out)"
+        )
+
+
+PROBE_ROWS = 4  # prompts of the pool the reward functions are called on before compiling
+
+
+def text_reward(reward: Any) -> TextReward | None:
+    """The host text reward (:class:`klrl.rewards.host.HostReward`) behind a task's reward: the
+    object whose ``check`` the reward carries (:func:`klrl.tasks.text.host_text_reward`), or None."""
+    host = getattr(getattr(reward, "check", None), "__self__", None)
+    return host if isinstance(host, TextReward) else None
+
+
+def check_text_reward(reward: Any, prompts: Any, mask: Any, where: str = "") -> None:
+    """One call of each host reward function behind ``reward`` (none: nothing to do), as training
+    will call it, before anything compiles: on the first :data:`PROBE_ROWS` prompts of its pool
+    (``prompts``, ``mask``), each prompt's own decoded text standing in for its completion
+    (:meth:`klrl.rewards.host.HostReward.probe`). Its signature was checked when it was loaded
+    (:func:`klrl.rewards.host.check_signature`). A failure (it raises or exits, returns the wrong
+    number of values, a non-number, a value not finite in float32) is a :class:`ConfigError` naming
+    the function."""
+    host = text_reward(reward)
+    if host is None:
+        return
+    rows = min(PROBE_ROWS, int(np.shape(prompts)[0]))
+    p, m = np.asarray(prompts[:rows]), np.asarray(mask[:rows])
+    texts = [host.decode(p[i], m[i])[0] for i in range(rows)]
+    try:
+        host.probe(list(range(rows)), texts)
+    except RewardFunctionError as e:
+        raise ConfigError(f"{e}{where}") from None
+
+
+def check_export(task: Task, policy: CausalLM) -> None:
+    """A run on ``model.path`` ends by writing the trained policy as an HF directory
+    (:func:`klrl.tasks.text.save_policy`): the policy that trains must be a pretrained family klrl
+    writes back (``params_to_hf``, ``hf_config``), with a tokenizer that saves itself. A task whose
+    policy is not (e.g. klrl's own GPT) does not train ``model.path``: refused before anything
+    compiles, not after the last iteration."""
+    lacks = [a for a in ("params_to_hf", "hf_config") if not callable(getattr(policy, a, None))]
+    if not callable(getattr(task.tokenizer, "save", None)):
+        lacks.append("a tokenizer with save()")
+    if lacks:
+        raise ConfigError(
+            f"model.path: task {task.name} trains a {type(policy).__name__} policy, not the model of "
+            f"model.path, and it cannot be written back as an HF directory (no {lacks[0]}); drop "
+            "model.path, or train the pretrained model with task.name=text"
+        )
 
 
 # ---- 3. the devices --------------------------------------------------------------------------------
@@ -200,5 +291,7 @@ def check_program(
     check_devices(base, n_data)
     parts = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
+    if any(m.model.path for m in members):
+        check_export(task, policy)
     check_parts(parts, policy, base.sampling.response_len, base.train.batch_size // n_data)
     check_estimators(base, policy.vocab_size)  # a KL estimator of the logits needs a chunked form there

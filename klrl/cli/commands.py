@@ -35,7 +35,7 @@ from typing import Any
 
 from klrl.analysis.report import ReportError, maybe_write_report, write_report
 from klrl.analysis.results import load_sweep
-from klrl.checks import check_device_count, check_task
+from klrl.checks import check_device_count, check_model_fields, check_task
 from klrl.cli.args import (
     SWEEP_SYNTAX,
     build_parser,
@@ -51,7 +51,7 @@ from klrl.cli.export import main as export_main
 from klrl.cli.launch import check_reward_fns, run_one, run_sweep
 from klrl.config import ConfigError, RunConfig, config_warnings
 from klrl.config.schema import closest
-from klrl.config.sweep import check_members, grid, parse_axis
+from klrl.config.sweep import check_members, check_overrides, grid, parse_axis
 from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
 from klrl.io.readers import RunDirError, read_run
 from klrl.models.catalog import find_models, resolve_model_paths
@@ -191,6 +191,8 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
         if not ns.sweep:
             fail(f"sweep: no axis given; {SWEEP_SYNTAX}")
         members, axes = _sweep_members(cfg, ns.sweep)
+    if members is not None:  # a flag the study or the sweep sets per member, or no member reads: refused
+        _check_overrides(ns, cfg, members, "the study" if mode == "study" else "--sweep")
     return cfg, members, axes
 
 
@@ -210,6 +212,17 @@ def _resolve_models(cfg: RunConfig, members: list[RunConfig] | None) -> tuple[Ru
         if members is None:
             break
     return new, new_members
+
+
+def _check_overrides(ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig], by: str) -> None:
+    """The flags (and ``--config`` fields) beside a study or sweep are used by its members
+    (:func:`klrl.config.sweep.check_overrides`)."""
+    default = RunConfig().to_dict()
+    changed = [f"{s}.{k}" for s, fs in cfg.to_dict().items() for k, v in fs.items() if v != default[s][k]]
+    try:
+        check_overrides(list(dict.fromkeys([*overrides_of(ns), *changed])), cfg, members, by)
+    except ConfigError as e:
+        fail(f"--{e}" if str(e).split(":")[0] in overrides_of(ns) else str(e))
 
 
 # ---- the checks before anything is built -------------------------------------------------------------
@@ -238,6 +251,7 @@ def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: li
     try:
         for m in members:
             check_model_paths(m)  # a missing checkpoint before anything is built
+            check_model_fields(m, stacked=mode in ("sweep", "study"))  # a model path the run would not read
     except ConfigError as e:
         fail(str(e))
     if mode == "resume":

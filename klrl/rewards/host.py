@@ -8,7 +8,27 @@ only the keywords it names unless it takes ``**kwargs``. Several functions are c
 does: ``score = nansum_j(w_j * r_j)`` with ``None`` read as NaN, i.e. a function returning
 ``None`` for a completion has no say in its score (a completion where every function says
 ``None`` scores 0.0, as ``torch.nansum`` gives, and is counted in ``HostReward.n_all_none``).
-Unlike TRL, a *returned* NaN or inf is an error, not a skip: it ends the run.
+Unlike TRL, a *returned* NaN or inf is an error, not a skip: it ends the run. Values are checked
+as the step sees them, in float32: ``1e39`` (finite in Python, inf in float32) is not finite, and
+so is a weighted sum that overflows float32.
+
+``completions`` are plain strings (the decoded response text), never TRL's conversational form (a
+list of ``{"role", "content"}`` messages per completion): a TRL conversational reward that reads
+``c[0]["content"]`` fails with "string indices must be integers", and the message says so.
+
+Before anything compiles, :func:`klrl.checks.check_reward` checks each function's signature
+(:func:`check_signature`: it takes ``completions`` by name, or ``**kwargs``, and every other
+argument it requires is one klrl passes) and calls it once (:meth:`HostReward.probe`) on the first
+prompts, their own decoded text standing in for the completions: a wrong signature or a function
+that fails on any input is one line in seconds, not after the compile.
+
+What the function does is its failure, whatever it raises: an exception, ``sys.exit()``
+(``SystemExit``) or ``KeyboardInterrupt`` end the run as one line naming the function and what it
+did. A real Ctrl-C never reaches a reward function as ``KeyboardInterrupt``: during a run
+:class:`klrl.loop.reliability.StopSignals` handles SIGINT (it stops after the iteration with a
+checkpoint), and the training-time calls run on XLA's callback threads, which Python signals never
+interrupt. Only where no such handler is installed and a SIGINT did arrive while the function ran
+on the main thread (e.g. the check called by hand) is ``KeyboardInterrupt`` passed on as the user's.
 
 The callback: ``jax.pure_callback`` with ``vmap_method="expand_dims"``. Scoring text is a pure
 function of (prompt, completion, columns), so the purity contract holds; it batches under
@@ -34,13 +54,15 @@ raises everywhere (with the message where it is known, the code's meaning elsewh
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
+import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +75,13 @@ from klrl.data.tokenizer import Tokenizer
 from klrl.rewards import text
 
 MAX_MESSAGES = 32
+F32_MAX = float(np.finfo(np.float32).max)
+# keywords every call passes (besides the prompt data's columns)
+PASSED = ("prompts", "completions", "completion_ids")
+STRINGS_HINT = (
+    "completions are plain strings (the decoded text), not TRL conversational message lists: "
+    "use c, not c[0]['content']"
+)
 OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE, ABORTED = 0, 1, 2, 3, 4, 5
 MEANING = {
     RAISED: "raised",
@@ -69,6 +98,96 @@ class RewardLoadError(ValueError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed during the run. The message names the function and the problem."""
+
+
+def describe(e: BaseException) -> str:
+    """What user code did, on one line: ``called sys.exit(5)``, ``raised KeyboardInterrupt``,
+    ``raised ValueError: ...`` (a ``TypeError`` that indexes a string adds :data:`STRINGS_HINT`)."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({'' if e.code is None else repr(e.code)})"
+    if isinstance(e, KeyboardInterrupt):
+        return "raised KeyboardInterrupt"
+    out = f"raised {one_line(e)}"
+    if isinstance(e, TypeError | KeyError | IndexError) and (
+        "string indices" in str(e) or "'str' object" in str(e)
+    ):
+        out += f" ({STRINGS_HINT})"
+    return out
+
+
+@contextlib.contextmanager
+def user_code() -> Iterator[list[int]]:
+    """Around a call of the user's code: the SIGINTs that arrived meanwhile (on the main thread,
+    the SIGINT handler is wrapped to count them and then does what it did). A ``KeyboardInterrupt``
+    with none counted is the code's own, so its failure; with one counted, the user's Ctrl-C."""
+    seen: list[int] = []
+    prev = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if prev is None:  # another thread (Python signals never interrupt it), or a handler not set from Python
+        yield seen
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, prev)
+
+
+def _passed_on(e: BaseException, seen: list[int]) -> bool:
+    """Whether ``e`` is the user's Ctrl-C rather than the code's failure (:func:`user_code`)."""
+    return isinstance(e, KeyboardInterrupt) and bool(seen)
+
+
+def check_signature(fn: Callable, name: str, columns: Sequence[str] | None = None) -> None:
+    """``fn`` can be called as klrl calls it, with keywords (TRL's ``reward_funcs`` convention):
+    it takes ``completions`` by name (or ``**kwargs``), and every argument it requires is passed
+    (``prompts``, ``completions``, ``completion_ids`` and, when ``columns`` is known, the prompt
+    data's columns). :class:`RewardLoadError` (one line) otherwise."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: its first call tells
+    kinds = inspect.Parameter
+    if any(p.kind is kinds.VAR_KEYWORD for p in params):
+        by_name = None
+    else:
+        by_name = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    have = (*PASSED, *(columns or ()))
+    call = "fn(prompts=[...], completions=[str, ...], completion_ids=[...], **columns) as TRL does"
+    if by_name is not None and "completions" not in by_name:
+        raise RewardLoadError(
+            f"reward function {name}: takes no 'completions' argument by name (its signature: "
+            f"{_sig(fn)}); klrl calls {call}"
+        )
+    for p in params:
+        required = p.default is kinds.empty and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
+        if required and p.kind is kinds.POSITIONAL_ONLY:
+            raise RewardLoadError(
+                f"reward function {name}: argument {p.name!r} is positional-only (its signature: "
+                f"{_sig(fn)}); klrl calls {call}"
+            )
+        if required and columns is not None and p.name not in have:
+            cols = ", ".join(columns) or "none"
+            raise RewardLoadError(
+                f"reward function {name}: requires argument {p.name!r}, which klrl does not pass "
+                f"(it passes prompts, completions, completion_ids and the prompt data's columns: {cols})"
+            )
+
+
+def _finite32(x: np.ndarray) -> np.ndarray:
+    """Whether each value is finite in float32 (NaN, inf and ``|x| > 3.4e38`` are not)."""
+    return np.isfinite(x) & (np.abs(x) <= F32_MAX)
+
+
+def _sig(fn: Callable) -> str:
+    return f"{getattr(fn, '__name__', type(fn).__name__)}{inspect.signature(fn)}"
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -88,28 +207,40 @@ def load_reward_fn(spec: str) -> Callable:
         path = Path(where).expanduser()
         if not path.is_file():
             raise RewardLoadError(f"reward {spec!r}: file {path} not found")
-        try:
-            name = f"klrl_reward_{path.stem}_{abs(hash(str(path.resolve())))}"
-            mod_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[name] = module  # as `import` does: dataclasses and pickle look the module up
-            mod_spec.loader.exec_module(module)
-        except Exception as e:
-            sys.modules.pop(name, None)
-            raise RewardLoadError(f"reward {spec!r}: {path} does not import ({one_line(e)})") from None
+        name = f"klrl_reward_{path.stem}_{abs(hash(str(path.resolve())))}"
+        with user_code() as seen:
+            try:
+                mod_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(mod_spec)
+                sys.modules[name] = module  # as `import` does: dataclasses and pickle look the module up
+                mod_spec.loader.exec_module(module)
+            except BaseException as e:  # sys.exit() or KeyboardInterrupt at import: the module's doing
+                sys.modules.pop(name, None)
+                if _passed_on(e, seen):
+                    raise
+                raise RewardLoadError(f"reward {spec!r}: {path} does not import ({_at_import(e)})") from None
     else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise RewardLoadError(
-                f"reward {spec!r}: module {where} does not import ({one_line(e)})"
-            ) from None
+        with user_code() as seen:
+            try:
+                module = importlib.import_module(where)
+            except BaseException as e:
+                if _passed_on(e, seen):
+                    raise
+                raise RewardLoadError(
+                    f"reward {spec!r}: module {where} does not import ({_at_import(e)})"
+                ) from None
     if not hasattr(module, attr):
         raise RewardLoadError(f"reward {spec!r}: {where} has no attribute {attr!r}")
     fn = getattr(module, attr)
     if not callable(fn):
         raise RewardLoadError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not callable")
+    check_signature(fn, spec)
     return fn
+
+
+def _at_import(e: BaseException) -> str:
+    """An import failure, on one line: ``ModuleNotFoundError: ...``, ``it called sys.exit(5)``."""
+    return one_line(e) if isinstance(e, Exception) else f"it {describe(e)}"
 
 
 def parse_specs(specs: str, weights: str = "") -> tuple[list[str], list[float] | None]:
@@ -180,6 +311,8 @@ class HostReward:
         for k, v in self.columns.items():
             if len(v) != len(self.prompts):
                 raise RewardLoadError(f"reward column {k!r}: {len(v)} values for {len(self.prompts)} prompts")
+        for n, f in zip(self.names, self.fns, strict=True):
+            check_signature(f, n, tuple(self.columns))
         self._accepts = tuple(_accepted(f) for f in self.fns)
         self._stops = frozenset(int(s) for s in tokenizer.stop_ids)
         # a training run's mode: once a function failed, every row of that call and of every later call
@@ -242,47 +375,24 @@ class HostReward:
                 np.full((*lead, f), np.nan, np.float32),
                 np.full(lead, RAISED, np.int32),
             )
-        kwargs: dict[str, Any] = {
-            "prompts": [self.prompts[i] for i in idx],
-            "completions": [d[0] for d in decoded],
-            "completion_ids": [d[1] for d in decoded],
-            **{k: [v[i] for i in idx] for k, v in self.columns.items()},
-        }
+        kwargs = self._kwargs(idx, [d[0] for d in decoded], [d[1] for d in decoded])
         at = lambda i: i if len(lead) == 1 else tuple(int(x) for x in np.unravel_index(i, lead))
         values = np.full((m, f), np.nan)
         error = np.zeros(m, dtype=np.int32)
-        for j, fn in enumerate(self.fns):
-            acc = self._accepts[j]
-            kw = kwargs if acc is None else {k: v for k, v in kwargs.items() if k in acc}
-            try:
-                out = fn(**kw)
-            except Exception as e:
-                self._record(j, f"raised {one_line(e)}")
-                error[:] = np.where(error == OK, RAISED, error)
-                continue
-            if not isinstance(out, Sequence | np.ndarray) or isinstance(out, str | bytes):
-                self._record(j, f"returned a {type(out).__name__}, not a list of {m} values")
-                error[:] = np.where(error == OK, WRONG_TYPE, error)
-                continue
-            if len(out) != m:
-                self._record(j, f"returned {len(out)} values for {m} completions")
-                error[:] = np.where(error == OK, WRONG_COUNT, error)
-                continue
-            for i, v in enumerate(out):
-                if v is None:
-                    continue
-                if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
-                    self._record(j, f"returned a {type(v).__name__} for completion {at(i)}, not a number")
-                    error[i] = error[i] or WRONG_TYPE
-                elif not math.isfinite(float(v)):
-                    self._record(j, f"returned {float(v)} for completion {at(i)} (prompt row {int(idx[i])})")
-                    error[i] = error[i] or NOT_FINITE
-                else:
-                    values[i, j] = float(v)
+        for j in range(f):
+            values[:, j], codes, problems = self._call(j, kwargs, idx, at)
+            for p in problems:
+                self._record(j, p)
+            error[:] = np.where(error == OK, codes, error)
+        scores = np.nansum(values * self.weights, axis=1)
+        over = (error == OK) & ~_finite32(scores)
+        for i in np.flatnonzero(over)[:1]:
+            self._record(None, self._overflow(values[i], scores[i], at(i)))
+        error[over] = NOT_FINITE
         if self.stop_after_error and (error != OK).any():
             error[:] = np.where(error == OK, ABORTED, error)
         none = np.isnan(values).all(axis=1) & (error == OK)
-        scores = np.where(error == OK, np.nansum(values * self.weights, axis=1), 0.0)
+        scores = np.where(error == OK, scores, 0.0)
         self.n_calls += 1
         self.n_all_none += int(none.sum())
         return (
@@ -290,6 +400,91 @@ class HostReward:
             values.astype(np.float32).reshape(*lead, f),
             error.reshape(lead),
         )
+
+    def _kwargs(self, idx: np.ndarray, completions: list[str], ids: list[list[int]]) -> dict[str, Any]:
+        return {
+            "prompts": [self.prompts[i] for i in idx],
+            "completions": completions,
+            "completion_ids": ids,
+            **{k: [v[i] for i in idx] for k, v in self.columns.items()},
+        }
+
+    def _call(self, j: int, kwargs: dict[str, Any], idx: np.ndarray, at: Callable[[int], Any]):
+        """Function ``j`` on ``kwargs`` (the keywords it takes): ``(values [m] float64, NaN where
+        None or failed; codes [m]; problems)``. Whatever it raises is its failure (module docstring);
+        each value must be a number, finite in float32."""
+        m = len(idx)
+        values, codes, problems = np.full(m, np.nan), np.zeros(m, np.int32), []
+        acc = self._accepts[j]
+        kw = kwargs if acc is None else {k: v for k, v in kwargs.items() if k in acc}
+        with user_code() as seen:
+            try:
+                out = self.fns[j](**kw)
+            except BaseException as e:  # noqa: BLE001  (sys.exit(), KeyboardInterrupt: its failure too)
+                if _passed_on(e, seen):
+                    raise
+                return values, np.full(m, RAISED, np.int32), [describe(e)]
+        if not isinstance(out, Sequence | np.ndarray) or isinstance(out, str | bytes):
+            return (
+                values,
+                np.full(m, WRONG_TYPE, np.int32),
+                [f"returned a {type(out).__name__}, not a list of {m} values"],
+            )
+        if len(out) != m:
+            return (
+                values,
+                np.full(m, WRONG_COUNT, np.int32),
+                [f"returned {len(out)} values for {m} completions"],
+            )
+        for i, v in enumerate(out):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+                problems.append(f"returned a {type(v).__name__} for completion {at(i)}, not a number")
+                codes[i] = WRONG_TYPE
+                continue
+            x = float(v)
+            if not math.isfinite(x) or abs(x) > F32_MAX:
+                f32 = "" if not math.isfinite(x) else " (inf in float32, whose largest value is 3.4e+38)"
+                problems.append(f"returned {x:g} for completion {at(i)} (prompt row {int(idx[i])}){f32}")
+                codes[i] = NOT_FINITE
+            else:
+                values[i] = x
+        return values, codes, problems
+
+    def _overflow(self, values: np.ndarray, score: float, where: Any) -> str:
+        used = [
+            (n, w, v) for n, w, v in zip(self.names, self.weights, values, strict=True) if not math.isnan(v)
+        ]
+        terms = " + ".join(f"{w:g} * {v:g} ({n})" for n, w, v in used)
+        return (
+            f"reward functions: the weighted sum {terms} = {score:g} for completion {where} is not "
+            "finite in float32 (largest 3.4e+38)"
+        )
+
+    def probe(self, prompt_idx: Sequence[int], completions: Sequence[str]) -> None:
+        """Call every function once as a training call would, on the pool rows ``prompt_idx`` with
+        ``completions`` (strings); :class:`RewardFunctionError` (one line) with the first problem:
+        it raised (or exited), returned the wrong number or type of values, or a value not finite in
+        float32. Nothing is recorded: the run starts with a clean registry."""
+        idx = np.asarray(prompt_idx, np.int64).reshape(-1)
+        comps = [str(c) for c in completions]
+        ids = [self.tokenizer.encode(c) for c in comps]
+        kwargs = self._kwargs(idx, comps, ids)
+        values = np.full((len(idx), len(self.fns)), np.nan)
+        with self._lock:
+            for j in range(len(self.fns)):
+                values[:, j], _, problems = self._call(j, kwargs, idx, lambda i: i)
+                if problems:
+                    note = "" if STRINGS_HINT in problems[0] else "; completions are plain strings"
+                    raise RewardFunctionError(
+                        f"reward function {self.names[j]}: {problems[0]} (a call before compiling, on "
+                        f"{len(idx)} prompt(s) with their own text as the completions{note})"
+                    )
+        scores = np.nansum(values * self.weights, axis=1)
+        bad = np.flatnonzero(~_finite32(scores))
+        if bad.size:
+            raise RewardFunctionError(self._overflow(values[bad[0]], scores[bad[0]], int(bad[0])))
 
     # ---- device side -------------------------------------------------------------------------
 

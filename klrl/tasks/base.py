@@ -212,6 +212,11 @@ class Task:
         )
 
 
+# the built-in tasks that train klrl's own GPT (sized by the model section) and read no checkpoint: the
+# model.* paths mean nothing to them (a pretrained model trains with task.name=text)
+OWN_MODEL_TASKS = ("testbed", "wordclass", "peer")
+
+
 def builtin_task_shape(cfg: RunConfig) -> TaskShape:
     """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
     if cfg.task.name == "text":  # a pretrained model's: known once it is read (checked again then)
