@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -613,6 +614,94 @@ def test_disk_full_in_a_run_keeps_the_last_checkpoint(tiny_task, cache_dir, jax_
     assert f"checkpoint, {_latest(tmp_path / 'r')}, is intact" in str(e.value)
     monkeypatch.setattr(io_logging.MetricsWriter, "write", write)
     _assert_resumes(cfg, tiny_task, tmp_path / "r")
+
+
+class _FullOs:
+    """The ``os`` module as one klrl module sees it, whose functions ``names`` fail from their ``after``-th
+    call on as on a full disk: ``OSError(ENOSPC)`` naming no file (as ``write`` and ``fsync`` do)."""
+
+    def __init__(self, names, after=1):
+        self.names, self.after, self.calls = set(names), after, 0
+
+    def __getattr__(self, name):
+        real = getattr(os, name)
+        if name not in self.names:
+            return real
+
+        def full(*a, **k):
+            self.calls += 1
+            if self.calls >= self.after:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*a, **k)
+
+        return full
+
+
+# where a new run writes first, failing as on a disk full from the start: (module, its os functions that
+# fail, from which call, the file the line must name; None: the directory alone, the error names no file)
+FIRST_WRITES = {
+    "lock": ("klrl.io.lock", {"write"}, 1, ".klrl.lock"),
+    "task_json": ("klrl.io.resume", {"fsync"}, 1, "task.json"),
+    "config_json": ("klrl.io.resume", {"fsync"}, 2, "config.json"),
+    "metrics": ("klrl.io.logging", None, 0, None),
+    "checkpoint": ("klrl.io.checkpoint", None, 0, None),
+}
+
+
+@pytest.mark.parametrize("where", sorted(FIRST_WRITES))
+def test_disk_full_from_the_start_names_the_directory_and_the_file(where, cache_dir, jax_cache, tmp_path,
+                                                                   monkeypatch, capsys):  # fmt: skip
+    """Through the command line: exit 2, one line naming the run directory (and the file when the
+    error does); the lock file is not left behind."""
+    import importlib
+
+    from klrl.io import checkpoint as ckpt
+    from klrl.io import logging as io_logging
+
+    module, names, after, file = FIRST_WRITES[where]
+    if names:
+        monkeypatch.setattr(importlib.import_module(module), "os", _FullOs(names, after))
+    elif where == "metrics":  # the first row
+        monkeypatch.setattr(io_logging.MetricsWriter, "write", lambda *a: _raise(OSError(errno.ENOSPC, "x")))
+    else:  # the first checkpoint, as tensorstore reports it
+        msg = "RESOURCE_EXHAUSTED: Failed to write 1 bytes: No space left on device [os_error_code='28']"
+        monkeypatch.setattr(ckpt, "save", lambda *a: _raise(ValueError(msg)))
+    cfg = base_config(cache_dir, iterations=2, checkpoint_every=1)
+    status, err = run_main([*cli_args(cfg), "--train.out_dir", str(tmp_path), "--train.name", "r"], capsys)
+    out = err.strip().splitlines()
+    assert status == 2 and len(out) == 1, err
+    assert "disk full" in out[0] and f"{tmp_path / 'r'}:" in out[0], out[0]
+    assert "no checkpoint was completed" in out[0], out[0]
+    if file:
+        assert f"writing {tmp_path / 'r' / file}" in out[0], out[0]
+    assert not (tmp_path / "r" / ".klrl.lock").exists()
+
+
+def _raise(e):
+    raise e
+
+
+def _fill(d: Path) -> None:
+    """Fill the file system of ``d`` to the last byte."""
+    fd = os.open(d / "fill", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def test_real_disk_full_from_the_start_is_one_line_naming_the_directory(small_disk, cache_dir, jax_cache):
+    cfg = base_config(cache_dir, iterations=2, checkpoint_every=1)
+    _fill(small_disk)
+    args = [*cli_args(cfg), "--train.out_dir", str(small_disk / "sub"), "--train.name", "r"]
+    p = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(jax_cache),
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
+    assert "disk full" in err[0] and str(small_disk / "sub" / "r") in err[0], err[0]
 
 
 @pytest.fixture

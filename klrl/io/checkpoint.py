@@ -4,8 +4,11 @@ Layout: ``<run_dir>/checkpoints/<step>/{state,meta}``, ``<step>`` = the number o
 iterations done (``state.iteration``). orbax writes each step to a temporary
 directory (``<step>.orbax-checkpoint-tmp-*``) and renames it when complete, so a
 half-written checkpoint is never listed: :func:`latest_step` only sees finalized
-steps. Saves are asynchronous (the state is copied to host memory first, so the
-donated device buffers can be reused at once); the last ``keep`` steps are kept.
+steps. A directory named after a step that holds no finished save (empty, foreign files, a copy
+cut short: :func:`is_finished`) is not a checkpoint either: it is skipped, and moved aside to
+``<step>.incomplete`` (:func:`set_aside`) before a resumed run writes that step. Saves are
+asynchronous (the state is copied to host memory first, so the donated device buffers can be reused
+at once); the last ``keep`` steps are kept.
 
 ``meta`` holds the run config, the klrl version, the iteration, the number of
 ``metrics.jsonl`` lines written up to that state, the rollback count and, for every array of the
@@ -36,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import sys
@@ -136,25 +140,88 @@ def is_disk_full(e: BaseException | None) -> bool:
     return False
 
 
-def complete_steps(run_dir: str | Path) -> list[int]:
-    """The finalized checkpoint steps on disk (orbax renames a step's directory when it is complete)."""
-    path = directory(run_dir)
+def failed_file(e: BaseException | None) -> str | None:
+    """The file named by the first ``OSError`` with a ``filename`` in ``e``'s chain, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+# ---- which step directories are checkpoints -----------------------------------------------------
+
+INCOMPLETE = ".incomplete"  # the suffix a step directory that is no checkpoint is moved aside to
+
+
+def is_finished(step_dir: str | Path) -> bool:
+    """``step_dir`` holds a save that orbax completed: its commit record (``commit_success.txt``, or
+    ``_CHECKPOINT_METADATA`` with a ``commit_timestamp_nsecs``, both written before the temporary
+    directory is renamed to the step's name) and the ``state`` and ``meta`` items. An empty step
+    directory, one holding something else, or a half-copied save has none of them; a finished save
+    whose files were damaged later is finished, and refused when read (never skipped)."""
+    p = Path(step_dir)
+    if not ((p / "state").is_dir() and (p / "meta").is_dir()):
+        return False
+    if (p / "commit_success.txt").is_file():
+        return True
+    try:
+        record = json.loads((p / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("commit_timestamp_nsecs") is not None
+
+
+def _step_dirs(path: Path) -> list[Path]:
     if not path.is_dir():
         return []
-    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+    return sorted((p for p in path.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: int(p.name))
 
 
-def disk_full_error(run_dir: str | Path) -> DiskFull:
-    """The one-line :class:`DiskFull` for ``run_dir``, naming its last complete checkpoint."""
+def complete_steps(run_dir: str | Path) -> list[int]:
+    """The finished checkpoint steps on disk (:func:`is_finished`), oldest first."""
+    return [int(p.name) for p in _step_dirs(directory(run_dir)) if is_finished(p)]
+
+
+def incomplete_steps(run_dir: str | Path) -> list[int]:
+    """The step directories (named after a step) that hold no finished save (:func:`is_finished`),
+    e.g. one a user or a tool created, or a copy cut short: never restored, they are moved aside
+    (:func:`set_aside`) before a run writes that step again."""
+    return [int(p.name) for p in _step_dirs(directory(run_dir)) if not is_finished(p)]
+
+
+def set_aside(run_dir: str | Path, steps: list[int]) -> list[str]:
+    """Rename the step directories ``steps`` to ``<step>.incomplete`` (``-2``, ``-3``, ... when taken),
+    a name orbax does not list as a step, so the run can write those steps again; nothing is deleted.
+    Returns the new names (relative to the run directory)."""
+    out = []
+    for s in steps:
+        src = directory(run_dir) / str(int(s))
+        dst, n = src.with_name(f"{s}{INCOMPLETE}"), 1
+        while dst.exists():
+            n += 1
+            dst = src.with_name(f"{s}{INCOMPLETE}-{n}")
+        src.rename(dst)
+        out.append(f"{SUBDIR}/{dst.name}")
+    return out
+
+
+def disk_full_error(run_dir: str | Path, cause: BaseException | None = None) -> DiskFull:
+    """The one-line :class:`DiskFull` for ``run_dir``, naming the file that could not be written (when
+    ``cause``'s chain names it) and the last complete checkpoint."""
     d = Path(run_dir).absolute()
     done = complete_steps(d)
     last = (
         f"the last complete checkpoint, {done[-1]}, is intact: free space or copy {d} to another disk "
         "and continue it with --resume"
         if done
-        else "no checkpoint was completed"
+        else "no checkpoint was completed: free space or give another --train.out_dir"
     )
-    return DiskFull(f"{d}: disk full (no space left on device); {last}")
+    file = failed_file(cause)
+    where = f" writing {file}" if file else ""
+    return DiskFull(f"{d}: disk full (no space left on device){where}; {last}")
 
 
 def finish(mgr: ocp.CheckpointManager) -> None:
@@ -261,12 +328,16 @@ def save(mgr: ocp.CheckpointManager, step: int, state: Any, meta: dict[str, Any]
 
 
 def latest_step(mgr: ocp.CheckpointManager) -> int | None:
-    """The newest *complete* step (orbax lists finalized steps only)."""
-    return mgr.latest_step()
+    """The newest *complete* step (:func:`steps`)."""
+    done = steps(mgr)
+    return done[-1] if done else None
 
 
 def steps(mgr: ocp.CheckpointManager) -> list[int]:
-    return sorted(int(s) for s in mgr.all_steps())
+    """The complete steps, oldest first: those orbax lists (it leaves out the temporary directories of
+    saves in progress or killed) whose directory holds a finished save (:func:`is_finished`)."""
+    path = Path(mgr.directory)
+    return sorted(int(s) for s in mgr.all_steps() if is_finished(path / str(int(s))))
 
 
 def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -326,7 +397,7 @@ def restore(
     digest (:func:`check_arrays`; SHA-256 for older checkpoints), else :class:`CheckpointError`.
     All processes must call it (the digests are computed where the shards are).
     """
-    step = mgr.latest_step() if step is None else step
+    step = latest_step(mgr) if step is None else step
     if step is None:
         raise CheckpointError(f"no complete checkpoint in {mgr.directory}")
     where = f"checkpoint {step} in {mgr.directory}"

@@ -101,10 +101,21 @@ class RunLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, record.encode())
-        self._fd = fd
+        self._write(fd, record)
         return self
+
+    def _write(self, fd: int, record: str) -> None:
+        """The holder's record into the locked ``fd``, which is then held; a failed write (a full
+        disk) closes it, removes the file and raises an ``OSError`` naming it."""
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, record.encode())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
+        self._fd = fd
 
     def _acquire_exclusive(self, record: str) -> RunLock:
         for _ in range(2):
@@ -121,8 +132,7 @@ class RunLock:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
                 continue
-            os.write(fd, record.encode())
-            self._fd = fd
+            self._write(fd, record)
             return self
         raise self._refuse()
 

@@ -1,21 +1,31 @@
 """Resuming a run: which config changes a resume allows, the checks that need no compiled code,
 and the atomic file replacement used to cut ``metrics.jsonl`` back to a checkpoint.
 
-A run directory with no complete checkpoint and no complete ``metrics.jsonl`` line (the process
-died after creating it, before its first iteration: during the state init or the compile) resumes
-from iteration 0, i.e. the initial state rebuilt from the seed: nothing was done, so nothing is
-lost. With metrics lines but no checkpoint, a resume is refused (it would drop those lines).
+A run or sweep directory with no complete checkpoint and no complete ``metrics.jsonl`` line (the
+process died after creating it, before its first iteration: during the state init, the compile or
+the write of the first checkpoint) resumes from iteration 0, i.e. the initial state rebuilt from the
+seed: nothing was done, so nothing is lost. With metrics lines but no checkpoint (killed before the
+first ``train.checkpoint_every`` iterations were done), a resume is refused, one line saying so (it
+would drop those lines); the directory is left as it is.
+
+A step directory that holds no finished save (empty, foreign files, a copy cut short:
+:func:`klrl.io.checkpoint.is_finished`) is not a checkpoint: the run resumes from the newest
+complete one before it, and :func:`restore` moves the skipped directories aside
+(``checkpoints/<step>.incomplete``, nothing deleted) so the run can write those steps again; the
+resume line says so. A finished checkpoint whose files are damaged is refused, never skipped (its
+message names the older checkpoints).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from klrl import distributed
 from klrl.config import ConfigError, RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
@@ -72,13 +82,21 @@ def complete_lines(path: Path) -> list[bytes]:
 
 
 def replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file, fsync, ``os.replace``."""
+    """Write ``data`` to ``path`` atomically: a temporary file, fsync, ``os.replace``. A failed write
+    (a full disk) removes the temporary file and raises an ``OSError`` that names ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 @dataclass
@@ -89,29 +107,71 @@ class Resume:
     step: int
     meta: dict[str, Any]
     fresh: bool = False  # no checkpoint yet: start from the initial state (iteration 0)
+    skipped: tuple[int, ...] = ()  # step directories that hold no finished save (moved aside by restore)
+    moved: list[str] = field(default_factory=list)  # where restore moved them (relative to ``dir``)
+
+    def note(self) -> str:
+        """What was skipped, for the resume line ('' when nothing was)."""
+        if not self.skipped:
+            return ""
+        names = ", ".join(f"{ckpt.SUBDIR}/{s}" for s in self.skipped)
+        to = f", moved aside to {', '.join(self.moved)}" if self.moved else ""
+        return f"; skipped {names}: no finished checkpoint in it{to}"
 
 
-def _fresh(cfg: RunConfig, d: Path) -> Resume | None:
-    """The plan for a directory that holds a config and nothing done yet, else None."""
-    if ckpt.complete_steps(d) or complete_lines(d / "metrics.jsonl"):
+def _member_dirs(d: Path, sweep: bool) -> list[Path]:
+    return [d / n for n in readers.read_sweep_members(d)] if sweep else [d]
+
+
+def _fresh(cfg: RunConfig | list[RunConfig], d: Path, sweep: bool) -> Resume | None:
+    """The plan for a run (or sweep) directory that holds its config(s) and nothing done yet, else None."""
+    if ckpt.complete_steps(d):
         return None
-    try:
-        saved = json.loads((d / "config.json").read_text())
-    except ValueError as e:
-        raise ckpt.CheckpointError(f"{d}/config.json is not valid JSON: {e}") from e
-    check_resumable(saved, cfg)
-    meta = {"config": saved, "version": ckpt.version(), "iteration": 0, "metrics_lines": 0, "rollbacks": 0}
-    return Resume(d, 0, meta, fresh=True)
+    dirs = _member_dirs(d, sweep)
+    if any(complete_lines(p / "metrics.jsonl") for p in dirs):
+        return None
+    members = list(cfg) if sweep else [cfg]
+    if len(dirs) != len(members):
+        raise ConfigError(f"sweep: {len(members)} members given, the sweep in {d} has {len(dirs)}")
+    saved = [readers.read_json(p / "config.json") for p in dirs]
+    for s, m in zip(saved, members, strict=True):
+        if not isinstance(s, dict):
+            raise ckpt.CheckpointError(f"{d}/config.json: not a JSON object")
+        check_resumable(s, m)
+    meta = {"config": saved[0], "version": ckpt.version(), "iteration": 0, "metrics_lines": 0, "rollbacks": 0}
+    if sweep:
+        meta["members"] = saved
+    return Resume(d, 0, meta, fresh=True, skipped=tuple(ckpt.incomplete_steps(d)))
+
+
+def _older(d: Path, step: int) -> str:
+    """A hint for a damaged checkpoint ``step``: the complete ones before it."""
+    older = [s for s in ckpt.complete_steps(d) if s < step]
+    if not older:
+        return ""
+    return (
+        f" (older checkpoints: {', '.join(map(str, older))}; move {ckpt.SUBDIR}/{step} out of "
+        f"{d} to resume from {older[-1]})"
+    )
 
 
 def restore(plan: Resume, abstract_state: Any, init: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
-    """The state and meta ``plan`` resumes from: its checkpoint, or ``init()`` for a fresh one."""
+    """The state and meta ``plan`` resumes from: its checkpoint, or ``init()`` for a fresh one. The
+    step directories ``plan`` skipped are moved aside first (process 0; :func:`klrl.io.checkpoint.set_aside`),
+    so the run can write those steps again."""
+    if plan.skipped:
+        if distributed.is_main():
+            plan.moved = ckpt.set_aside(plan.dir, list(plan.skipped))
+        distributed.sync("klrl-resume-set-aside")
     if plan.fresh:
-        (plan.dir / "metrics.jsonl").touch()  # (it may not exist yet; creating it loses nothing)
+        if distributed.is_main() and (plan.dir / "config.json").is_file():
+            (plan.dir / "metrics.jsonl").touch()  # (it may not exist yet; creating it loses nothing)
         return init(), plan.meta
     mgr = ckpt.manager(plan.dir, read_only=True)
     try:
         return ckpt.restore(mgr, abstract_state, plan.step)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"{e}{_older(plan.dir, plan.step)}") from e
     finally:
         mgr.close()
 
@@ -123,23 +183,32 @@ def prepare(cfg: RunConfig | list[RunConfig], run_dir: str | Path) -> Resume:
     ``run_dir`` the sweep directory, whose member directories ``sweep.json`` lists). Checked: the
     directory, its latest complete checkpoint and its meta (klrl version, iteration), that ``cfg``
     may continue the saved config(s) (:func:`check_resumable`), ``train.iterations``, and that every
-    ``metrics.jsonl`` holds the lines the checkpoint counts. A run directory with nothing done yet
-    resumes fresh (see the module docstring)."""
+    ``metrics.jsonl`` holds the lines the checkpoint counts. A run or sweep directory with nothing
+    done yet resumes fresh; step directories that hold no finished save are skipped (see the module
+    docstring)."""
     d = Path(run_dir)
     sweep = isinstance(cfg, list | tuple)
     marker = "sweep.json" if sweep else "config.json"
     if not (d / marker).is_file():
         raise ckpt.CheckpointError(f"{d}: not a klrl {'sweep' if sweep else 'run'} directory (no {marker})")
-    if not sweep:
-        fresh = _fresh(cfg, d)
-        if fresh is not None:
-            return fresh
+    fresh = _fresh(cfg, d, sweep)
+    if fresh is not None:
+        return fresh
     mgr = ckpt.manager(d, read_only=True)
     try:
-        step = ckpt.latest_step(mgr)
-        if step is None:
-            raise ckpt.CheckpointError(f"{d}: no complete checkpoint to resume from")
-        meta = ckpt.read_meta(mgr, step)
+        done = ckpt.complete_steps(d)
+        if not done:
+            n = max(len(complete_lines(p / "metrics.jsonl")) for p in _member_dirs(d, sweep))
+            raise ckpt.CheckpointError(
+                f"{d}: no complete checkpoint to resume from, but {n} metrics lines were written before "
+                "the first one (train.checkpoint_every); start the run again (another --train.name, "
+                f"or remove {d})"
+            )
+        step = done[-1]
+        try:
+            meta = ckpt.read_meta(mgr, step)
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(f"{e}{_older(d, step)}") from e
     finally:
         mgr.close()
     if meta["version"] != ckpt.version():
@@ -171,4 +240,4 @@ def prepare(cfg: RunConfig | list[RunConfig], run_dir: str | Path) -> Resume:
             raise ckpt.CheckpointError(
                 f"{p}/metrics.jsonl has {n} complete lines; checkpoint {step} needs {meta['metrics_lines']}"
             )
-    return Resume(d, step, meta)
+    return Resume(d, step, meta, skipped=tuple(ckpt.incomplete_steps(d)))

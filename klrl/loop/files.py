@@ -42,19 +42,21 @@ def member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: bool
 def create_dirs(
     root: Path, cfgs: list[RunConfig], stacked: bool, swept: list[str], task_info: dict[str, Any]
 ) -> list[MetricsWriter]:
-    """A new run's (or sweep's) files: ``config.json`` per member, ``sweep.json`` (a sweep) and
-    ``task.json``; returns one metrics writer per member (process 0 only)."""
-    writers = []
+    """A new run's (or sweep's) files: ``task.json``, ``config.json`` per member, ``sweep.json`` (a
+    sweep), then one metrics writer per member, returned (process 0 only). Each JSON file is written
+    atomically and the directory's marker (``config.json`` of a run, ``sweep.json`` of a sweep) after
+    the others, so a directory a resume recognises holds them all whole, whenever the process was
+    killed (a missing ``metrics.jsonl`` is an empty one)."""
     dirs = member_dirs(root, cfgs, stacked)
-    for j, d in enumerate(dirs):
+    for d in dirs:
         d.mkdir(exist_ok=True)
-        (d / "config.json").write_text(json.dumps(cfgs[j].to_dict(), indent=1))
-        writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
+    replace_file(root / "task.json", json.dumps(task_info, indent=1, default=str).encode())
+    for j, d in enumerate(dirs):
+        replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
     if stacked:
         index = {"members": [d.name for d in dirs], "axes": sweep_axes(cfgs)}
-        (root / "sweep.json").write_text(json.dumps(index, indent=1, default=str))
-    (root / "task.json").write_text(json.dumps(task_info, indent=1, default=str))
-    return writers
+        replace_file(root / "sweep.json", json.dumps(index, indent=1, default=str).encode())
+    return [MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)) for j, d in enumerate(dirs)]
 
 
 def cut_to_checkpoint(
@@ -78,7 +80,8 @@ def cut_to_checkpoint(
         kept_rows = [json.loads(line) for line in lines[:n_lines]]
         rows.append([{k: v for k, v in r.items() if k not in alias_names} for r in kept_rows])
         if main:
-            if len(lines) != n_lines or (d / "metrics.jsonl").stat().st_size != sum(map(len, lines)):
+            path = d / "metrics.jsonl"  # (a directory killed before its first row may have none)
+            if len(lines) != n_lines or not path.is_file() or path.stat().st_size != sum(map(len, lines)):
                 replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
             replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
             if (d / "samples.jsonl").is_file():  # samples of iterations after the checkpoint: rewritten
@@ -88,6 +91,7 @@ def cut_to_checkpoint(
             writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
             dropped = len(lines) - n_lines
             m = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
+            m += resume.note()  # step directories skipped (no finished save in them)
             writers[-1].event(resume.step, "resume", m)
             msg = msg or m  # the first member's, for the log
     return rows, writers, msg

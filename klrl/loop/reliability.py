@@ -217,9 +217,10 @@ class RunGuard:
       boundary (checkpoint 0) instead of killing it;
     * :meth:`hold` takes the run directory's lock (:mod:`klrl.io.lock`) once the directory is
       known and keeps it until the guard exits, on every way out;
-    * a full disk anywhere in the run (orbax, ``metrics.jsonl``, TensorBoard, summaries), seen as
-      ENOSPC in the exception chain, leaves as one :class:`~klrl.io.checkpoint.DiskFull` naming
-      the directory and its last complete checkpoint.
+    * a full disk anywhere in the run (the lock, ``config.json``, orbax, ``metrics.jsonl``,
+      TensorBoard, summaries), seen as ENOSPC in the exception chain, leaves as one
+      :class:`~klrl.io.checkpoint.DiskFull` naming the directory, the file that could not be written
+      when the error names it, and the last complete checkpoint.
     """
 
     def __init__(self, log: Callable[[str], None] | None = None, signals: bool = True):
@@ -230,9 +231,9 @@ class RunGuard:
 
     def hold(self, run_dir: Any) -> None:
         """Lock ``run_dir`` (an existing directory) for the rest of the guard's life."""
+        self.dir = run_dir  # (first: a full disk that fails the lock's write is named after it)
         if self._lock is None:
             self._lock = RunLock(run_dir).acquire()
-        self.dir = run_dir
         self.signals.note = f"; the last complete checkpoint in {run_dir} is intact (--resume {run_dir})"
 
     def __enter__(self) -> RunGuard:
@@ -245,8 +246,9 @@ class RunGuard:
             if isinstance(exc, Exception):
                 if not isinstance(exc, ckpt.DiskFull) and ckpt.is_disk_full(exc):
                     if self.dir is not None:
-                        raise ckpt.disk_full_error(self.dir) from exc
-                    why = " ".join(str(exc).split())[:200]
+                        raise ckpt.disk_full_error(self.dir, exc) from exc
+                    file = ckpt.failed_file(exc)
+                    why = f"writing {file}" if file else " ".join(str(exc).split())[:200]
                     raise ckpt.DiskFull(f"disk full (no space left on device): {why}") from exc
         finally:
             if self._lock is not None:
