@@ -17,7 +17,9 @@ processes (:mod:`klrl.distributed`); then only process 0 writes.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +197,8 @@ def build_program(
     (``vmap`` over the stacked states). The task and the models are checked against the policy first
     (:func:`klrl.checks.check_program`). ``resume`` (a :class:`klrl.io.resume.Resume`) keeps the
     reward normalisation of the run resumed; ``write`` turns the step's sample rows on
-    (``train.samples_every``)."""
+    (``train.samples_every``). The task's ``info["notes"]`` (lines, e.g. the text task's count of
+    prompts cut to the budget) are logged once the checks have passed (not with ``train.quiet``)."""
     base, tc = members[0], members[0].train
     mesh = mesh_from_config(tc, sweep_devices)
     task = task or build_task(base, None if tc.quiet else log)
@@ -208,6 +211,9 @@ def build_program(
         # draw a fresh value model each, from their seeds)
         models = {**value_models(base, task), **models}
     check_program(members, task, mesh.shape["data"], policy=models.get("policy"), reward=models.get("reward"))
+    if not tc.quiet and distributed.is_main():  # the task's notes (e.g. prompts cut), once its checks passed
+        for line in task.info.get("notes", ()):
+            (log or partial(print, file=sys.stderr, flush=True))(line)
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
     adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
     train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)

@@ -133,6 +133,7 @@ def test_text_task_counts_templated_and_truncated_prompts_in_a_log_line_not_a_wa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         task = make_text_task(cfg, log=lines.append)
+    assert not any("data.prompt_len" in x for x in lines)  # logged by the run, once its checks passed
     tok = task.tokenizer
     tokens, mask = np.asarray(task.env["prompts"]), np.asarray(task.env["prompt_mask"])
     rows = [[int(t) for t, k in zip(r, m, strict=True) if k] for r, m in zip(tokens, mask, strict=True)]
@@ -141,15 +142,55 @@ def test_text_task_counts_templated_and_truncated_prompts_in_a_log_line_not_a_wa
     head, tail = tok.encode("<|im_start|>user\n"), tok.encode("<|im_end|>\n")
     assert len(rows[2]) == P and rows[2] == head + tok.encode(long)[-(P - len(head) - len(tail)) :] + tail
     assert task.info["data/prompts_templated"] == 1 and task.info["data/prompts_truncated"] == 1
-    assert lines[0] == (
+    assert task.info["notes"] == [
         f"prompts {path}: 1 of 3 already carry the chat template (not wrapped again); 1 of 3 longer than "
         f"data.prompt_len = {P} tokens were cut to it inside the user content (its first tokens dropped; "
         "the chat template kept)"
-    )
+    ]
     out = task.evaluators.batch(
         None, Rollout(tokens, mask, tokens[:, :4], mask[:, :4], None, None, None), None, {}
     )
     assert float(out["data/prompts_templated"]) == 1.0 and float(out["data/prompts_truncated"]) == 1.0
+
+
+def test_the_run_logs_the_prompt_note_once_its_checks_have_passed(capsys, tmp_path, monkeypatch):
+    """The note of the prompts cut to the budget is logged by build_program after check_program (not
+    with train.quiet), so a user error found by the checks stays the one line on stderr."""
+    import klrl.api
+    from klrl.config import ConfigError
+    from klrl.data.prompts import FILES
+
+    class Built(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(klrl.api, "make_train", stop)  # what follows the checks: not needed here
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF)}, "task": {"name": "text"}, "data": {"prompt_len": 16, "limit": 4}}
+    )
+    note = (
+        f"prompts {FILES / 'instructions.jsonl'}: 4 of 4 longer than "
+        "data.prompt_len = 16 tokens were cut to it inside the user content (its first tokens dropped; the "
+        "chat template kept)"
+    )
+    for quiet, want in ((False, [note]), (True, [])):
+        lines = []
+        with pytest.raises(Built):
+            klrl.api.build_program([cfg.replace(train={"quiet": quiet})], stacked=False, log=lines.append)
+        assert [x for x in lines if x.startswith("prompts ")] == want
+    with pytest.raises(Built):  # no log given: stderr
+        klrl.api.build_program([cfg], stacked=False)
+    assert note in capsys.readouterr().err
+
+    def bad(*a, **k):
+        raise ConfigError("sampling.top_k: a check that fails")
+
+    monkeypatch.setattr(klrl.api, "check_program", bad)
+    line = _error(capsys, ["--task.name", "text", "--model.path", str(GGUF), "--data.prompt_len", "16",
+                           "--data.limit", "4", "--train.out_dir", str(tmp_path / "runs")])  # fmt: skip
+    assert line == "error: sampling.top_k: a check that fails"
 
 
 def test_data_split_on_a_jsonl_file_is_one_line_before_the_model_is_read(capsys, tmp_path, monkeypatch):

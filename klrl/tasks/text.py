@@ -216,24 +216,25 @@ def prompt_counts(pool: PromptPool) -> dict[str, int]:
     return {"data/prompts_templated": pool.n_templated, "data/prompts_truncated": pool.n_truncated}
 
 
-def _report_counts(cfg: RunConfig, splits: Any, log: Any) -> dict[str, int]:
-    """The prompt counts of the training (and held-out) pool for ``task.json``, each pool's in one
-    log line where there are any (:func:`klrl.data.prompts.counts_line`)."""
-    info = prompt_counts(splits.train)
+def _report_counts(cfg: RunConfig, splits: Any) -> dict[str, Any]:
+    """The prompt counts of the training (and held-out) pool for ``task.json``, with each pool's
+    one-line note where there are any (:func:`klrl.data.prompts.counts_line`) in ``notes``: the run
+    logs them once its checks have passed (:func:`klrl.api.build_program`), so that they never come
+    before the one line of a user error."""
+    info: dict[str, Any] = prompt_counts(splits.train)
     lines = [counts_line(splits.train, cfg.data)]
     if splits.eval is not None:
         info.update({k.replace("data/", "data/heldout_"): v for k, v in prompt_counts(splits.eval).items()})
         lines.append(counts_line(splits.eval, cfg.data, "held-out prompts"))
-    for line in lines:
-        if line is not None and log is not None:
-            log(line)
-    return info
+    notes = [line for line in lines if line is not None]
+    return {**info, "notes": notes} if notes else info
 
 
 def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None = None) -> Task:
     """The text task of ``cfg`` (module docstring); ``prompts`` replaces the ``data`` section's pool.
     The prompts that already carried the chat template and those cut to ``data.prompt_len`` are
-    counted in one log line, in ``task.info`` (``task.json``) and as metrics (:func:`prompt_counts`)."""
+    counted in ``task.info`` (``task.json``; its ``notes``: one line the run logs) and as metrics
+    (:func:`prompt_counts`)."""
     check_model_paths(cfg)
     if prompts is None:
         check_fields(cfg.data)  # before the model is read
@@ -248,7 +249,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         info["prompts"] = splits.train.source
         texts, columns = splits.train.prompts, splits.train.columns
         held, counts = splits.eval, prompt_counts(splits.train)
-        info.update(_report_counts(cfg, splits, log))
+        info.update(_report_counts(cfg, splits))
     else:
         texts, columns = [tok.decode([int(i) for i in row]) for row in np.asarray(prompts.prompts)], {}
     if cfg.reward.fn:
