@@ -187,6 +187,15 @@ def test_messages_column(tok, tmp_path) -> None:
     assert pool.prompts == [r["messages"] for r in recs]
     with pytest.raises(PromptDataError, match=r"m\.jsonl line 1: a conversation needs data.chat_template"):
         load_prompts(DataConfig(path=path, field="messages", chat_template=False), tok)
+    with pytest.raises(
+        PromptDataError, match=r"no column 'prompt' \(line 1; columns: messages\); set data.field messages$"
+    ):
+        load_prompts(DataConfig(path=path), tok)
+    # TRL's conversational prompt-only rows: the conversation in the prompt column
+    conv = write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": "Name a fruit."}]}])
+    np.testing.assert_array_equal(
+        load_prompts(DataConfig(path=conv, prompt_len=80), tok).train.tokens, want[1:]
+    )
 
 
 def test_left_truncation_without_template_is_counted_not_warned(tok, tmp_path) -> None:

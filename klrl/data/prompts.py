@@ -473,8 +473,9 @@ def build_pool(
     missing = [w for r, w in zip(records, where, strict=True) if cfg.field not in r]
     if missing:
         cols = ", ".join(list(records[0])[:10])
+        hint = " messages" if "messages" in records[0] else ""  # TRL's conversational column
         raise PromptDataError(
-            f"{source}: no column {cfg.field!r} ({missing[0]}; columns: {cols}); set data.field"
+            f"{source}: no column {cfg.field!r} ({missing[0]}; columns: {cols}); set data.field{hint}"
         )
     n, P = len(records), cfg.prompt_len
     fmt = chat_format(tokenizer)
