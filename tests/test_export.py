@@ -136,3 +136,36 @@ def test_export_pretrained_policy_as_hf_directory(tiny_gguf_run, tmp_path, capsy
     finally:
         mgr.close()
     _equal_trees(got, detach(state["params"]["policy"])[0])
+
+
+def test_export_skips_a_step_directory_without_a_finished_save(gpt_run, tmp_path, capsys):
+    """An empty ``checkpoints/3`` (no finished save in it) does not block the export: the newest complete
+    checkpoint is exported and the one line says what was skipped; the run directory is left as it is."""
+    import shutil
+
+    d = shutil.copytree(gpt_run.dir, tmp_path / "run")
+    (d / "checkpoints" / "3").mkdir()
+    status, stdout, err = _klrl(["export", str(d), str(tmp_path / "out")], capsys)
+    assert status == 0, err
+    assert "iteration 2" in stdout and "skipped checkpoints/3" in stdout and stdout.count("\n") == 1, stdout
+    assert (d / "checkpoints" / "3").is_dir() and not (d / "checkpoints" / "3.incomplete").exists()
+
+
+def test_exported_model_files_follow_the_umask(gpt_run, tiny_gguf_run, tmp_path, capsys):
+    """``model.safetensors`` gets the mode of any new file, as ``config.json`` beside it (the safetensors
+    library creates 0600 files): the policy a run saves at its end and both kinds of export."""
+    import os
+
+    def mode(p):
+        return p.stat().st_mode & 0o777
+
+    policy = tiny_gguf_run.dir / "policy"  # klrl.tasks.text.save_policy at the end of the run
+    assert mode(policy / "model.safetensors") == mode(policy / "config.json")
+    old = os.umask(0o027)
+    try:
+        for run, out in ((gpt_run.dir, tmp_path / "gpt"), (tiny_gguf_run.dir, tmp_path / "hf")):
+            status, _, err = _klrl(["export", str(run), str(out)], capsys)
+            assert status == 0, err
+            assert mode(out / "model.safetensors") == mode(out / "config.json") == 0o640
+    finally:
+        os.umask(old)

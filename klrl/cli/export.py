@@ -1,6 +1,7 @@
 """``klrl export RUN_DIR OUT_DIR [--step N]``: a run's policy, out of one of its checkpoints.
 
-What is written (the latest complete checkpoint, or ``--step N``; its digests verified first):
+What is written (the latest complete checkpoint, or ``--step N``; its digests verified first; a newer
+step directory that holds no finished save is skipped, and the line printed says so):
 
 * **A run on a pretrained model** (``model.path``, an HF directory or a GGUF file): the policy at
   that checkpoint (a value head on it dropped) as an HF directory, by
@@ -31,7 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from klrl.cli.args import fail
 from klrl.config import ConfigError
@@ -40,7 +41,7 @@ from klrl.io.checkpoint import CheckpointError, version
 from klrl.io.digest import leaf_name
 from klrl.io.readers import RunDirError, read_json, read_run, read_sweep_members
 from klrl.models.heads import detach
-from klrl.models.hf import CheckpointFormatError
+from klrl.models.hf import CheckpointFormatError, save_safetensors
 from klrl.models.pretrained import from_pretrained, save_pretrained
 from klrl.tasks.text import check_model_paths
 
@@ -66,8 +67,18 @@ def _checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
     return run_dir, None
 
 
+def skipped_note(root: Path, step: int) -> str:
+    """The step directories after ``step`` that hold no finished save (skipped; export leaves them)."""
+    newer = [s for s in ckpt.incomplete_steps(root) if s > step]
+    if not newer:
+        return ""
+    names = ", ".join(f"{ckpt.SUBDIR}/{s}" for s in newer)
+    return f" (skipped {names}: no finished checkpoint in it)"
+
+
 def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any, int]:
-    """The policy's parameters (host arrays) at ``step`` (default: the latest), and that step."""
+    """The policy's parameters (host arrays) at ``step`` (default: the latest complete one: a step
+    directory holding no finished save is skipped, :func:`klrl.io.checkpoint.is_finished`), and that step."""
 
     mgr = ckpt.manager(root, read_only=True)
     try:
@@ -97,7 +108,7 @@ def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path
 
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     tensors = {leaf_name(p): np.ascontiguousarray(np.asarray(x), np.float32) for p, x in flat}
-    save_file(tensors, str(out / SAFETENSORS), metadata={"format": FORMAT})
+    save_safetensors(tensors, out / SAFETENSORS, {"format": FORMAT})  # (mode: the umask's, as config.json)
     task = root / "task.json"
     doc = {
         "format": FORMAT,
@@ -148,7 +159,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) ->
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return f"{d}: the policy at iteration {step} exported to {out}: {what}"
+    return f"{d}: the policy at iteration {step} exported to {out}: {what}{skipped_note(root, step)}"
 
 
 def load_gpt(out_dir: str | Path) -> tuple[dict, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -161,13 +162,37 @@ def load_score_head(path: str | Path) -> np.ndarray:
     return load_hf(path, score=True)[2]
 
 
+def umask() -> int:
+    """The process's file-creation mask (Linux: read from ``/proc``, which leaves it untouched; else
+    set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str]) -> Path:
+    """``tensors`` to the safetensors file ``path``, atomically (a temporary file renamed), with the mode
+    any new file gets (``0o666`` less the umask, e.g. 0644): the ``safetensors`` library creates its
+    files 0600, which would keep a model exported for others from them."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~umask())
+    tmp.replace(path)
+    return path
+
+
 def save_hf(model, params, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (float32) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in model.params_to_hf(params).items()}
-    tmp = out / (SAFETENSORS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / SAFETENSORS)
+    save_safetensors(tensors, out / SAFETENSORS, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(model.hf_config(), indent=2) + "\n")
     return out
