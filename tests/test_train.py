@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -436,3 +437,123 @@ def test_frozen_reference_is_one_copy_the_step_passes_through(tiny_cfg, tiny_tas
     assert all(x.is_deleted() for x in leaves(r.ref_params))
     pairs = zip(leaves(r_new.ref_params), leaves(loaded), strict=True)
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs) > 0  # mixed towards the updated policy
+
+
+# ---- gradient accumulation (ppo.grad_accum) and the critic's learning rate (optim.critic_lr) ----------
+
+
+def _update_fn(tr):
+    return jax.jit(
+        jax.shard_map(
+            tr.phases.update, mesh=tr.mesh, in_specs=(P(), P("data"), P()), out_specs=P(),
+            axis_names={"data"}, check_vma=False,
+        )
+    )  # fmt: skip
+
+
+def _ragged_batch(ctx, seed: int = 0):
+    """A batch whose responses have very different lengths (1..R tokens, some none): micro-batches of
+    one minibatch hold different token counts, so a mean of their token means is not the minibatch's."""
+    from klrl.step.train import Batch
+
+    rng = np.random.default_rng(seed)
+    b, p, r = ctx.b_glob, ctx.p_len, ctx.r_len
+    f = lambda: rng.standard_normal((b, r)).astype(np.float32)  # noqa: E731
+    tokens = rng.integers(0, 147, (b, p + r)).astype(np.int32)
+    lengths = rng.choice([0, 1, 1, 2, r, r], size=b)
+    mask = (np.arange(r)[None] < lengths[:, None]).astype(np.float32)
+    return Batch(
+        tokens=tokens, key_mask=np.ones((b, p + r), np.float32), response=tokens[:, p:], mask=mask,
+        logp=-np.abs(f()), ref_logp=-np.abs(f()), adv=f(), ret=f(), value=f(), ref_logits=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "upd",
+    [
+        {},  # value head on the policy trunk, token-mean KL in the loss, global shuffle
+        {"model": {"value_model": "separate"}, "ppo": {"shuffle": "shard"}, "kl": {"loss_agg": "seq_mean"}},
+    ],
+    ids=["head_token_mean", "separate_seq_mean_shard"],
+)
+def test_grad_accum_is_the_update_of_one_large_minibatch(tiny_cfg, tiny_task, upd) -> None:
+    """``ppo.grad_accum = 4``: each minibatch of 8 rows in 4 micro-batches of 2 whose gradients are
+    summed into one optimiser update gives the parameters, Adam state and statistics of the whole
+    minibatch at once (float tolerance), on a ragged mask: each micro-batch's tokens weigh as in the
+    whole minibatch's token mean."""
+    base = tiny_cfg.replace(
+        ppo={"epochs": 2, "minibatches": 2, "vf_coef": 0.5, **upd.get("ppo", {})},
+        kl={"placement": "loss", "loss_coef": 0.3, "loss_estimator": "k3", **upd.get("kl", {})},
+        model=upd.get("model", {}),
+    )
+    one = make_train(base, tiny_task)
+    ctx, state = one.context, one.init(3)
+    batch = _ragged_batch(ctx)
+    lengths = batch.mask.sum(-1)
+    assert len(set(lengths.tolist())) >= 3 and lengths.min() == 0  # ragged, some empty
+    want = _update_fn(one)(state, batch, jnp.array(True))
+    accum = make_train(base.replace(ppo={"grad_accum": 4}), tiny_task)
+    got = _update_fn(accum)(state, batch, jnp.array(True))
+    assert float(got[2]["guard/minibatches_applied"]) == 1.0
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6), got[:2], want[:2])
+    assert got[2].keys() == want[2].keys()
+    for k in want[2]:
+        np.testing.assert_allclose(got[2][k], want[2][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    pairs = zip(jax.tree.leaves(want[0]), jax.tree.leaves(state.params), strict=True)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+    assert moved > 1e-4  # the update did something: the comparison says something
+
+
+def test_grad_accum_must_divide_the_minibatch_and_each_devices_share(tiny_cfg, tiny_task) -> None:
+    from klrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^ppo.grad_accum: must divide the minibatch.*\(8 % 3 != 0\)"):
+        tiny_cfg.replace(ppo={"minibatches": 2, "grad_accum": 3})
+    with pytest.raises(ConfigError, match=r"^ppo.grad_accum: must be >= 1"):
+        tiny_cfg.replace(ppo={"grad_accum": 0})
+    # 4 data devices: each holds 2 rows of a minibatch of 8, which 4 micro-batches cannot split
+    four = SimpleNamespace(shape={"data": 4, "fsdp": 1, "tensor": 1})
+    with pytest.raises(ConfigError, match=r"^ppo.grad_accum: must divide each device's share.*; 2 % 4 != 0"):
+        make_train(tiny_cfg.replace(ppo={"minibatches": 2, "grad_accum": 4}), tiny_task, mesh=four)
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["head", "separate"])
+def test_critic_lr_moves_only_the_critic_by_its_own_step(tiny_cfg, tiny_task, separate) -> None:
+    """One optimiser step (1 epoch x 1 minibatch) of the update phase with ``optim.critic_lr = 10 lr``:
+    the policy (the shared trunk included) moves bit for bit as with the default, the critic (the head
+    on the trunk, or the whole separate value model) 10 times as far (Adam's first step: the same
+    direction, scaled by the learning rate); ``critic_lr = lr`` is the default bit for bit over 4
+    steps (2 epochs x 2 minibatches)."""
+    from klrl.step.parts import is_critic
+
+    model = {"value_model": "separate"} if separate else {}
+    base = tiny_cfg.replace(
+        ppo={"epochs": 1, "minibatches": 1, "vf_coef": 0.5}, optim={"lr": 1e-3}, model=model
+    )
+    default = make_train(base, tiny_task)
+    state = default.init(3)
+    batch = _ragged_batch(default.context, seed=1)
+    want = _update_fn(default)(state, batch, jnp.array(True))[0]
+    own = make_train(base.replace(optim={"critic_lr": 1e-2}), tiny_task)
+    state_own = own.init(3)  # the same parameters; the optimiser state holds the critic's learning rate
+    jax.tree.map(np.testing.assert_array_equal, state_own.params, state.params)
+    got = _update_fn(own)(state_own, batch, jnp.array(True))[0]
+    n_critic = 0
+    for (path, g), w, s in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                               jax.tree.leaves(state.params), strict=True):  # fmt: skip
+        g, w, s = np.asarray(g), np.asarray(w), np.asarray(s)
+        if is_critic(path):
+            n_critic += 1
+            np.testing.assert_allclose(g - s, 10 * (w - s), rtol=1e-3, atol=1e-7)
+            assert np.abs(w - s).max() > 1e-5
+        else:
+            np.testing.assert_array_equal(g, w)
+    critic = state.params["value"] if separate else state.params["policy"]["v_head"]
+    assert n_critic == len(jax.tree.leaves(critic)) >= 2  # (the head's kernel and bias at least)
+    # critic_lr = lr: the default, bit for bit, over several steps
+    four = base.replace(ppo={"epochs": 2, "minibatches": 2})
+    want = _update_fn(make_train(four, tiny_task))(state, batch, jnp.array(True))
+    same = make_train(four.replace(optim={"critic_lr": 1e-3}), tiny_task)
+    got = _update_fn(same)(same.init(3), batch, jnp.array(True))
+    jax.tree.map(np.testing.assert_array_equal, got[0], want[0])
+    assert float(got[2]["guard/minibatches_applied"]) == 1.0

@@ -21,7 +21,7 @@ from klrl.algo.advantages import needs_critic
 from klrl.algo.control import Controller, ControllerState
 from klrl.config import RunConfig
 from klrl.models.base import CausalLM
-from klrl.models.heads import ValueHead, attach
+from klrl.models.heads import HEAD_KEY, ValueHead, attach
 from klrl.models.registry import get_family
 from klrl.models.remat import with_remat
 from klrl.registry import ESTIMATORS
@@ -129,10 +129,39 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def is_critic(path: tuple) -> bool:
+    """Whether the parameter at ``path`` (a key path into ``TrainState.params``) is the critic's: the
+    value head on the policy trunk (``params['policy'][HEAD_KEY]``, ``model.value_model=head``) or the
+    separate value model (``params['value']``: its trunk and head). The shared trunk is the policy's."""
+    keys = [getattr(k, "key", None) for k in path[:2]]
+    return keys[0] == "value" or keys == ["policy", HEAD_KEY]
+
+
+def scale_policy_critic(step_size: Array, critic_step_size: Array) -> optax.GradientTransformation:
+    """``optax.scale`` with its own factor for the critic's parameters (:func:`is_critic`): the policy's
+    updates times ``step_size``, the critic's times ``critic_step_size`` (each ``step_size * g``, as
+    ``optax.scale`` computes it, so equal factors give its result bit for bit)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        scaled = jax.tree_util.tree_map_with_path(
+            lambda p, g: (critic_step_size if is_critic(p) else step_size) * g, updates
+        )
+        return scaled, state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     """Adam(W) with global-norm clipping and a schedule; the peak learning rate is an
     injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr) so a
-    sweep can give each member its own."""
+    sweep can give each member its own.
+
+    ``optim.critic_lr > 0``: the critic's parameters (:func:`is_critic`) step by ``critic_lr``
+    instead (``hyperparams['critic_step_size']`` = -critic_lr, :func:`scale_policy_critic`), as a
+    second Adam(W) with that learning rate would: Adam and the schedule are per element, only the
+    final scale differs. The clip stays one global norm over all parameters (one optimiser, as
+    TRL's PPO; verl and OpenRLHF clip the critic's optimiser on its own)."""
     o = cfg.optim
     total_steps = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.minibatches
     decay = max(total_steps - o.warmup_steps, 1)
@@ -150,8 +179,12 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
     if o.weight_decay > 0:
         parts += [optax.add_decayed_weights(o.weight_decay)]
-    parts += [optax.scale_by_schedule(shape), optax.inject_hyperparams(optax.scale)(step_size=-o.lr)]
-    return optax.chain(*parts)
+    parts += [optax.scale_by_schedule(shape)]
+    if o.critic_lr > 0:
+        scale = optax.inject_hyperparams(scale_policy_critic)(step_size=-o.lr, critic_step_size=-o.critic_lr)
+    else:
+        scale = optax.inject_hyperparams(optax.scale)(step_size=-o.lr)
+    return optax.chain(*parts, scale)
 
 
 def set_learning_rate(opt_state: Any, lr: Array | float) -> Any:

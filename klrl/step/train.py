@@ -297,6 +297,10 @@ def make_train(
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = Models(policy, value, ValueHead(value.hidden_size))
     n_dev = mesh.shape[DATA]
+    share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
+    if share % k:  # (one device: RunConfig checked that k divides the minibatch)
+        raise ConfigError(f"ppo.grad_accum: must divide each device's share of a minibatch ({share} rows "
+                          f"on each of {n_dev} devices; {share} % {k} != 0)")  # fmt: skip
     ctx = Context(
         cfg=cfg,
         task=task,

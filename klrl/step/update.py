@@ -1,5 +1,6 @@
 """The PPO update of :mod:`klrl.step.train`: the loss of one minibatch (:func:`ppo_loss`, what the update
-differentiates), the minibatches' rows (:func:`minibatch_rows`) and the epochs x minibatches
+differentiates), the minibatches' rows (:func:`minibatch_rows`), a minibatch's gradient, accumulated
+over ``ppo.grad_accum`` micro-batches (:func:`minibatch_gradients`) and the epochs x minibatches
 (:func:`update_phase`, nested ``lax.scan``) with the in-place half of the non-finite guard.
 """
 
@@ -89,12 +90,45 @@ def minibatch_rows(ctx: Context, key: Array, dev: Array) -> Array:
     return jax.random.permutation(key, ctx.b_glob).reshape(n_mb, n_dev, m)[:, dev]
 
 
+def minibatch_gradients(
+    ctx: Context, grad_fn: Any, params: Any, fetch: Any, fetch_mask: Any, idx: Array, beta_l: Array
+) -> tuple[Any, dict[str, Array]]:
+    """This device's gradient and statistics of the minibatch whose rows it holds are ``idx [m]``
+    (``fetch(i)``: the :class:`Batch` of rows ``i``, ``fetch_mask(i)``: their response mask), before
+    the average over ``data``.
+
+    With ``ppo.grad_accum = k > 1`` the rows are taken ``m / k`` at a time (``lax.scan`` over ``k``
+    micro-batches: the activations of one micro-batch live at a time) and the gradients and statistics
+    summed. Each micro-batch's loss is normalised by the *whole* minibatch's token count ``n_tok`` (and
+    sequence count), so the sum is the minibatch's loss ``sum over all its tokens / n_tok``: the same
+    gradient, update and statistics as one minibatch of ``m`` rows up to float rounding (an average of
+    per-micro-batch token means would weight a micro-batch's tokens by its own count instead). ``k = 1``:
+    the one pass as before, bit for bit."""
+    k, n_dev, n_seq = ctx.cfg.ppo.grad_accum, ctx.n_dev, ctx.mb_glob / ctx.n_dev
+    if k == 1:
+        mb = fetch(idx)
+        n_tok = total(jnp.sum(mb.mask)) / n_dev
+        return grad_fn(params, mb, jnp.maximum(n_tok, 1.0), n_seq, beta_l)
+    n_tok = jnp.maximum(total(jnp.sum(fetch_mask(idx))) / n_dev, 1.0)  # the whole minibatch's tokens
+
+    def micro(acc, micro_idx):
+        grads, stats = grad_fn(params, fetch(micro_idx), n_tok, n_seq, beta_l)
+        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), stats
+
+    # the sum in float32 at least (a bfloat16 parameter's gradient summed in float32, then cast back)
+    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    acc, stats = jax.lax.scan(micro, acc, idx.reshape(k, -1))
+    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), stats)
+
+
 def update_phase(
     ctx: Context, state: TrainState, batch: Batch, go: Array | None = None
 ) -> tuple[Any, Any, dict[str, Array]]:
     """PPO epochs x minibatches (nested ``lax.scan``); ``batch`` is this device's share and stays
     sharded: each minibatch's rows are fetched from their owners (:func:`klrl.step.parallel.take_rows`,
-    ``ppo.shuffle=global``) or read locally (``shard``); gradients are averaged over ``data``.
+    ``ppo.shuffle=global``) or read locally (``shard``), ``ppo.grad_accum`` micro-batches at a time
+    (:func:`minibatch_gradients`); gradients are averaged over ``data``, one optimiser update a minibatch.
 
     The in-place half of the non-finite guard: a minibatch's update is applied only while ``go``
     (default True: the rollout and scores were finite) holds and every minibatch so far, this one
@@ -108,7 +142,6 @@ def update_phase(
     + eps)``; an overflowing ``v`` gives 0), so the updates themselves are not checked. Returns
     (params, opt_state, mean stats); the stats hold ``guard/minibatches_applied`` (the fraction of
     the iteration's minibatch updates applied)."""
-    n_dev, mb_glob = ctx.n_dev, ctx.mb_glob
     k_perm = iteration_keys(state)[2]
     _, beta_l = coefs(ctx, state)
     dev = jax.lax.axis_index(DATA)
@@ -116,14 +149,13 @@ def update_phase(
     go = jnp.array(True) if go is None else go
     grad_fn = jax.grad(partial(ppo_loss, ctx, ref_params=state.ref_params), has_aux=True)
 
+    def rows(tree, idx):  # this device's rows ``idx`` (global indices) of ``tree``
+        return jax.tree.map(lambda x: x[idx - dev * ctx.b_loc], tree) if local else take_rows(tree, idx)
+
     def minibatch_step(carry, idx):
         params, opt_state, fine = carry
-        if local:
-            mb = jax.tree.map(lambda x: x[idx - dev * ctx.b_loc], batch)
-        else:
-            mb = take_rows(batch, idx)
-        n_tok = total(jnp.sum(mb.mask)) / n_dev
-        grads, stats = grad_fn(params, mb, jnp.maximum(n_tok, 1.0), mb_glob / n_dev, beta_l)
+        grads, stats = minibatch_gradients(ctx, grad_fn, params, lambda i: rows(batch, i),
+                                           lambda i: rows(batch.mask, i), idx, beta_l)  # fmt: skip
         grads, stats = average((grads, stats))
         stats["grad/norm"] = optax.tree.norm(grads)  # non-finite iff some gradient is (or it overflows)
         fine = fine & (jax.lax.pmin(all_finite(stats).astype(jnp.int32), DATA) > 0)
