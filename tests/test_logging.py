@@ -120,3 +120,12 @@ def test_progress_bar_on_a_terminal():
         p.update(i, {"reward/task": 0.25})
     text = out.getvalue()
     assert "3/3" in text and "R 0.25" in text and p._bar is None  # closed at the end
+
+
+def test_hparams_hold_the_critics_learning_rate_when_it_has_its_own():
+    from klrl.config import RunConfig
+    from klrl.io.logging import hparams_of
+
+    assert "optim/critic_lr" not in hparams_of(RunConfig())  # 0: optim.lr
+    hp = hparams_of(RunConfig().replace(optim={"critic_lr": 3e-6}))
+    assert hp["optim/critic_lr"] == 3e-6 and hp["optim/lr"] == RunConfig().optim.lr

@@ -404,3 +404,26 @@ def test_iteration_s_is_the_finished_iterations_wall_time(cache_dir, tmp_path, d
     for s in its:
         assert seconds * 0.95 <= s < seconds + 0.25, its
     assert sum(its) == pytest.approx(wall, abs=0.3)  # the run's wall time after the first step, in all
+
+
+def test_learning_rates_read_the_critics_own_from_the_state():
+    import optax
+
+    from klrl.config import RunConfig
+    from klrl.loop.metrics import learning_rates, member_row
+    from klrl.step.parts import make_optimizer
+
+    params = {"policy": {"w": jnp.ones(3), "v_head": {"k": jnp.ones(2)}}, "value": None}
+
+    class S(NamedTuple):
+        opt_state: Any
+
+    cfg = RunConfig().replace(optim={"lr": 1e-3})
+    default = learning_rates(S(make_optimizer(cfg).init(params)), 1)
+    assert default.keys() == {"optim/lr"} and default["optim/lr"][0] == pytest.approx(1e-3)
+    own = learning_rates(S(make_optimizer(cfg.replace(optim={"critic_lr": 5e-5})).init(params)), 2)
+    np.testing.assert_allclose(own["optim/lr"], [1e-3, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(own["optim/critic_lr"], [5e-5, 5e-5], rtol=1e-6)
+    row = member_row({"a": np.array([1.0, 2.0])}, 1, 0, 4, own)
+    assert row["optim/critic_lr"] == pytest.approx(5e-5) and row["optim/lr"] == pytest.approx(1e-3)
+    assert learning_rates(S(optax.adam(1e-3).init(params)), 1) is None  # no injected learning rate

@@ -181,6 +181,8 @@ def hparams_of(cfg: RunConfig, swept: list[str] | tuple[str, ...] = ()) -> dict[
         "task/name": cfg.task.name,
         "train/iterations": cfg.train.iterations,
     }
+    if cfg.optim.critic_lr > 0:  # the critic's own learning rate (0: optim.lr)
+        out["optim/critic_lr"] = cfg.optim.critic_lr
     for name in swept:
         section, field = name.split(".", 1)
         out[f"{section}/{field}"] = getattr(getattr(cfg, section), field)

@@ -70,7 +70,7 @@ class Loop:
     start: int  # iterations done before this process started (a resume's)
     rollbacks: int = 0
     main: bool = True  # process 0 (klrl.distributed): the only one that writes files
-    lrs: Any = None  # the learning rate per member (klrl.loop.metrics.learning_rates)
+    lrs: Any = None  # the learning rates per member (klrl.loop.metrics.learning_rates)
     i: int = -1  # iterations stepped (default: ``start``)
     # the newest step's (iteration, metrics, when its outputs were ready: ReadyTimes.watch), not yet fetched
     pending: tuple[int, Any, Callable[[], float]] | None = None

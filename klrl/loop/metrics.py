@@ -1,5 +1,5 @@
 """Metrics the run loop adds on the host (the compiled step is unchanged): the final values of the
-HParams dashboard, the learning rate from the optimizer state, throughput, and other frameworks'
+HParams dashboard, the learning rates from the optimizer state, throughput, and other frameworks'
 names for the metrics (``train.metric_aliases``)."""
 
 from __future__ import annotations
@@ -29,15 +29,24 @@ def final_metrics(metrics: dict[str, np.ndarray], window: int) -> dict[str, floa
     return out
 
 
-def learning_rates(state: Any, n: int) -> np.ndarray | None:
-    """The peak learning rate of each of ``n`` members, read on the host from the optimizer state's
-    injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr, see
-    :func:`klrl.step.parts.make_optimizer`); None for a state without one."""
+def learning_rates(state: Any, n: int) -> dict[str, np.ndarray] | None:
+    """The peak learning rates of each of ``n`` members, read on the host from the optimizer state's
+    injected hyper-parameters (:func:`klrl.step.parts.make_optimizer`): ``optim/lr`` from
+    ``opt_state[-1].hyperparams['step_size']`` (= -lr) and, where the critic has its own
+    (``optim.critic_lr > 0``), ``optim/critic_lr`` from ``'critic_step_size'``; None for a state
+    without them."""
     try:
-        step_size = state.opt_state[-1].hyperparams["step_size"]
+        hp = state.opt_state[-1].hyperparams
     except (AttributeError, IndexError, KeyError, TypeError):
         return None
-    return np.broadcast_to(-np.asarray(distributed.to_host(step_size), np.float64).reshape(-1), (n,))
+    if not isinstance(hp, dict) or "step_size" not in hp:
+        return None
+    names = {"step_size": "optim/lr", "critic_step_size": "optim/critic_lr"}
+    return {
+        name: np.broadcast_to(-np.asarray(distributed.to_host(hp[k]), np.float64).reshape(-1), (n,))
+        for k, name in names.items()
+        if k in hp
+    }
 
 
 def tokens_per_s(response_length: float, batch_size: int, seconds: float) -> float:
@@ -71,11 +80,13 @@ def member_row(
 ) -> dict[str, float]:
     """One member's row of the step's host metrics ``m`` (``j``: its index on the member axis; None: a
     single run), with the host-side metrics (the compiled step is unchanged): ``train/samples``
-    (prompts seen after ``iteration + 1`` iterations) and ``optim/lr`` (``lrs``: per member, or None)."""
+    (prompts seen after ``iteration + 1`` iterations) and the learning rates ``lrs``
+    (:func:`learning_rates`: ``{name: per member}``; an array: ``optim/lr`` per member; None: none)."""
     row = {k: float(v if j is None else v[j]) for k, v in m.items()}
     row["train/samples"] = float((iteration + 1) * batch_size)
     if lrs is not None:
-        row["optim/lr"] = float(lrs[0 if j is None else j])
+        for name, per_member in (lrs if isinstance(lrs, dict) else {"optim/lr": lrs}).items():
+            row[name] = float(per_member[0 if j is None else j])
     return row
 
 
