@@ -485,3 +485,44 @@ def test_checkpoints_record_digests(finished_run):
     assert any("params" in k for k in meta["arrays"])
     # the record is the restored arrays' dtype, shape and digest
     assert meta["arrays"] == digest.digests(state)
+
+
+def test_plan_line_sizes_by_hand():
+    """The start-of-run line: each checkpoint's bytes (by hand: 1000x1000 float32 twice, 500x1000 bfloat16,
+    a scalar int32) by top-level field, and ``keep`` times that."""
+    from typing import NamedTuple
+
+    import jax
+
+    from klrl.io import checkpoint as ckpt
+
+    class State(NamedTuple):
+        params: dict
+        opt_state: tuple
+        iteration: object
+
+    f32, bf16 = np.float32, jax.numpy.bfloat16
+    s = State(
+        {"w": jax.ShapeDtypeStruct((1000, 1000), f32)},
+        (jax.ShapeDtypeStruct((1000, 1000), f32), jax.ShapeDtypeStruct((500, 1000), bf16)),
+        jax.ShapeDtypeStruct((), np.int32),
+    )
+    assert ckpt.state_bytes(s) == {"opt_state": 5_000_000, "params": 4_000_000, "iteration": 4}
+    line = ckpt.plan_line(s, 3, 10, "/r")
+    assert line.startswith("checkpoints: every 10 iterations and at the end, the newest 3 kept"), line
+    assert "each 9.0 MB of arrays (opt_state 5.0 MB, params 4.0 MB; up to 27.0 MB on disk)" in line, line
+    assert line.endswith("in /r/checkpoints") and "\n" not in line
+
+
+def test_a_run_says_how_many_checkpoints_it_keeps(tiny_task, cache_dir, jax_cache, tmp_path):
+    import klrl
+
+    said = []
+    cfg = base_config(cache_dir, iterations=1, quiet=False, keep_checkpoints=2)
+    klrl.run(cfg, task=tiny_task, run_dir=tmp_path / "r", log=said.append)
+    line = [x for x in said if x.startswith("checkpoints:")]
+    assert len(line) == 1 and "the newest 2 kept (train.keep_checkpoints)" in line[0], said
+    assert "params" in line[0] and "ref_params" in line[0] and str(tmp_path / "r" / "checkpoints") in line[0]
+    said.clear()
+    klrl.run(cfg.replace(train={"quiet": True}), task=tiny_task, run_dir=tmp_path / "q", log=said.append)
+    assert not [x for x in said if x.startswith("checkpoints:")]

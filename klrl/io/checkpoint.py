@@ -224,6 +224,37 @@ def disk_full_error(run_dir: str | Path, cause: BaseException | None = None) -> 
     return DiskFull(f"{d}: disk full (no space left on device){where}; {last}")
 
 
+def state_bytes(abstract: Any) -> dict[str, int]:
+    """The bytes of ``abstract``'s arrays (shapes and dtypes: arrays or ``ShapeDtypeStruct``) by the
+    state's top-level field (``params``, ``ref_params``, ``opt_state``, ...), largest first."""
+    out: dict[str, int] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        if x is None or not hasattr(x, "shape"):
+            continue
+        key = path[0] if path else None
+        name = str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", "state"))))
+        out[name] = out.get(name, 0) + int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def plan_line(abstract: Any, keep: int, every: int, run_dir: str | Path) -> str:
+    """The line a writing run logs at its start: where its checkpoints go, when, how many are kept and
+    about how big each is (the whole train state, :func:`state_bytes`: an upper bound, orbax's files
+    compress a little, e.g. 1.84 GB on disk for SmolLM2-135M's 2.15 GB), the largest parts named."""
+    sizes = state_bytes(abstract)
+    total = sum(sizes.values())
+    parts = ", ".join(f"{k} {_gb(v)}" for k, v in list(sizes.items())[:4] if v >= 0.05 * total)
+    when = f"every {every} iterations and at the end" if every > 0 else "at the end (and at a stop)"
+    return (
+        f"checkpoints: {when}, the newest {keep} kept (train.keep_checkpoints), each {_gb(total)} of "
+        f"arrays ({parts}; up to {_gb(keep * total)} on disk) in {directory(run_dir)}"
+    )
+
+
 def finish(mgr: ocp.CheckpointManager) -> None:
     """Wait for the pending save and close ``mgr``; on an exception's way out (``finally``), an error
     here is dropped, so the first error is the one reported."""

@@ -214,6 +214,8 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
             bases = rollback_bases(resume.meta, metric, traces)
     rollback = QualityRollback(tc, loop.stacked, log, traces, bases, initial)
     mgr = None if loop.root is None else ckpt.manager(loop.root, keep=tc.keep_checkpoints, async_save=True)
+    if mgr is not None and loop.main and not tc.quiet:  # how many checkpoints, how big (the disk they take)
+        log(ckpt.plan_line(restore_to, tc.keep_checkpoints, tc.checkpoint_every, loop.root))
     last_saved = loop.start if resume is not None else -1
     ckpts = Checkpoints(mgr, tc.checkpoint_every, tc.iterations, restore_to, rollback.base_meta, last_saved)
     loop.t0 = time.time()
