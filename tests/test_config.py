@@ -70,6 +70,7 @@ RULES = [
     (ControllerConfig, {"beta_min": 2.0, "beta_max": 1.0}, "ctrl.beta_max"),
     (PPOConfig, {"epochs": 0}, "ppo.epochs"),
     (PPOConfig, {"minibatches": 0}, "ppo.minibatches"),
+    (PPOConfig, {"grad_accum": 0}, "ppo.grad_accum"),
     (PPOConfig, {"clip": 0.0}, "ppo.clip"),
     (PPOConfig, {"vf_clip": 0.0}, "ppo.vf_clip"),
     (PPOConfig, {"vf_coef": -1.0}, "ppo.vf_coef"),
@@ -81,6 +82,8 @@ RULES = [
     (PPOConfig, {"advantage": "rloo", "group_size": 1}, "ppo.group_size"),
     (OptimConfig, {"lr": 0.0}, "optim.lr"),
     (OptimConfig, {"lr": nan}, "optim.lr"),
+    (OptimConfig, {"critic_lr": -1e-5}, "optim.critic_lr"),
+    (OptimConfig, {"critic_lr": nan}, "optim.critic_lr"),
     (OptimConfig, {"b1": 1.0}, "optim.b1"),
     (OptimConfig, {"b2": -0.1}, "optim.b2"),
     (OptimConfig, {"eps": 0.0}, "optim.eps"),
@@ -125,6 +128,9 @@ def test_every_section_default_is_valid_and_every_field_has_help() -> None:
         ({"train": {"batch_size": 6}}, "ppo.minibatches"),  # 6 % 4 != 0
         ({"train": {"batch_size": 8}, "ppo": {"minibatches": 3}}, "ppo.minibatches"),
         ({"train": {"batch_size": 8}, "ppo": {"minibatches": 2, "group_size": 3}}, "ppo.group_size"),
+        ({"train": {"batch_size": 8}, "ppo": {"minibatches": 2, "grad_accum": 3}}, "ppo.grad_accum"),
+        ({"train": {"batch_size": 8}, "ppo": {"minibatches": 4, "grad_accum": 4}}, "ppo.grad_accum"),
+        ({"ppo": {"advantage": "rloo", "group_size": 2}, "optim": {"critic_lr": 1e-5}}, "optim.critic_lr"),
     ],
 )
 def test_cross_field_rules(sections, name) -> None:
@@ -262,3 +268,19 @@ def test_beta_bounds_are_checked_instead_of_clipped() -> None:
     with pytest.raises(ConfigError, match="^ctrl.warmup_beta: must be in"):
         ControllerConfig(warmup_iters=2, warmup_beta=5.0, beta_max=1.0)
     RunConfig().replace(kl={"beta": 2.0}, ctrl={"beta_max": 1.0, "warmup_iters": 3, "warmup_beta": 0.5})
+
+
+def test_names_md_lists_every_config_field_with_its_default() -> None:
+    """docs/names.md's config table is the config: every section, field (in order) and default."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "names.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (`\w+`=.*) \|$", text, flags=re.M))
+    cfg = RunConfig()
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        want = ", ".join(f"`{f.name}`={getattr(sub, f.name)!r}" for f in dataclasses.fields(sub))
+        assert rows.get(section.name) == want, (
+            f"docs/names.md, section {section.name}: write\n| `{section.name}` | {want} |"
+        )
