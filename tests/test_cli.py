@@ -326,7 +326,7 @@ def fake_hub(tmp_path, monkeypatch):
     return hub, snap, runs
 
 
-def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys) -> None:
+def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys, monkeypatch) -> None:
     from klrl.cli.commands import main
 
     hub, snap, runs = fake_hub
@@ -341,6 +341,13 @@ def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys) -> 
     assert (
         str(hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct") in line and "klrl reads local paths" in line
     )
+    import klrl.cli.commands as C
+
+    swept = []  # every member of a sweep resolved, the line printed once
+    monkeypatch.setattr(C, "run_sweep", lambda members, *a, **k: swept.append(members) or 0)
+    assert main(["sweep", "kl.beta=0.1,1", "--model.path", "Org/Tiny-Llama", "--train.out_dir", out_dir]) == 0
+    assert [m.model.path for m in swept[-1]] == [str(snap)] * 2
+    assert capsys.readouterr().out.count("model.path: Org/Tiny-Llama is") == 1
     line = one_line_error(
         capsys, main, ["train", "--model.path", "Org/Tiny-Llama", "--model.reward_path", "Org/Nope"]
     )

@@ -54,7 +54,7 @@ from klrl.config.schema import closest
 from klrl.config.sweep import check_members, check_overrides, grid, parse_axis
 from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
 from klrl.io.readers import RunDirError, read_run
-from klrl.models.catalog import find_models, resolve_model_paths
+from klrl.models.catalog import MODEL_FIELDS, find_models, resolve_model_paths
 from klrl.tasks.base import builtin_task_shape
 from klrl.tasks.pretrain import cache_root
 from klrl.tasks.text import check_model_paths
@@ -204,13 +204,14 @@ def _resolve_models(cfg: RunConfig, members: list[RunConfig] | None) -> tuple[Ru
         new_members = None if members is None else [resolve_model_paths(m) for m in members]
     except ConfigError as e:
         fail(str(e))
-    for m_old, m_new in zip([cfg, *(members or [])], [new, *(new_members or [])], strict=True):
-        for f in ("path", "value_path", "reward_path", "eval_path"):
-            a, b = getattr(m_old.model, f), getattr(m_new.model, f)
-            if a != b:
-                print(f"model.{f}: {a} is {b} (the local Hugging Face cache)")
-        if members is None:
-            break
+    lines = [
+        f"model.{f}: {getattr(old.model, f)} is {getattr(m.model, f)} (the local Hugging Face cache)"
+        for old, m in zip([cfg, *(members or [])], [new, *(new_members or [])], strict=True)
+        for f in MODEL_FIELDS
+        if getattr(old.model, f) != getattr(m.model, f)
+    ]
+    for line in dict.fromkeys(lines):  # once each, whatever the number of members
+        print(line)
     return new, new_members
 
 
