@@ -1,7 +1,8 @@
 """The numbers behind FINDINGS.md's claims table, per seed and as a mean over seeds with a 95% interval.
 
 ``python experiments/seed_claims.py [--results experiments/results]`` reads the stored studies
-(``beta_grid``, ``adaptive``, ``adaptive-target6``; no training) and writes ``claims.md`` and
+(``beta_grid``, ``adaptive``, ``adaptive-target6``, and the further beta = 0.001 runs of
+``beta0.001-seeds`` and ``beta0.001-task3``; no training) and writes ``claims.md`` and
 ``claims.json`` into ``--results``. Every quantity is computed on each seed's run alone, then given
 as ``mean +- half`` over the seeds a setting has, ``half = t_{0.975, n-1} s / sqrt(n)`` (with 3 seeds
 t = 4.30), seeds and per-seed values named. Windows: starts are means of the first 10 iterations,
@@ -121,6 +122,52 @@ def grid_claims(rs) -> dict[str, dict]:
     return q
 
 
+# The beta = 0.001 runs beyond beta_grid's seeds 0, 1, 2 (issue 30): train seeds 5, 6, 7 (one sweep,
+# task seed 0, 500 iterations) and task seed 3 (its own task: HMM, reference, reward models; train seed 0).
+MORE_SMALL_BETA = ("beta0.001-seeds", "beta0.001-task3")
+FLAT = 5.0  # nats/seq per 100 iterations: |slope| under this counts as flat (about 10% of the KL's level)
+
+
+def _label(r) -> str:
+    """A run's name in the per-run columns: its train seed, and its task seed where that is not 0."""
+    t = r.config.task.seed
+    return f"{r.config.train.seed}" if t == 0 else f"task {t}, seed {r.config.train.seed}"
+
+
+def small_beta_claims(rs) -> dict[str, dict]:
+    """The two beta = 0.001 claims that did not reproduce on new seeds, over every run given: the
+    gold peak's iteration (argmax of the 10-iteration trailing mean of gold) as median and range, and
+    the KL's linear slope over each 100-iteration block (nats/seq per 100 iterations), with the number
+    of runs on which it is flat (|slope| < ``FLAT``)."""
+    rs = sorted(rs, key=lambda r: (r.config.task.seed, r.config.train.seed))
+    peaks = {_label(r): int(np.argmax(smooth(np.asarray(r.metrics["reward/gold"], float)))) for r in rs}
+    v = np.array(list(peaks.values()))
+    q: dict[str, dict] = {
+        "b0.001 (all runs): gold peak iter": {"median": float(np.median(v)), "min": int(v.min()),
+                                               "max": int(v.max()), "n": len(v), "per_seed": peaks},
+    }  # fmt: skip
+    n = min(len(r.metrics["kl/exact_seq_sum"]) for r in rs)
+    for a in range(100, n, 100):
+        slope = {}
+        for r in rs:
+            kl = np.asarray(r.metrics["kl/exact_seq_sum"], float)[a : a + 100]
+            slope[_label(r)] = float(100 * np.polyfit(np.arange(len(kl)), kl, 1)[0])
+        s = np.array(list(slope.values()))
+        q[f"b0.001 (all runs): KL slope, iterations {a}-{a + 100} (nats/seq per 100 iters)"] = {
+            "median": float(np.median(s)), "min": float(s.min()), "max": float(s.max()), "n": len(s),
+            "flat": int(np.sum(np.abs(s) < FLAT)), "per_seed": slope,
+        }  # fmt: skip
+    return q
+
+
+def _range_text(q: dict) -> str:
+    per = ", ".join(f"{v:.3g} ({k})" for k, v in q["per_seed"].items())
+    flat = f"; flat (abs < {FLAT:g}) on {q['flat']} of {q['n']}" if "flat" in q else ""
+    return (
+        f"median {q['median']:.3g}, range {q['min']:.3g} to {q['max']:.3g} over {q['n']} runs{flat} [{per}]"
+    )
+
+
 def adaptive_claims(rs, target: float) -> dict[str, dict]:
     table = adaptive_rows(rs)
     q: dict[str, dict] = {}
@@ -145,11 +192,14 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     root = Path(ns.results)
     out: dict[str, dict] = {}
-    out.update(grid_claims(load_sweep(root / "beta_grid")))
+    grid = load_sweep(root / "beta_grid")
+    out.update(grid_claims(grid))
+    more = [r for d in MORE_SMALL_BETA if (root / d).is_dir() for r in load_sweep(root / d)]
+    small = small_beta_claims([r for r in grid if r.config.kl.beta == 0.001] + more)
     for name, target in (("adaptive", 3.0), ("adaptive-target6", 6.0)):
         if (root / name).is_dir():
             out.update(adaptive_claims(load_sweep(root / name), target))
-    (root / "claims.json").write_text(json.dumps(out, indent=1))
+    (root / "claims.json").write_text(json.dumps({**out, **small}, indent=1))
     md = [
         "# The claims' numbers, per seed",
         "",
@@ -161,6 +211,16 @@ def main(argv=None) -> int:
         "|---|---|",
     ]
     md += [f"| {k} | {_text(v)} |" for k, v in out.items()]
+    md += [
+        "",
+        "beta = 0.001 on every run there is (issue 30): `beta_grid`'s seeds 0, 1, 2, train seeds 5, 6, 7 "
+        "(`beta0.001-seeds`) and task seed 3 (`beta0.001-task3`), 500 iterations each. Median and range "
+        "over the runs, then each run's value: with this spread a mean +- t-interval would hide the shape.",
+        "",
+        "| quantity | median, range [per run] |",
+        "|---|---|",
+    ]
+    md += [f"| {k} | {_range_text(v)} |" for k, v in small.items()]
     (root / "claims.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

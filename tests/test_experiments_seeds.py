@@ -134,3 +134,36 @@ def test_merge_refuses_and_leaves_the_study_unchanged(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and msg in err, (src, err)
     assert {p: p.read_bytes() for p in into.rglob("*") if p.is_file()} == before
+
+
+class _Run:
+    """A run with hand-written metrics: gold a single bump at ``peak``, KL a line of ``slope`` nats/seq
+    per iteration (with a +-1 zigzag) from iteration 100 on."""
+
+    def __init__(self, seed, task, peak, slope, n=300):
+        self.config = RunConfig().replace(kl={"beta": 0.001}, train={"seed": seed}, task={"seed": task})
+        i = np.arange(n, dtype=float)
+        kl = np.where(i < 100, 0.3 * i, 30 + slope * (i - 100)) + np.where(i % 2 == 0, 1.0, -1.0)
+        self.metrics = {"reward/gold": np.exp(-(((i - peak) / 3.0) ** 2)), "kl/exact_seq_sum": kl}
+
+
+def test_small_beta_claims_median_range_and_flat_count_by_hand():
+    """The beta = 0.001 claims over every run (issue 30): the gold peak iteration as median and range
+    (a mean +- t-interval over 17, 18, 35, 122 would hide their shape), and per 100-iteration block
+    the KL slope with the runs on which it is flat (|slope| < 5 nats/seq per 100 iterations)."""
+    import seed_claims
+
+    runs = [_Run(0, 0, 17, 0.0), _Run(5, 0, 122, 0.12), _Run(6, 0, 35, 0.02), _Run(0, 3, 18, -0.08)]
+    q = seed_claims.small_beta_claims(runs)
+    peak = q["b0.001 (all runs): gold peak iter"]
+    # a 10-iteration trailing mean of a symmetric bump is highest 4.5 after it (a tie: the first, +4)
+    assert peak["per_seed"] == {"0": 21, "5": 126, "6": 39, "task 3, seed 0": 22}
+    assert (peak["median"], peak["min"], peak["max"], peak["n"]) == (30.5, 21, 126, 4)
+    kl = q["b0.001 (all runs): KL slope, iterations 200-300 (nats/seq per 100 iters)"]
+    assert kl["per_seed"] == pytest.approx({"0": 0.0, "5": 12.0, "6": 2.0, "task 3, seed 0": -8.0}, abs=0.1)
+    assert kl["flat"] == 2 and kl["n"] == 4
+    assert list(q) == [
+        "b0.001 (all runs): gold peak iter",
+        "b0.001 (all runs): KL slope, iterations 100-200 (nats/seq per 100 iters)",
+        "b0.001 (all runs): KL slope, iterations 200-300 (nats/seq per 100 iters)",
+    ]
