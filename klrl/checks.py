@@ -2,10 +2,13 @@
 
 1. **The configuration** (:func:`check_config`): the members of a sweep differ only in sweepable
    fields and split over the sweep device groups; a resume and the quality rollback write
-   (``write=True``). Before anything is read or built.
+   (``write=True``); every ``model.*`` checkpoint path given is one the run reads
+   (:func:`check_model_fields`). Before anything is read or built.
 2. **The task and the models against the policy** (:func:`check_task`, :func:`check_parts`): the
    sampling lengths and ``top_k`` against the task's vocabulary and lengths; the task's parts
-   (prompt source, tokenizer, reward) against each other and against the policy that trains; on the
+   (prompt source, tokenizer, reward) against each other and against the policy that trains; the
+   user's host reward functions called once each (:func:`check_text_reward`); a policy that can be
+   written back when ``model.path`` is set (:func:`check_export`); on the
    chunked logits path, a chunked form for every KL estimator of the logits in use
    (:func:`klrl.step.chunked.check_estimators`). Once the task is built, before anything compiles.
 3. **The devices** (:func:`check_devices`, :func:`check_device_count`): the batch, minibatches and

@@ -255,3 +255,27 @@ def test_cli_report(run_result, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and why in err and err.startswith("error: --report:")
+
+
+def test_a_model_path_the_task_does_not_train_is_refused_before_anything_is_built(
+    tiny_cfg, tiny_task, tmp_path, monkeypatch
+):
+    """``model.path`` on a task that trains klrl's own GPT used to train, then crash in ``save_policy``
+    after the last iteration, leaving a partial ``policy/``: refused at the entry (a built-in task, before
+    it is built) or once the task is built (a task given to klrl.run), before anything compiles."""
+    import klrl.api
+    from klrl.config import ConfigError
+
+    def reached(*a, **k):
+        raise AssertionError("reached: the combination was not refused first")
+
+    gguf = str(ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf")
+    cfg = tiny_cfg.replace(model={"path": gguf}, train={"out_dir": str(tmp_path), "name": "r"})
+    monkeypatch.setattr(klrl.api, "make_train", reached)
+    monkeypatch.setattr(klrl.api, "build_task", reached)
+    for name in ("testbed", "wordclass"):
+        with pytest.raises(ConfigError, match=rf"^model\.path: task {name} does not read it"):
+            klrl.run(cfg.replace(task={"name": name}))
+    with pytest.raises(ConfigError, match=r"^model\.path: task wordclass trains a GPT policy, not the model"):
+        klrl.run(cfg.replace(task={"name": "text"}), task=tiny_task)  # its GPT: not model.path
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,8 @@ from klrl.checks import (
     check_config,
     check_device_count,
     check_devices,
+    check_export,
+    check_model_fields,
     check_parts,
     check_program,
     check_task,
@@ -44,6 +46,64 @@ def test_check_config_members_resume_and_rollback() -> None:
     with pytest.raises(ConfigError, match=r"^train\.rollback_metric: the quality rollback needs checkpoints"):
         check_config([rollback], stacked=False, write=False)
     check_config([rollback], stacked=False, write=True)
+
+
+@pytest.mark.parametrize("task", ["testbed", "wordclass", "peer"])
+@pytest.mark.parametrize("field", ["path", "reward_path", "eval_path"])
+def test_a_model_path_the_task_does_not_read_is_an_error(task, field) -> None:
+    """The built-in tasks that train klrl's own GPT read no checkpoint: model.path there trained the GPT
+    and crashed at the end (``'GPT' object has no attribute 'params_to_hf'``); refused at the entry."""
+    cfg = RunConfig().replace(task={"name": task}, model={field: "m.gguf"})
+    want = rf"^model\.{field}: task {task} does not read it \(it trains klrl's own GPT.*task\.name=text$"
+    with pytest.raises(ConfigError, match=want):
+        check_config([cfg], stacked=False)
+    with pytest.raises(ConfigError, match=want):
+        check_config([cfg, cfg.replace(kl={"beta": 1.0})], stacked=True)
+    check_model_fields(cfg.replace(task={"name": "text"}))  # the text task reads them
+
+
+def test_model_paths_that_would_be_ignored_are_errors() -> None:
+    text = RunConfig().replace(task={"name": "text"}, model={"path": "m.gguf"})
+    check_config([text], stacked=False)
+    cases = [
+        (text.replace(model={"reward_path": "rm"}, reward={"fn": "positivity"}),
+         False, r"^model\.reward_path: not read when reward\.fn is given"),
+        (text.replace(model={"value_path": "v"}), False,
+         r"^model\.value_path: read only with model\.value_model=separate \(got head\)$"),
+        (text.replace(model={"value_path": "v", "value_model": "separate"},
+                      ppo={"advantage": "grpo", "group_size": 2}),
+         False, r"^model\.value_path: ppo\.advantage=grpo trains no value model$"),
+        (text.replace(model={"value_path": "v", "value_model": "separate"}), True,
+         r"^model\.value_path: a sweep's members draw a fresh value model each"),
+    ]  # fmt: skip
+    for cfg, stacked, want in cases:
+        with pytest.raises(ConfigError, match=want):
+            check_config([cfg] * (2 if stacked else 1), stacked=stacked)
+    check_config([text.replace(model={"value_path": "v", "value_model": "separate"})], stacked=False)
+
+
+def test_a_policy_that_cannot_be_written_back_is_refused_before_compiling() -> None:
+    """A task with ``model.path`` whose policy klrl cannot write back as an HF directory (its own GPT, a
+    tokenizer without ``save``): a :class:`ConfigError` from :func:`check_program`, not a crash after the
+    last iteration; a pretrained policy with its tokenizer passes."""
+    from pathlib import Path
+
+    from klrl.models.pretrained import from_pretrained
+
+    cfg = _cfg()
+    task = _task(cfg)
+    check_program([cfg], task, 1)  # no model.path: nothing is written back
+    with_path = cfg.replace(model={"path": "m.gguf"})
+    want = (
+        r"^model\.path: task toy trains a GPT policy, not the model of model\.path, and it cannot be "
+        r"written back as an HF directory \(no params_to_hf\)"
+    )
+    with pytest.raises(ConfigError, match=want):
+        check_program([with_path], task, 1)
+    model, params, tok = from_pretrained(Path(__file__).parent / "data" / "tiny_gguf" / "tiny.gguf")
+    with pytest.raises(ConfigError, match=r"\(no a tokenizer with save\(\)\)"):
+        check_export(dataclasses.replace(task, policy=model, policy_params=params), model)
+    check_export(dataclasses.replace(task, policy=model, policy_params=params, tokenizer=tok), model)
 
 
 # ---- 2. the task and the models against the policy ------------------------------------------------------

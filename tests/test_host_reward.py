@@ -402,3 +402,171 @@ def test_shard_map_failures(sharded_results, rfile) -> None:
     assert re.match(
         rf"reward function {r}:nan_at_1: returned nan for completion 1 \(prompt row \d\)", nan["message"]
     )
+
+
+# ---- the signature, one call before compiling, what a function does -------------------------------
+
+
+def test_check_signature_names_what_klrl_passes(tok) -> None:
+    from klrl.rewards.host import check_signature
+
+    def by_name(prompts, completions):
+        return [0.0] * len(completions)
+
+    def kwargs_only(**kw):
+        return [0.0] * len(kw["completions"])
+
+    def keyword_only(*, completions, answer=None):
+        return [0.0] * len(completions)
+
+    for fn in (by_name, kwargs_only, keyword_only, positivity, arithmetic):
+        check_signature(fn, "f", ["answer", "topic"])
+    cases = [
+        (lambda prompts, texts: [], None, r"f: takes no 'completions' argument by name \(its signature: "
+         r"<lambda>\(prompts, texts\)\); klrl calls fn\(prompts=\[\.\.\.\], completions=\[str, \.\.\.\]"),
+        (lambda completions, /: [], None, r"f: takes no 'completions' argument by name"),
+        (lambda prompts, /, completions: [], None, r"f: argument 'prompts' is positional-only"),
+        (lambda *args: [], None, r"f: takes no 'completions' argument by name"),
+        (lambda completions, answer: [], ["topic"], r"f: requires argument 'answer', which klrl does not "
+         r"pass \(it passes prompts, completions, completion_ids and the prompt data's columns: topic\)"),
+    ]  # fmt: skip
+    for fn, columns, msg in cases:
+        with pytest.raises(RewardLoadError, match=msg):
+            check_signature(fn, "f", columns)
+    check_signature(lambda completions, answer: [], "f")  # the columns unknown: only 'completions' checked
+    with pytest.raises(RewardLoadError, match="requires argument 'answer'"):  # at construction, columns known
+        make_host_reward([lambda completions, answer: []], None, tok, PROMPTS)
+
+
+def test_load_reward_fn_checks_the_signature_and_survives_exits_at_import(tmp_path) -> None:
+    (tmp_path / "r.py").write_text("def f(prompts, texts):\n    return texts\n")
+    with pytest.raises(RewardLoadError, match=r"r.py:f: takes no 'completions' argument by name"):
+        load_reward_fn(f"{tmp_path}/r.py:f")
+    for body, did in [("import sys\nsys.exit(5)\n", r"it called sys.exit\(5\)"),
+                      ("import sys\nsys.exit()\n", r"it called sys.exit\(\)"),
+                      ("raise KeyboardInterrupt\n", "it raised KeyboardInterrupt")]:  # fmt: skip
+        (tmp_path / "x.py").write_text(body)
+        with pytest.raises(RewardLoadError, match=rf"x.py does not import \({did}\)$"):
+            load_reward_fn(f"{tmp_path}/x.py:f")
+
+
+def test_describe_says_what_the_code_did() -> None:
+    from klrl.rewards.host import STRINGS_HINT, describe
+
+    assert describe(SystemExit(5)) == "called sys.exit(5)"
+    assert describe(SystemExit("bye")) == "called sys.exit('bye')"
+    assert describe(KeyboardInterrupt()) == "raised KeyboardInterrupt"
+    assert describe(ValueError("a\nb")) == "raised ValueError: a / b"
+    completion = "text"
+    try:
+        completion[0]["content"]
+    except TypeError as e:
+        assert describe(e) == f"raised TypeError: {e} ({STRINGS_HINT})"
+
+
+def _probe_fails(tok, fn, match, weights=None) -> None:
+    rw = make_host_reward([fn] if callable(fn) else fn, weights, tok, PROMPTS, COLUMNS)
+    with pytest.raises(RewardFunctionError, match=match) as e:
+        rw.probe([0, 1], ["a good day", "17"])
+    assert "\n" not in str(e.value)
+    assert rw.n_errors == 0 and rw.errors == [] and rw.n_calls == 0  # nothing recorded: the run starts clean
+
+
+def test_probe_calls_each_function_once_as_training_does(tok) -> None:
+    seen = {}
+
+    def record(prompts, completions, completion_ids, topic):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, topic=topic)
+        return [1.0, None]
+
+    make_host_reward(["positivity", record], None, tok, PROMPTS, COLUMNS).probe([2, 0], ["ok then", "fine"])
+    assert seen == {
+        "prompts": [PROMPTS[2], PROMPTS[0]],
+        "completions": ["ok then", "fine"],
+        "ids": [tok.encode("ok then"), tok.encode("fine")],
+        "topic": ["maths", "maths"],
+    }
+
+    def exits(completions):
+        raise SystemExit(3)
+
+    def interrupts(completions):
+        raise KeyboardInterrupt
+
+    conversational = lambda completions: [c[0]["content"] for c in completions]  # noqa: E731
+    _probe_fails(tok, exits, r"exits: called sys.exit\(3\) \(a call before compiling, on 2 prompt\(s\)")
+    _probe_fails(tok, interrupts, r"interrupts: raised KeyboardInterrupt \(a call before compiling")
+    _probe_fails(tok, conversational, r"raised TypeError: string indices must be integers.*not TRL "
+                 r"conversational message lists: use c, not c\[0\]\['content'\]\) \(a call")  # fmt: skip
+    _probe_fails(tok, lambda completions: [1e39, 0.0], r"returned 1e\+39 for completion 0 \(prompt row 0\) "
+                 r"\(inf in float32, whose largest value is 3.4e\+38\)")  # fmt: skip
+    _probe_fails(tok, lambda completions: [1.0], r"returned 1 values for 2 completions")
+    _probe_fails(tok, lambda completions: 1.0, r"returned a float, not a list of 2 values")
+    big = lambda completions: [3e38, 0.0]  # noqa: E731  (finite in float32; twice it is not)
+    _probe_fails(tok, [big, big], r"^reward functions: the weighted sum 1 \* 3e\+38 \(.*\) \+ 1 \* 3e\+38 "
+                 r"\(.*\) = 6e\+38 for completion 0 is not finite in float32")  # fmt: skip
+
+
+def test_float32_is_checked_during_training_too(tok, batch) -> None:
+    resp, mask = batch
+    huge = lambda completions: [1e39 if i == 2 else 1.0 for i in range(len(completions))]  # noqa: E731
+    rw = make_host_reward([huge], None, tok, PROMPTS)
+    scores, _, error = rw.score_numpy(IDX, resp, mask)
+    assert error.tolist() == [0, 0, NOT_FINITE, 0, 0, 0, 0, 0] and np.isfinite(scores).all()
+    with pytest.raises(
+        RewardFunctionError, match=r"returned 1e\+39 for completion 2 \(prompt row 2\) \(inf in"
+    ):
+        rw.check(error)
+    big = lambda completions: [3e38 if i == 5 else 1.0 for i in range(len(completions))]  # noqa: E731
+    rw = make_host_reward([big, big], None, tok, PROMPTS)
+    scores, _, error = rw.score_numpy(IDX, resp, mask)
+    assert error.tolist() == [0, 0, 0, 0, 0, NOT_FINITE, 0, 0] and np.isfinite(scores).all()
+    with pytest.raises(RewardFunctionError, match=r"= 6e\+38 for completion 5 is not finite in float32"):
+        rw.check(error)
+
+
+def test_exits_and_interrupts_in_the_callback_are_recorded(tok, batch) -> None:
+    """Under jit the function runs on a callback thread: SystemExit and KeyboardInterrupt must not
+    escape through XLA; they are the function's failure."""
+    resp, mask = batch
+
+    def exits(completions):
+        raise SystemExit(7)
+
+    def interrupts(completions):
+        raise KeyboardInterrupt
+
+    for fn, msg in [
+        (exits, r"exits: called sys.exit\(7\)$"),
+        (interrupts, "interrupts: raised KeyboardInterrupt$"),
+    ]:
+        rw = make_host_reward([fn], None, tok, PROMPTS)
+        scores, error = jax.jit(rw)(IDX, resp, mask)
+        assert (np.asarray(error) == RAISED).all()
+        with pytest.raises(RewardFunctionError, match=msg):
+            rw.check(error)
+
+
+def test_a_real_ctrl_c_during_the_call_is_the_users(tok) -> None:
+    """On the main thread: a SIGINT that arrives while the function runs is the user's Ctrl-C. With
+    Python's default handler it stays a KeyboardInterrupt (passed on, not the function's failure);
+    under the run's StopSignals it is a stop request (recorded there) and the call goes on."""
+    import os
+    import signal
+    import time
+
+    from klrl.loop.reliability import StopSignals
+
+    def slow(completions):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the handler runs here
+        return [1.0] * len(completions)
+
+    rw = make_host_reward([slow], None, tok, PROMPTS)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        rw.probe([0], ["x"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    with StopSignals(log=lambda s: None) as stop:
+        rw.probe([0], ["x"])  # no failure: the call finished
+        assert stop.name == "SIGINT"

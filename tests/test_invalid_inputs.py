@@ -249,6 +249,51 @@ def test_conflicting_or_malformed_flags(argv, word, capsys):
     legacy(capsys, argv, word)
 
 
+# ---- 6b. flags a study or sweep would ignore, model paths a task would not read (issue 30, 7 and 10) ----
+GGUF = str(ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf")
+IGNORED = [
+    ("--study --kl.beta 0.5 --ctrl.kind pi", "--kl.beta: set per member by the study (0.01, 0.1, 1)"),
+    ("--study --ctrl.kind pi", "--ctrl.kind: set per member by the study (fixed, proportional)"),
+    ("--study --ctrl.target 2", "--ctrl.target: set per member by the study"),
+    ("--study --ctrl.kp 0.3", "--ctrl.kp: read by no member of the study (ctrl.kind fixed, proportional"),
+    ("--study --ctrl.warmup_iters 5",
+     "the study: members 0 and 1 would be the same run: their maths does not read kl.beta"),
+    ("--sweep train.name=a,b", "--sweep train.name: per-run bookkeeping, one value for the whole sweep"),
+    ("--sweep train.out_dir=a,b", "--sweep train.out_dir: per-run bookkeeping"),
+    ("--sweep train.quiet=true,false", "--sweep train.quiet: per-run bookkeeping"),
+    ("--sweep diag.window=5,10", "--sweep diag.window: per-run bookkeeping"),
+    ("--sweep kl.beta=0.1,0.1", "--sweep kl.beta: value 0.1 given twice"),
+    ("--sweep ctrl.kp=0.1,0.2", "--sweep ctrl.kp: two members would be the same run (ctrl.kp=0.1 and 0.2): "
+                                "their maths does not read ctrl.kp with ctrl.kind=fixed"),
+    ("--sweep kl.beta=0.1,1 --ctrl.warmup_iters 3", "--sweep kl.beta: two members would be the same"),
+    ("--sweep kl.beta=0.1,1 --kl.beta 0.5", "--kl.beta: set per member by --sweep (0.1, 1)"),
+    ("--sweep kl.beta=0.1,1 --ctrl.horizon 50", "--ctrl.horizon: read by no member of --sweep"),
+    ("--sweep ctrl.kind=fixed,pi --ctrl.horizon 50", "--ctrl.horizon: read by no member"),
+    ("--task.name testbed --model.path GGUF --train.iterations 2", "model.path: task testbed does not read"),
+    ("--task.name wordclass --model.eval_path GGUF", "model.eval_path: task wordclass does not read it"),
+    ("--model.path GGUF --model.reward_path GGUF --reward.fn positivity",
+     "model.reward_path: not read when reward.fn is given"),
+    ("--model.path GGUF --model.value_path GGUF", "model.value_path: read only with model.value_model=sep"),
+    ("--sweep kl.beta=0.1,1 --model.path GGUF --model.value_model separate --model.value_path GGUF",
+     "model.value_path: a sweep's members draw a fresh value model each"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,words", IGNORED, ids=[a for a, _ in IGNORED])
+def test_a_flag_the_run_would_ignore_is_refused(argv, words, capsys):
+    legacy(capsys, [GGUF if w == "GGUF" else w for w in argv.split()], words)
+
+
+def test_study_and_sweep_flags_that_are_used_pass(capsys):
+    """What the members do read gets through to the build: a ctrl knob of the study's proportional member, a
+    seed for every member, a knob of a swept controller kind."""
+    for argv in (["--study", "--ctrl.clip", "0.1", "--train.seed", "3"],
+                 ["--sweep", "ctrl.kind=fixed,proportional", "--ctrl.horizon", "50"],
+                 ["--sweep", "ctrl.kp=0.1,0.2", "--ctrl.kind", "pi"]):  # fmt: skip
+        with pytest.raises(Reached):
+            run_py.main(argv)
+
+
 # ---- 7. paths the run would write -------------------------------------------------------------------
 def test_paths(tmp_path, capsys):
     f = tmp_path / "a-file"

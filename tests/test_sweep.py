@@ -31,7 +31,7 @@ import pytest
 
 from klrl.analysis.results import member_names
 from klrl.config import ConfigError, RunConfig
-from klrl.config.sweep import check_members, grid, parse_axis
+from klrl.config.sweep import check_members, check_overrides, grid, parse_axis, unread
 
 RTOL = 1e-5
 ATOL_METRIC = 1e-5
@@ -299,19 +299,116 @@ def test_grid_is_the_cartesian_product() -> None:
         grid(base, {"kl.beta": [0.1, -1.0]})  # every member is validated
 
 
+def test_grid_refuses_members_that_are_the_same_run() -> None:
+    """``--sweep train.name=a,b`` ran two identical members into ``a``; so would a value given twice or a
+    controller knob the members' controller does not read: refused, naming the axis."""
+    base = RunConfig()
+    cases = [
+        ({"train.name": ["a", "b"]}, r"^--sweep train\.name: per-run bookkeeping"),
+        ({"kl.beta": [0.1, 0.1]}, r"^--sweep kl\.beta: value 0\.1 given twice"),
+        ({"train.seed": [0, 1], "kl.beta": [1.0, 0.5, 1.0]}, r"^--sweep kl\.beta: value 1\.0 given twice"),
+        ({"ctrl.kp": [0.1, 0.2]}, r"^--sweep ctrl\.kp: two members would be the same run \(ctrl\.kp=0\.1 and "
+                                  r"0\.2\): their maths does not read ctrl\.kp with ctrl\.kind=fixed$"),
+        ({"ctrl.kind": ["fixed", "proportional"], "ctrl.kp": [0.1, 0.2]}, r"^--sweep ctrl\.kp: two members"),
+        ({"ctrl.warmup_beta": [0.1, 0.2]}, r"^--sweep ctrl\.warmup_beta: two members would be the same run"),
+    ]  # fmt: skip
+    for axes, want in cases:
+        with pytest.raises(ConfigError, match=want):
+            grid(base, axes)
+    warm = base.replace(ctrl={"warmup_iters": 3})
+    with pytest.raises(ConfigError, match=r"does not read kl\.beta with ctrl\.warmup_iters=3$"):
+        grid(warm, {"kl.beta": [0.1, 1.0]})
+    assert len(grid(warm, {"ctrl.warmup_beta": [0.1, 0.2]})) == 2
+    assert len(grid(base.replace(ctrl={"kind": "pi"}), {"ctrl.kp": [0.1, 0.2]})) == 2
+    with pytest.raises(
+        ConfigError, match=r"does not read ctrl\.kp with ctrl\.kind=dual$"
+    ):  # pi's do, dual's not
+        grid(base, {"ctrl.kind": ["pi", "dual"], "ctrl.kp": [0.1, 0.2]})
+
+
+def test_unread_fields_by_controller_kind() -> None:
+    """Against the controllers themselves (klrl.algo.control): a knob is read by a kind iff changing it
+    changes beta's trajectory over a few updates at KLs off the target; ``kl.beta`` and ``warmup_beta``
+    alike with and without a warm-up."""
+    from klrl.algo.control import from_config
+
+    knobs = ("target", "horizon", "clip", "band", "factor", "kp", "ki", "integral_max", "step_clip", "lr")
+    bigger = {"step_clip": 0.9, "integral_max": 0.5}  # (a clamp the 5 updates reach)
+
+    def trajectory(cfg: RunConfig) -> list[float]:
+        c = from_config(cfg.ctrl)
+        s = c.init(cfg.kl.beta)
+        out = []
+        for kl in (30.0, 0.5, 12.0, 3.0, 40.0):
+            s = c.update(s, kl, 64)
+            out.append(float(s.beta))
+        return out
+
+    for kind in ("fixed", "proportional", "band", "pi", "dual"):
+        for warm in (0, 2):
+            cfg = RunConfig().replace(ctrl={"kind": kind, "warmup_iters": warm, "kp": 0.5, "ki": 0.2})
+            ref = trajectory(cfg)
+            moved = {
+                f"ctrl.{k}"
+                for k in knobs
+                if trajectory(cfg.replace(ctrl={k: bigger.get(k, getattr(cfg.ctrl, k) * 1.7)})) != ref
+            }
+            if trajectory(cfg.replace(kl={"beta": 0.37})) != ref:
+                moved.add("kl.beta")
+            if trajectory(cfg.replace(ctrl={"warmup_beta": 0.37})) != ref:
+                moved.add("ctrl.warmup_beta")  # fmt: skip
+            candidates = {f"ctrl.{k}" for k in knobs} | {"kl.beta", "ctrl.warmup_beta"}
+            assert unread(cfg) == (candidates - moved) | {"train.name"}, (kind, warm)
+
+
+def test_check_overrides_names_the_flag_the_members_would_ignore() -> None:
+    base = RunConfig()
+    study = [base.replace(kl={"beta": b}) for b in (0.01, 0.1, 1.0)]
+    study.append(
+        base.replace(kl={"beta": 0.1}, ctrl={"kind": "proportional", "target": 3.0, "horizon": 1000.0})
+    )
+    check_overrides(["train.seed", "ctrl.clip", "ctrl.beta_max"], base, study, "the study")  # all read
+    cases = [
+        (["kl.beta"], r"^kl\.beta: set per member by the study \(0\.01, 0\.1, 1\), so the flag would be "
+                      r"ignored; choose the values with --sweep kl\.beta=v1,v2$"),
+        (["ctrl.kind"], r"^ctrl\.kind: set per member by the study \(fixed, proportional\)"),
+        (["ctrl.horizon"], r"^ctrl\.horizon: set per member by the study \(10000, 1000\)"),
+        (["train.seed", "ctrl.kp"], r"^ctrl\.kp: read by no member of the study \(ctrl\.kind fixed, "
+                                    r"proportional, ctrl\.warmup_iters 0\), so the flag would be ignored$"),
+    ]  # fmt: skip
+    for given, want in cases:
+        with pytest.raises(ConfigError, match=want):
+            check_overrides(given, base, study, "the study")
+    with pytest.raises(ConfigError, match=r"^the study: members 0 and 1 would be the same run: their maths "
+                       r"does not read kl\.beta \(ctrl\.kind fixed, ctrl\.warmup_iters 4\)$"):  # fmt: skip
+        check_overrides([], base, [m.replace(ctrl={"warmup_iters": 4}) for m in study], "the study")
+    swept = grid(base, {"kl.beta": [0.1, 1.0]})
+    with pytest.raises(ConfigError, match=r"^kl\.beta: set per member by --sweep \(0\.1, 1\), so the flag "
+                       r"would be ignored$"):  # fmt: skip
+        check_overrides(["kl.beta"], base.replace(kl={"beta": 0.5}), swept, "--sweep")
+
+
 def test_parse_axis() -> None:
     base = RunConfig()
     assert parse_axis("kl.beta=0.001,0.01,0.1,1.0", base) == ("kl.beta", [0.001, 0.01, 0.1, 1.0])
     name, seeds = parse_axis("train.seed=0,1", base)
     assert name == "train.seed" and seeds == [0, 1] and all(type(s) is int for s in seeds)
     assert parse_axis("ctrl.kind=pi,dual", base) == ("ctrl.kind", ["pi", "dual"])
-    assert parse_axis("sampling.use_eos=true,false", base) == ("sampling.use_eos", [True, False])
+    assert parse_axis("ctrl.warmup_beta=0.1,0.2", base) == ("ctrl.warmup_beta", [0.1, 0.2])
     for spec, match in [
         ("kl.beta", "expected"),
         ("beta=0.1", "unknown field"),
         ("kl.betta=0.1", "unknown field"),
         ("nosuch.beta=0.1", "unknown field"),
         ("train.seed=0,x", "train.seed"),
+        (
+            "sampling.use_eos=true,false",
+            r"^--sweep sampling\.use_eos: cannot differ between sweep members \(it fixes",
+        ),
+        ("train.name=a,b", r"^--sweep train\.name: per-run bookkeeping, one value for the whole sweep"),
+        ("train.out_dir=a,b", r"^--sweep train\.out_dir: per-run bookkeeping"),
+        ("train.quiet=true,false", r"^--sweep train\.quiet: per-run bookkeeping"),
+        ("diag.persist=1,2", r"^--sweep diag\.persist: per-run bookkeeping"),
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_axis(spec, base)

@@ -11,7 +11,9 @@ The flags are parsed first as the script's own (its ``--help`` lists them all, a
 message), and the combinations the commands cannot express are refused here, one line and exit status 2
 (``--report`` with any other flag, ``--sweep``/``--study`` with ``--resume``, ``--study`` with ``--sweep``,
 ``--sweep-devices`` without ``--sweep``). Then the command runs: the same behaviour, messages and exit
-statuses.
+statuses; among them, a flag beside ``--study`` or ``--sweep`` that the members would ignore (one the
+study or an axis sets per member, a ``ctrl`` knob no member's controller reads) is refused by name
+(:func:`klrl.config.sweep.check_overrides`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def _legacy_args(p: argparse.ArgumentParser) -> None:
                         "and exit; trains nothing (takes no other flag)")  # fmt: skip
     sweep_args(p)
     p.add_argument("--study", action="store_true",
-                   help="the default beta study (what running with no arguments does), with any "
-                        "overrides applied to every member")  # fmt: skip
+                   help="the default beta study (what running with no arguments does): fixed kl.beta "
+                        "0.01, 0.1, 1 and one proportional controller; other flags apply to every member, "
+                        "a flag the study sets per member (kl.beta, ctrl.*) or no member reads is an "
+                        "error")  # fmt: skip
     distributed_args(p)
 
 
