@@ -13,10 +13,10 @@ Sources (``DataConfig.path``; the format comes from the suffix unless ``format``
 The prompt column ``field`` (default ``prompt``, TRL's convention) holds a string or a
 conversation: a list of ``{"role", "content"}`` dicts (TRL's conversational format, e.g. a
 ``messages`` column with ``field="messages"``). With ``chat_template`` on, a string becomes one
-user turn and the conversation is rendered by the tokenizer's chat template with the generation
-prompt, then encoded without added special tokens (the template writes them, as transformers
-does). With it off, a string is encoded with ``add_special_tokens=True`` (a BOS where the tokenizer
-adds one) and a conversation is an error.
+user turn (unless it already carries the template, below) and the conversation is rendered by the
+tokenizer's chat template with the generation prompt, then encoded without added special tokens
+(the template writes them, as transformers does). With it off, a string is encoded with
+``add_special_tokens=True`` (a BOS where the tokenizer adds one) and a conversation is an error.
 
 **Prompts that already carry the template** (the output of ``apply_chat_template``, e.g. a string
 starting ``<|im_start|>system``): a string that contains a special token the tokenizer's chat
@@ -27,17 +27,17 @@ rendering a probe conversation) is encoded as it is, never wrapped a second time
 **Truncation** to the prompt budget ``P = prompt_len`` (``truncate='left'``, the default) keeps the
 template: a prompt longer than ``P`` tokens loses the *first* tokens of its user content (the end of
 the request, usually the question, survives), while the system turn, the user header, the end of
-turn and the generation prompt (``<|im_start|>assistant\n``) stay whole; its row is then exactly
+turn and the generation prompt (``<|im_start|>assistant\\n``) stay whole; its row is then exactly
 ``P`` tokens. The pieces are encoded separately (template text, user content), the content's tokens
 cut from the left, and concatenated. In a conversation the user messages are shortened in order,
-the earliest first (an emptied one keeps its header); a string that already carries the template is
-cut the same way inside its user turns (the text between the template's user header and the next
-marker); with ``chat_template`` off a string loses its first tokens after the BOS the tokenizer
-adds. Where the template alone (every piece but the user content) takes ``P`` tokens or more, or
-the user content cannot be found, it is a :class:`PromptDataError` naming ``data.prompt_len``;
-``truncate='error'`` makes any long prompt one. ``PromptPool.truncated`` marks the cut prompts
-(``data/prompts_truncated``); the caller logs the counts (:func:`counts_line`), no Python warning
-is emitted.
+the earliest first (an emptied one keeps its header); system messages and assistant turns are never
+cut. A string that already carries the template is cut the same way inside its user turns (the
+text between the template's user header and the next marker); with ``chat_template`` off a plain
+string loses its first tokens after the BOS the tokenizer adds. Where the template alone (every
+piece but the user content) takes ``P`` tokens or more, or the user content cannot be found, it is
+a :class:`PromptDataError` naming ``data.prompt_len``; ``truncate='error'`` makes any long prompt
+one. ``PromptPool.truncated`` marks the cut prompts (``data/prompts_truncated``); the caller logs
+the counts (:func:`counts_line`), no Python warning is emitted.
 
 Tokens are left-padded to ``P`` (``mask`` 1 on prompt tokens, 0 on pads), so every prompt ends at
 column ``P - 1`` and the response starts at column ``P``. Held-out prompts: a separate file
