@@ -36,20 +36,6 @@ BAD = {
     "unknown_field": (["--kl.betta", "0.1"], "kl.betta", {}),
     "unparsable_float": (["--kl.beta", "abc"], "kl.beta", {}),
     "unparsable_bool": (["--sampling.use_eos", "maybe"], "sampling.use_eos", {}),
-    # a device has no size to trust: read unbounded it was a MemoryError
-    "config_is_a_device": (["--config", "/dev/zero"], "--config: /dev/zero: not a regular file", {}),
-    # root may write anywhere by its permission bits, but not into /proc: tried, not inferred
-    "cache_not_creatable": (
-        [],
-        "$KLRL_CACHE): /proc/klrl-nope cannot be created",
-        {"KLRL_CACHE": "/proc/klrl-nope"},
-    ),
-    "cache_dir_not_creatable": (
-        ["--task.cache_dir", "/proc/klrl-nope"],
-        "task.cache_dir: /proc/klrl-nope",
-        {},
-    ),
-    "out_dir_not_creatable": (["--train.out_dir", "/proc/klrl-nope"], "train.out_dir: /proc/klrl-nope", {}),
 }
 
 
@@ -57,9 +43,8 @@ def _start(args: list[str], cache: Path, extra_env: dict[str, str]) -> subproces
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env.update({"KLRL_CACHE": str(cache), "JAX_PLATFORMS": "cpu", **extra_env})
-    out = [] if "--train.out_dir" in args else ["--train.out_dir", str(cache / "runs")]
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args, *out],
+        [sys.executable, str(SCRIPT), *args, "--train.out_dir", str(cache / "runs")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -371,3 +356,34 @@ def test_klrl_models_lists_what_it_sees(fake_hub, tmp_path, capsys) -> None:
     assert "klrl models" in main.__globals__["_usage"]()
     line = one_line_error(capsys, main, ["models", "--model.path", "x"])
     assert line == "error: --model.path: klrl models takes no flags or arguments"
+
+
+@pytest.mark.parametrize(
+    "argv,env,want",
+    [
+        # a device has no size to trust: read unbounded it was a MemoryError
+        (["--config", "/dev/zero"], {}, "error: --config: /dev/zero: not a regular file"),
+        # root may write anywhere by the permission bits, but not into /proc: tried, not inferred
+        ([], {"KLRL_CACHE": "/proc/klrl-nope"},
+         "error: the task cache ($KLRL_CACHE): /proc/klrl-nope cannot be created: /proc is not writable"),
+        (["--task.cache_dir", "/proc/klrl-nope"], {}, "error: task.cache_dir: /proc/klrl-nope cannot be"),
+        (["--train.out_dir", "/proc/klrl-nope"], {}, "error: train.out_dir: /proc/klrl-nope cannot be"),
+    ],
+)  # fmt: skip
+def test_unusable_files_and_directories_before_anything_is_built(
+    argv, env, want, tmp_path, monkeypatch, capsys
+):
+    import klrl.cli.commands as C
+
+    def reached(*a, **k):
+        raise AssertionError("the run was reached: the input was not refused before anything was built")
+
+    monkeypatch.setattr(C, "run_one", reached)
+    monkeypatch.setattr(C, "run_sweep", reached)
+    monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = [] if "--train.out_dir" in argv else ["--train.out_dir", str(tmp_path / "runs")]
+    line = one_line_error(capsys, C.main, ["train", *argv, *out])
+    assert line.startswith(want), line
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing created

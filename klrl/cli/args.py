@@ -245,8 +245,8 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
         probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
         os.rmdir(probe)
     except OSError as e:
-        verb = "is not writable" if top == p.absolute() else f"cannot be created in {top}"
-        fail(f"{what}: {p} {verb} ({e.strerror or type(e).__name__})")
+        where = "" if top == p.absolute() else f" cannot be created: {top}"
+        fail(f"{what}: {p}{where} is not writable ({e.strerror or type(e).__name__})")
 
 
 def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
