@@ -279,6 +279,21 @@ def test_a_join_that_cannot_complete_ends_in_one_line(process_id, tmp_path) -> N
     assert not (tmp_path / "runs").exists()
 
 
+def test_no_coordinator_and_no_cluster_is_one_line(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KLRL_", "SLURM_", "OMPI_", "TPU_"))}
+    env.update({"JAX_PLATFORMS": "cpu", "KLRL_CACHE": str(tmp_path / "cache")})
+    argv = ["train", "--distributed", "--distributed-timeout", "5", "--train.out_dir", str(tmp_path / "runs")]
+    p = subprocess.run(
+        [sys.executable, "-m", "klrl", *argv], env=env, capture_output=True, text=True, timeout=90
+    )
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --distributed: no coordinator given"), p.stderr[
+        -3000:
+    ]
+    assert "--coordinator HOST:PORT" in lines[0]
+
+
 def test_the_join_timeout_from_the_environment(monkeypatch) -> None:
     import klrl.distributed as D
 

@@ -280,6 +280,10 @@ def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunCo
         try:
             initialize(ns.coordinator, ns.num_processes, ns.process_id, timeout_s=timeout)
         except ValueError as e:
+            if "coordinator_address" in str(e):  # JAX's words when nothing was given or detected
+                e = ValueError("no coordinator given and no cluster detected (Cloud TPU, Slurm, Open MPI, "
+                               "Kubernetes): pass --coordinator HOST:PORT --num-processes N --process-id I "
+                               "(or $KLRL_COORDINATOR, $KLRL_NUM_PROCESSES, $KLRL_PROCESS_ID)")  # fmt: skip
             fail(f"--distributed: {e}")
     if run_alone:
         try:
