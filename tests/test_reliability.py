@@ -574,7 +574,10 @@ def test_guard_turns_any_full_disk_into_one_line(tmp_path):
     from klrl.io.checkpoint import DiskFull
     from klrl.loop.reliability import RunGuard
 
-    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    for item in ("state", "meta"):  # a finished save (klrl.io.checkpoint.is_finished)
+        (tmp_path / "checkpoints" / "4" / item).mkdir(parents=True)
+    (tmp_path / "checkpoints" / "4" / "commit_success.txt").write_text("ok")
+    (tmp_path / "checkpoints" / "5").mkdir()  # no finished save: not the last complete checkpoint
     (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
     tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed to write 198611 bytes to file 15: No space left on "
                              "device [os_error_code='28']")  # fmt: skip
