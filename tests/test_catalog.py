@@ -134,6 +134,14 @@ def test_local_paths_and_other_strings_are_left_alone(hub, tmp_path, monkeypatch
         assert catalog.resolve_model_path(value) == value  # not Hub-shaped: the path check's to refuse
 
 
+def test_a_name_without_organisation_only_when_cached(hub, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    snap = fake_hub_repo(hub, "gpt2", tiny_hf_files())
+    assert Path(catalog.resolve_model_path("gpt2")) == snap
+    assert catalog.resolve_model_path("policy") == "policy"  # not cached: the path check's to refuse
+    assert catalog.resolve_model_path("..") == ".."
+
+
 def test_resolve_model_paths_of_a_config(hub) -> None:
     snap = fake_hub_repo(hub, "Org/Tiny", tiny_hf_files())
     cfg = RunConfig().replace(task={"name": "text"}, model={"path": "Org/Tiny", "reward_path": "Org/Tiny"})
@@ -179,6 +187,7 @@ def _fake_machine(tmp_path: Path) -> tuple[Path, Path, Path]:
     hf = tmp_path / "hub"
     fake_hub_repo(hf, "Org/Tiny-Llama", tiny_hf_files())
     fake_hub_repo(hf, "Org/No-Weights", {"config.json": TINY_HF / "config.json"})  # not a model
+    fake_hub_repo(hf, "gpt2", tiny_hf_files())  # a name without organisation
     klrl_cache = tmp_path / "klrl"
     (klrl_cache / "models" / "a").mkdir(parents=True)
     shutil.copyfile(TINY_GGUF, klrl_cache / "models" / "a" / "mine.gguf")
@@ -190,7 +199,7 @@ def test_find_models(tmp_path) -> None:
     packages, hf, klrl_cache = _fake_machine(tmp_path)
     found, looked = catalog.find_models([packages], hf, klrl_cache)
     by_name = {f.name: f for f in found}
-    assert sorted(by_name) == ["Org/Tiny-Llama", "Tiny.Q8_0.gguf", "bad.gguf", "mine.gguf"]
+    assert sorted(by_name) == ["Org/Tiny-Llama", "Tiny.Q8_0.gguf", "bad.gguf", "gpt2", "mine.gguf"]
     hf_model = by_name["Org/Tiny-Llama"]
     assert hf_model.path == hf / "models--Org--Tiny-Llama" / "snapshots" / REV
     assert hf_model.family == "llama safetensors" and hf_model.readable

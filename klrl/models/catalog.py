@@ -48,6 +48,7 @@ __all__ = [
 MODEL_FIELDS = ("path", "value_path", "reward_path", "eval_path")  # model.* fields naming a checkpoint
 # a Hub repository id: "org/name", letters, digits, '-', '_', '.'; no '--' or '..' (the Hub refuses them)
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LEGACY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # the Hub's first models had no organisation
 
 
 # ---- Hub names in the local Hugging Face cache -------------------------------------------------------
@@ -106,10 +107,15 @@ def hub_snapshot(name: str, cache: Path | None = None) -> tuple[Path | None, str
 
 
 def resolve_model_path(value: str, field: str = "model.path") -> str:
-    """``value`` itself when it is empty, exists, or is not Hub-shaped; a Hub name's local snapshot;
-    else :class:`ConfigError` in one line: klrl reads local paths, and where it looked."""
-    if not value or Path(value).exists() or not is_hub_name(value):
+    """``value`` itself when it is empty, exists, or is not Hub-shaped; a Hub name's local snapshot
+    (also a name without an organisation, ``gpt2``, when the cache has it); else :class:`ConfigError`
+    in one line: klrl reads local paths, and where it looked."""
+    if not value or Path(value).exists():
         return value
+    if not is_hub_name(value):  # a legacy name without an organisation ('gpt2'): taken only if cached
+        legacy = bool(_LEGACY_NAME.match(value)) and value not in (".", "..")
+        found = hub_snapshot(value)[0] if legacy else None
+        return value if found is None else str(found)
     found, why = hub_snapshot(value)
     if found is not None:
         return str(found)
@@ -289,7 +295,7 @@ def _walk_ggufs(root: Path, depth: int) -> Iterator[Path]:
 def _hf_snapshots(cache: Path) -> Iterator[Found]:
     if not cache.is_dir():
         return
-    for repo in sorted(cache.glob("models--*--*")):
+    for repo in sorted(cache.glob("models--*")):  # models--Org--Name, or models--name (no organisation)
         name = repo.name[len("models--") :].replace("--", "/", 1)
         snap, _ = _snapshot(repo)
         if snap is not None:
