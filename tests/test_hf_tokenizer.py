@@ -104,3 +104,38 @@ def test_missing_or_broken_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerFormatError, match="tokenizer.json: not a readable"):
         load_tokenizer_dir(tmp_path)
+
+
+def test_chat_format_reads_added_turn_tokens_that_are_not_special():
+    """Gemma-shaped: the turn tokens are added but not special (GGUF user-defined, type 4), so they
+    survive skip_special_tokens; they are still the template's markers, so a prompt that carries the
+    template without its BOS is detected, and a long one is cut between the user header and the end
+    of turn (the generation prompt kept)."""
+    from klrl.config import DataConfig
+    from klrl.data.prompts import build_pool, chat_format
+
+    t = byte_level_bpe(
+        CHARS + ["<s>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>"], [], [1] * 256 + [3, 3, 4, 4]
+    )
+    template = (
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+        "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+    g = make_tokenizer(t, SPECIAL, template)
+    assert g.added_tokens == {"<s>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>"}
+    assert g.decode(g.encode("<start_of_turn>"), skip_special_tokens=True) == "<start_of_turn>"  # not special
+    fmt = chat_format(g)
+    assert set(fmt.markers) == {"<s>", "<start_of_turn>", "<end_of_turn>"}
+    assert fmt.user_header == "<start_of_turn>user\n"
+    head, tail = "<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"
+    content = "abcdefghij" * 3
+    pool = build_pool([{"prompt": head + content + tail}], g, DataConfig(prompt_len=24), source="mem")
+    assert pool.n_templated == 1 and pool.n_truncated == 1
+    ids = (
+        g.encode(head)
+        + g.encode(content)[-(24 - len(g.encode(head)) - len(g.encode(tail))) :]
+        + g.encode(tail)
+    )
+    assert [int(i) for i in pool.tokens[0]] == ids
+    assert g.decode(ids, skip_special_tokens=False).endswith("ghij" + tail)

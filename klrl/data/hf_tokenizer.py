@@ -106,6 +106,13 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    @property
+    def added_tokens(self) -> frozenset[str]:
+        """Every added token's text, special or not (GGUF control and user-defined tokens, a
+        ``tokenizer.json``'s ``added_tokens``): the markers a chat template may write
+        (:func:`klrl.data.prompts.chat_format`)."""
+        return frozenset(a.content for a in self.tok.get_added_tokens_decoder().values())
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:

@@ -318,7 +318,9 @@ class ChatFormat:
 def chat_format(tokenizer: Tokenizer) -> ChatFormat | None:
     """The :class:`ChatFormat` of ``tokenizer``'s chat template, read off a rendered one-message
     conversation: a marker is a token of the rendering that decodes to nothing once special tokens
-    are skipped. None without a template (or one that cannot render the probe)."""
+    are skipped, or one of the tokenizer's ``added_tokens`` where it lists them (a template's turn
+    tokens need not be special, e.g. a GGUF's user-defined ones). None without a template (or one
+    that cannot render the probe)."""
     if getattr(tokenizer, "chat_template", None) is None:
         return None
     probe = _PROBE.format(0)
@@ -326,10 +328,10 @@ def chat_format(tokenizer: Tokenizer) -> ChatFormat | None:
         text = tokenizer.apply_chat_template([{"role": "user", "content": probe}], add_generation_prompt=True)
     except Exception:  # a template that rejects the probe: no detection, the prompts are rendered as usual
         return None
-    found = set()
+    found, added = set(), getattr(tokenizer, "added_tokens", frozenset())
     for i in tokenizer.encode(text):
         raw = tokenizer.decode([i], skip_special_tokens=False)
-        if raw and raw in text and not tokenizer.decode([i], skip_special_tokens=True):
+        if raw and raw in text and (raw in added or not tokenizer.decode([i], skip_special_tokens=True)):
             found.add(raw)
     markers = tuple(sorted(found, key=lambda m: (-len(m), m)))
     at, header = text.find(probe), None
