@@ -458,10 +458,11 @@ def test_describe_says_what_the_code_did() -> None:
     assert describe(KeyboardInterrupt()) == "raised KeyboardInterrupt"
     assert describe(ValueError("a\nb")) == "raised ValueError: a / b"
     completion = "text"
-    try:
-        completion[0]["content"]
-    except TypeError as e:
-        assert describe(e) == f"raised TypeError: {e} ({STRINGS_HINT})"
+    for use in (lambda c: c[0]["content"], lambda c: c["content"], lambda c: c.get("content")):
+        with pytest.raises((TypeError, AttributeError)) as e:
+            use(completion)
+        assert describe(e.value) == f"raised {type(e.value).__name__}: {e.value} ({STRINGS_HINT})"
+    assert STRINGS_HINT not in describe(TypeError("unsupported operand"))
 
 
 def _probe_fails(tok, fn, match, weights=None) -> None:

@@ -102,15 +102,14 @@ class RewardFunctionError(RuntimeError):
 
 def describe(e: BaseException) -> str:
     """What user code did, on one line: ``called sys.exit(5)``, ``raised KeyboardInterrupt``,
-    ``raised ValueError: ...`` (a ``TypeError`` that indexes a string adds :data:`STRINGS_HINT`)."""
+    ``raised ValueError: ...`` (a completion used as a message list, ``c[0]["content"]`` or
+    ``c.get(...)`` on a string, adds :data:`STRINGS_HINT`)."""
     if isinstance(e, SystemExit):
         return f"called sys.exit({'' if e.code is None else repr(e.code)})"
     if isinstance(e, KeyboardInterrupt):
         return "raised KeyboardInterrupt"
     out = f"raised {one_line(e)}"
-    if isinstance(e, TypeError | KeyError | IndexError) and (
-        "string indices" in str(e) or "'str' object" in str(e)
-    ):
+    if isinstance(e, TypeError | AttributeError) and ("string indices" in str(e) or "'str' object" in str(e)):
         out += f" ({STRINGS_HINT})"
     return out
 
