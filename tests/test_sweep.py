@@ -369,12 +369,13 @@ def test_check_overrides_names_the_flag_the_members_would_ignore() -> None:
     )
     check_overrides(["train.seed", "ctrl.clip", "ctrl.beta_max"], base, study, "the study")  # all read
     cases = [
-        (["kl.beta"], r"^kl\.beta: set per member by the study \(0\.01, 0\.1, 1\), so the flag would be "
-                      r"ignored; choose the values with --sweep kl\.beta=v1,v2$"),
+        (["kl.beta"], r"^kl\.beta: set per member by the study \(0\.01, 0\.1, 1\), so the value given would "
+                      r"be ignored; choose the values with --sweep kl\.beta=v1,v2$"),
         (["ctrl.kind"], r"^ctrl\.kind: set per member by the study \(fixed, proportional\)"),
         (["ctrl.horizon"], r"^ctrl\.horizon: set per member by the study \(10000, 1000\)"),
         (["train.seed", "ctrl.kp"], r"^ctrl\.kp: read by no member of the study \(ctrl\.kind fixed, "
-                                    r"proportional, ctrl\.warmup_iters 0\), so the flag would be ignored$"),
+                                    r"proportional, ctrl\.warmup_iters 0\), so the value given would be "
+                                    r"ignored$"),
     ]  # fmt: skip
     for given, want in cases:
         with pytest.raises(ConfigError, match=want):
@@ -383,8 +384,8 @@ def test_check_overrides_names_the_flag_the_members_would_ignore() -> None:
                        r"does not read kl\.beta \(ctrl\.kind fixed, ctrl\.warmup_iters 4\)$"):  # fmt: skip
         check_overrides([], base, [m.replace(ctrl={"warmup_iters": 4}) for m in study], "the study")
     swept = grid(base, {"kl.beta": [0.1, 1.0]})
-    with pytest.raises(ConfigError, match=r"^kl\.beta: set per member by --sweep \(0\.1, 1\), so the flag "
-                       r"would be ignored$"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^kl\.beta: set per member by --sweep \(0\.1, 1\), so the value "
+                       r"given would be ignored$"):  # fmt: skip
         check_overrides(["kl.beta"], base.replace(kl={"beta": 0.5}), swept, "--sweep")
 
 

@@ -198,14 +198,16 @@ def check_overrides(given: list[str], base: RunConfig, members: list[RunConfig],
         if any(v != getattr(getattr(base, section), field) for v in values):
             shown = ", ".join(dict.fromkeys(f"{v:g}" if isinstance(v, float) else str(v) for v in values))
             how = "" if by == "--sweep" else f"; choose the values with --sweep {name}=v1,v2"
-            raise ConfigError(f"{name}: set per member by {by} ({shown}), so the flag would be ignored{how}")
+            raise ConfigError(
+                f"{name}: set per member by {by} ({shown}), so the value given would be ignored{how}"
+            )
         if (section == "ctrl" or name in ("kl.beta", "kl.loss_coef")) and all(
             name in unread(m) for m in members
         ):
             kinds = ", ".join(dict.fromkeys(m.ctrl.kind for m in members))
             raise ConfigError(
                 f"{name}: read by no member of {by} (ctrl.kind {kinds}, ctrl.warmup_iters "
-                f"{members[0].ctrl.warmup_iters}), so the flag would be ignored"
+                f"{members[0].ctrl.warmup_iters}), so the value given would be ignored"
             )
     seen: dict[tuple, int] = {}
     for j, m in enumerate(members):
