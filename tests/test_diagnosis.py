@@ -142,6 +142,14 @@ def test_hysteresis_keeps_a_regime_between_its_exit_and_entry_thresholds():
     assert events[1]["iteration"] < 60 and events[2]["iteration"] > 120
 
 
+def test_non_finite_windows_are_healthy_not_a_crash():
+    """Skipped iterations log NaN: a window without one finite KL or proxy value says so."""
+    h = trace(kl=np.where(t < 50, 1.0, np.nan), proxy=np.where(t < 50, 0.01 * t, np.nan), gold=0.01 * t)
+    assert diagnose(h, T - 1, CFG) == ("healthy", "no finite KL or proxy reward in the window")
+    text = text_trace(1 + t, np.where(t < 30, np.nan, 0.01 * t), 12 + 0.24 * t, np.full(T, 0.8))
+    assert diagnose(text, T - 1, CFG)[0] == "healthy"  # no proxy start to compare with: one signal
+
+
 def test_reference_perplexity_is_not_read_outside_text_runs():
     h = trace(kl=1 + t, proxy=0.01 * t)
     h["eval/ref_ppl"] = 12 + 0.24 * t  # every run logs it; without text metrics it is not a signal

@@ -133,6 +133,8 @@ def _fluency_hacking(win: dict, hist: dict, t: int, cfg: DiagnosisConfig, s: flo
     proxy = _first(win, "reward/proxy", "reward/task")
     p_all = _first(hist, "reward/proxy", "reward/task")[: t + 1]
     start = _finite(p_all[: cfg.baseline])
+    if not len(start):
+        return None
     gain = float(np.mean(proxy) - np.median(start))
     se = float(np.sqrt(np.var(proxy) / len(proxy) + np.var(start) / len(start))) + 1e-12
     if gain > s * cfg.trend_min and gain / se > s * cfg.trend_t:
@@ -146,6 +148,8 @@ def _evidence(history: dict[str, Any], t: int, cfg: DiagnosisConfig, s: float) -
     win = {k: np.asarray(v, float)[lo : t + 1] for k, v in history.items()}
     kl = _first(win, "kl/exact_seq_sum", "kl/k1_seq_sum")
     proxy = _first(win, "reward/proxy", "reward/task")
+    if kl is None or proxy is None:  # e.g. a window of skipped (non-finite) iterations
+        return {"healthy": "no finite KL or proxy reward in the window"}
     out = {}
     gold = _first(win, "reward/gold")
     hist = {k: np.asarray(v, float) for k, v in history.items()}
