@@ -156,10 +156,12 @@ def test_sweep_with_rows_but_no_checkpoint_is_refused_in_one_line(cache_dir, tmp
 
 
 @pytest.mark.slow
-def test_sweep_kill9_during_the_first_compile_resumes(full_sweep, cache_dir, jax_cache, tmp_path):
-    """The reported case, as reported: the sweep's process killed with SIGKILL during its compile."""
+def test_sweep_kill9_before_its_first_checkpoint_resumes(full_sweep, cache_dir, jax_cache, tmp_path):
+    """The reported case, as reported: the sweep's process killed with SIGKILL once ``sweep.json`` exists
+    (2 s after its first member's metrics file was opened: the program build or the compile)."""
     import subprocess
     import sys
+    import time
 
     from conftest import cli_args
     from test_reliability import _env, _start
@@ -168,11 +170,14 @@ def test_sweep_kill9_during_the_first_compile_resumes(full_sweep, cache_dir, jax
     cfg = base_config(cache_dir, iterations=4, checkpoint_every=2, keep_checkpoints=10)
     args = [*cli_args(cfg), "--sweep", "kl.beta=0.01,0.1", "--train.out_dir", str(tmp_path)]
     args += ["--train.name", "s"]
-    p = _start(args, jax_cache, "compile", pause=0.5)
+    p = _start(args, jax_cache, "init")  # (the phase driver marks no compile of a sweep's program)
+    time.sleep(2.0)
     p.kill()
     p.communicate()
     d = tmp_path / "s"
-    assert (d / "sweep.json").is_file()
+    from klrl.io import checkpoint as ckpt
+
+    assert (d / "sweep.json").is_file() and not ckpt.complete_steps(d)  # (the compile takes 10 s or more)
     script = Path(__file__).resolve().parents[1] / "experiments" / "run.py"
     q = subprocess.run([sys.executable, str(script), "--resume", str(d)], env=_env(jax_cache),
                        capture_output=True, text=True, timeout=600)  # fmt: skip
