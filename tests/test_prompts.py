@@ -455,6 +455,9 @@ def test_take(tok, tmp_path) -> None:
 def test_file_errors(tok, tmp_path) -> None:
     with pytest.raises(PromptDataError, match=r"nope\.jsonl: prompt file not found"):
         read_records(tmp_path / "nope.jsonl")
+    for dev in ("/dev/zero", "/dev/urandom"):  # an endless device was read until MemoryError
+        with pytest.raises(PromptDataError, match=f"{dev}: not a regular file"):
+            read_records(dev, format="text")
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(PromptDataError, match=r"empty\.jsonl: no prompts in the file"):
         read_records(tmp_path / "empty.jsonl")

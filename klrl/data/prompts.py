@@ -236,6 +236,8 @@ def read_records(
     p = resolve_path(str(path))
     if not p.exists():
         raise PromptDataError(f"{p}: prompt file not found")
+    if p.is_char_device() or p.is_block_device() or p.is_socket():
+        raise PromptDataError(f"{p}: not a regular file (a device or socket)")
     fmt = _format_of(p, format)
     where: list[str] | None = None
     try:
