@@ -35,6 +35,7 @@ from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.loop.program import Program
+from klrl.models.catalog import resolve_model_paths
 from klrl.registry import TASKS, is_adaptive
 from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
 from klrl.step.evaluate import make_heldout_eval
@@ -153,7 +154,9 @@ def sweep(
 
 
 def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models):
-    """Check, build and drive the program of ``members``: ``(results, stop_error, task)``."""
+    """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. A Hub name in
+    a ``model.*`` path is read from the local Hugging Face cache (``resolve_model_paths``)."""
+    members = [resolve_model_paths(m) for m in members]
     check_config(members, stacked=stacked, write=write, resume=resume, sweep_devices=sweep_devices)
     plan = None
     if resume is not None:

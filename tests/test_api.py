@@ -279,3 +279,31 @@ def test_a_model_path_the_task_does_not_train_is_refused_before_anything_is_buil
     with pytest.raises(ConfigError, match=r"^model\.path: task wordclass trains a GPT policy, not the model"):
         klrl.run(cfg.replace(task={"name": "text"}), task=tiny_task)  # its GPT: not model.path
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path, monkeypatch):
+    """``klrl.run`` resolves a Hub name as the CLI does: the run is built from the cached snapshot (the
+    config ``build_task`` sees names it); one not cached is one line saying where klrl looked."""
+    import klrl.api
+    from klrl.config import ConfigError
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--Org--Tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--Org--Tiny" / "refs").mkdir()
+    (cache / "models--Org--Tiny" / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    seen = []
+
+    def stop(cfg, log=None):
+        seen.append(cfg.model.path)
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(klrl.api, "build_task", stop)
+    cfg = tiny_cfg.replace(task={"name": "text"}, train={"out_dir": str(tmp_path / "runs")})
+    with pytest.raises(ConfigError, match=r"^model\.path: Org/Missing: .*not in the local Hugging Face"):
+        klrl.run(cfg.replace(model={"path": "Org/Missing"}), write=False)
+    with pytest.raises(RuntimeError, match="built"):
+        klrl.run(cfg.replace(model={"path": "Org/Tiny"}), write=False)
+    assert seen == [str(snap)]
