@@ -296,3 +296,8 @@ def test_is_finished_needs_the_commit_record_and_both_items(tmp_path):
     assert ckpt.is_finished(s)
     shutil.rmtree(s / "meta")
     assert not ckpt.is_finished(s)
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "5").write_text("a file named after a step")  # blocks step 5: moved aside
+    assert ckpt.incomplete_steps(tmp_path) == [3, 5] and ckpt.complete_steps(tmp_path) == []
+    assert ckpt.set_aside(tmp_path, [3, 5]) == ["checkpoints/3.incomplete", "checkpoints/5.incomplete"]
+    assert (tmp_path / "checkpoints" / "5.incomplete").read_text() == "a file named after a step"

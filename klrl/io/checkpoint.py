@@ -175,9 +175,10 @@ def is_finished(step_dir: str | Path) -> bool:
 
 
 def _step_dirs(path: Path) -> list[Path]:
+    """The entries of ``path`` named after a step (a file of that name too: it would block the step)."""
     if not path.is_dir():
         return []
-    return sorted((p for p in path.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: int(p.name))
+    return sorted((p for p in path.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
 
 
 def complete_steps(run_dir: str | Path) -> list[int]:
