@@ -50,7 +50,8 @@ def test_smallest_study_runs_and_records_each_members_samples(tmp_path):
         assert (out / f).is_file(), f
     assert not (out / "checkpoints").exists()
     table = json.loads((out / "table.json").read_text())
-    assert len(table["rows"]) == 2 and table["timing"]["reward_calls"] == 2
+    # one call per iteration (2), and the check call before compiling (klrl.checks.check_reward)
+    assert len(table["rows"]) == 2 and table["timing"]["reward_calls"] == 3
     it = json.loads((out / "iterations.json").read_text())
     assert it["members"][1].startswith("pi target=2")
     rows = [json.loads(x) for x in gzip.open(out / "samples.jsonl.gz", "rt")]
