@@ -473,8 +473,9 @@ def _ragged_batch(ctx, seed: int = 0):
     [
         {},  # value head on the policy trunk, token-mean KL in the loss, global shuffle
         {"model": {"value_model": "separate"}, "ppo": {"shuffle": "shard"}, "kl": {"loss_agg": "seq_mean"}},
+        {"model": {"logits": "chunked", "logits_chunk": 3}},  # logit terms from hidden states (chunked)
     ],
-    ids=["head_token_mean", "separate_seq_mean_shard"],
+    ids=["head_token_mean", "separate_seq_mean_shard", "chunked"],
 )
 def test_grad_accum_is_the_update_of_one_large_minibatch(tiny_cfg, tiny_task, upd) -> None:
     """``ppo.grad_accum = 4``: each minibatch of 8 rows in 4 micro-batches of 2 whose gradients are
