@@ -489,6 +489,7 @@ def test_grad_accum_is_the_update_of_one_large_minibatch(tiny_cfg, tiny_task, up
     )
     one = make_train(base, tiny_task)
     ctx, state = one.context, one.init(3)
+    assert ctx.chunked == (base.model.logits == "chunked")
     batch = _ragged_batch(ctx)
     lengths = batch.mask.sum(-1)
     assert len(set(lengths.tolist())) >= 3 and lengths.min() == 0  # ragged, some empty
