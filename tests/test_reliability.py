@@ -749,3 +749,23 @@ def test_stop_signals_reentrant_and_restored():
             time.sleep(0.05)
         assert signal.getsignal(signal.SIGTERM) == installed and s.name == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_run_written_before_a_field_existed_resumes():
+    """A ``config.json`` written before ``ppo.grad_accum``, ``optim.critic_lr`` and the new ``diag``
+    fields (or a whole section) existed resumed as "differ from the run's config": a missing field is
+    its default (the behaviour the run had). ``diag.*`` may change (read after training only); the
+    maths may not, old file or new."""
+    from klrl.config import ConfigError, RunConfig
+    from klrl.io.resume import check_resumable
+
+    cfg = RunConfig()
+    old = cfg.to_dict()
+    del old["ppo"]["grad_accum"], old["optim"]["critic_lr"], old["diag"]["settle"]
+    del old["reward"]
+    check_resumable(old, cfg)
+    check_resumable(cfg, cfg.replace(diag={"window": 40, "persist": 3}))
+    with pytest.raises(ConfigError, match=r"^ppo\.grad_accum: differ"):
+        check_resumable(old, cfg.replace(ppo={"grad_accum": 2}))
+    with pytest.raises(ConfigError, match=r"^optim\.critic_lr: differ"):
+        check_resumable(old, cfg.replace(optim={"critic_lr": 1e-4}))
