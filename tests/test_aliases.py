@@ -78,6 +78,9 @@ def test_required_aliases():
         "model_name_or_path": "model.path",  # transformers / TRL (difflib said model.value_path)
         "sft_model_path": "model.path",
         "reward_model_path": "model.reward_path",
+        "gradient_accumulation_steps": "ppo.grad_accum",  # transformers / TRL / verl
+        "critic_learning_rate": "optim.critic_lr",  # OpenRLHF
+        "critic.optim.lr": "optim.critic_lr",  # verl
     }
     assert {k: aliases.FLAG_ALIASES[k] for k in expect} == expect
 

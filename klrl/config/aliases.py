@@ -202,6 +202,8 @@ FLAG_ALIASES: dict[str, str] = {
     # optimiser
     "learning_rate": "optim.lr", "lr": "optim.lr", "actor_learning_rate": "optim.lr",
     "actor.adam.lr": "optim.lr",
+    "critic_learning_rate": "optim.critic_lr", "critic.optim.lr": "optim.critic_lr",
+    "gradient_accumulation_steps": "ppo.grad_accum",
     "adam_beta1": "optim.b1", "adam_beta2": "optim.b2", "adam_betas": "optim.b1", "betas": "optim.b1",
     "adam_epsilon": "optim.eps", "adam.eps": "optim.eps", "eps": "optim.eps",
     "weight_decay": "optim.weight_decay", "l2": "optim.weight_decay",
@@ -247,6 +249,10 @@ FLAG_NOTES: dict[str, str] = {
     "eps": "Adam epsilon (OpenRLHF --actor.adam.eps), not the clip range",
     "mini_batch_size": "a size: --ppo.minibatches is a count, batch_size / mini_batch_size",
     "ppo_mini_batch_size": "verl: prompts per minibatch; --ppo.minibatches = train_batch_size / this",
+    "critic_learning_rate": "OpenRLHF's critic has its own optimiser; klrl's critic shares Adam and the "
+    "gradient clip (one joint norm), its step scaled by --optim.critic_lr",
+    "gradient_accumulation_steps": "micro-batches per minibatch; verl's ppo_micro_batch_size_per_gpu is a "
+    "size: --ppo.grad_accum = minibatch rows per device / that size",
     "adam_betas": "a pair: --optim.b1 and --optim.b2",
     "betas": "a pair: --optim.b1 and --optim.b2",
     "warmup_ratio": "a fraction of all steps; klrl counts optimiser steps: iterations x epochs x minibatches",
@@ -274,7 +280,6 @@ NO_COUNTERPART: dict[str, str] = {
     "reward_clip_range": "OpenRLHF: clip rewards to (-10, 10); no such knob",
     "clip_ratio_c": "verl dual-clip PPO (3.0); no such knob",
     "top_p": "nucleus sampling; klrl has top-k only",
-    "critic_learning_rate": "verl / OpenRLHF give the critic its own optimiser; klrl has one optimiser",
     "use_bias_correction_kl": "TRL GRPO: importance-weighted k3 in the loss; not implemented",
 }
 
