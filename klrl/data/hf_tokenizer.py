@@ -110,7 +110,7 @@ class HFTokenizer:
     def added_tokens(self) -> frozenset[str]:
         """Every added token's text, special or not (GGUF control and user-defined tokens, a
         ``tokenizer.json``'s ``added_tokens``): the markers a chat template may write
-        (:func:`klrl.data.prompts.chat_format`)."""
+        (:func:`klrl.data.chat.chat_format`)."""
         return frozenset(a.content for a in self.tok.get_added_tokens_decoder().values())
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
