@@ -552,6 +552,8 @@ def test_critic_lr_moves_only_the_critic_by_its_own_step(tiny_cfg, tiny_task, se
             np.testing.assert_array_equal(g, w)
     critic = state.params["value"] if separate else state.params["policy"]["v_head"]
     assert n_critic == len(jax.tree.leaves(critic)) >= 2  # (the head's kernel and bias at least)
+    if separate:  # (the optimiser alone: tests/test_train_parts.py)
+        return
     # critic_lr = lr: the default, bit for bit, over several steps
     four = base.replace(ppo={"epochs": 2, "minibatches": 2})
     want = _update_fn(make_train(four, tiny_task))(state, batch, jnp.array(True))
