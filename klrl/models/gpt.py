@@ -121,6 +121,8 @@ class GPT:
     """klrl's GPT as a :class:`~klrl.models.base.CausalLM`. ``lm_head=False``: a trunk for a value
     or reward head (``apply`` then returns ``logits=None``)."""
 
+    LORA_TARGETS = r"h\d+/(qkv|proj|fc|out)"  # klrl.models.lora
+
     cfg: ModelConfig
     vocab_size: int
     max_len: int

@@ -161,6 +161,8 @@ class GPT2Module(nn.Module):
 class GPT2:
     """GPT-2 implementing :class:`klrl.models.base.CausalLM` (compute ``dtype``, float32 params)."""
 
+    LORA_TARGETS = "h/(c_attn|c_proj|c_fc|mlp_c_proj)"  # klrl.models.lora
+
     config: GPT2Config
     dtype: Any = jnp.float32
     remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)

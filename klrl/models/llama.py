@@ -168,6 +168,8 @@ class Llama:
     ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay float32.
     """
 
+    LORA_TARGETS = "layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"  # klrl.models.lora
+
     config: LlamaConfig
     dtype: Any = jnp.float32
     remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
