@@ -289,3 +289,17 @@ def test_klrls_own_gpt_is_refused_in_one_line(tmp_path):
         msg = str(e.value)
         assert "\n" not in msg and "GPT has no Hugging Face counterpart" in msg, msg
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_for_another_base_is_one_line():
+    """tiny_llama's adapter on tiny_qwen2 (same family, one KV head instead of two): its name, then the
+    k/v projections' shapes, do not fit."""
+    model, params = from_pretrained(DATA / "tiny_qwen2", tokenizer=False)[:2]
+    d = DATA / "peft" / "tiny_llama"
+    with pytest.raises(CheckpointFormatError, match="base_model_name_or_path 'tiny_llama' is not the base"):
+        load_adapter(d, model, params, base_name=str(DATA / "tiny_qwen2"))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_adapter(d, model, params)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(d / "adapter_model.safetensors")), msg
+    assert "k_proj.lora_B.weight' has shape [16, 4], the base and r imply [8, 4]" in msg, msg
