@@ -103,7 +103,7 @@ def run(
         )
         if result.dir is not None and distributed.is_main():
             if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
-                save_policy(task, result.state, result.dir / "policy")
+                save_policy(task, result.state, result.dir / "policy", cfg)
             if report is not None:
                 report(result)
         if stop_error is not None:
@@ -258,24 +258,54 @@ def _stacked(train: Train, members: list[RunConfig]) -> dict[str, Any]:
     mesh = train.mesh
     split = state_shardings(train.context, mesh, sweep=True)
 
+    shared = train.context.ref_frozen  # one frozen reference (the LoRA base) for every member
+
     def init() -> Any:
         # host values stacked, then split: ``init`` gives the state as ``step`` returns it (so the second
-        # call does not compile again)
-        states = [distributed.to_host(member_state(train, m)) for m in members]
-        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
-        return distributed.put(stacked, split)
+        # call does not compile again); a shared reference is the task's own arrays, placed once
+        states = [member_state(train, m) for m in members]
+        ref = states[0].ref_params
+        rest = [distributed.to_host(s._replace(ref_params=None) if shared else s) for s in states]
+        del states
+        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *rest)
+        if not shared:
+            return distributed.put(stacked, split)
+        placed = distributed.put(stacked, split._replace(ref_params=None))
+        return placed._replace(ref_params=jax.device_put(ref, split.ref_params))
 
     # The outputs are pinned to the sharding ``init`` gives: left to itself XLA reports some of them
     # as replicated when the sweep axis has size 1 (equivalent, but a different jit cache key: the
     # second call would compile the program again).
-    inner = jax.vmap(train.shard_step, in_axes=(0, None))
+    inner = shared_ref_vmap(train.shard_step) if shared else jax.vmap(train.shard_step, in_axes=(0, None))
     one = jax.eval_shape(lambda: train.init(members[0].train.seed))
+    n = len(members)
+    stack = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), t)
+    abstract = stack(one._replace(ref_params=None))
+    step = shard_step(inner, mesh, sweep=True, state_shardings=split, kept="ref_params" if shared else None,
+                      kept_shared=shared)  # fmt: skip
     return dict(
         init=init,
-        step=shard_step(inner, mesh, sweep=True, state_shardings=split),
+        step=step,
         place=lambda s: distributed.put(jax.tree.map(np.asarray, s), split),
-        abstract=jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(members), *x.shape), x.dtype), one),
+        abstract=abstract._replace(ref_params=one.ref_params if shared else stack(one.ref_params)),
     )
+
+
+def shared_ref_vmap(fn: Any) -> Any:
+    """``vmap`` of ``fn(state, env) -> (state, out)`` over the members' axis of every state field but
+    ``ref_params``, which is one copy for all members and returned as given."""
+
+    def member(rest: Any, ref: Any, env: Any) -> Any:
+        new, out = fn(rest._replace(ref_params=ref), env)
+        return new._replace(ref_params=None), out
+
+    mapped = jax.vmap(member, in_axes=(0, None, None))
+
+    def call(state: Any, env: Any) -> Any:
+        new, out = mapped(state._replace(ref_params=None), state.ref_params, env)
+        return new._replace(ref_params=state.ref_params), out
+
+    return call
 
 
 def member_state(train: Train, cfg: RunConfig) -> TrainState:

@@ -70,8 +70,9 @@ def build_parser(
     for name, cls in SECTIONS.items():
         g = p.add_argument_group(name, (cls.__doc__ or "").strip().splitlines()[0])
         for f in dataclasses.fields(cls):
+            spellings = (f"--{name}.{f.name}",) + ((f"--model.lora.{f.name}",) if name == "lora" else ())
             g.add_argument(
-                f"--{name}.{f.name}",
+                *spellings,
                 dest=f"{name}.{f.name}",
                 default=argparse.SUPPRESS,
                 metavar=type(f.default).__name__.upper(),

@@ -6,6 +6,7 @@ the field helpers every section uses; :mod:`klrl.config.run` re-exports them wit
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any
@@ -75,7 +76,9 @@ class ModelConfig:
     mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
     tie_embeddings: bool = _f(True, "share the token embedding with the output projection")
     value_model: str = _f(
-        "head", "value function: 'head' (scalar head on the policy trunk) or 'separate' model"
+        "head",
+        "value function: 'head' (scalar head on the policy trunk), 'separate' model, or 'lora' (the frozen "
+        "base with the critic's own adapters, lora.critic_rank, and a value head)",
     )
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
     ref_dtype: str = _f(
@@ -110,6 +113,14 @@ class ModelConfig:
         "(chunked for vocabularies of 32768 or more; klrl.step.chunked)",
     )
     logits_chunk: int = _f(128, "model.logits=chunked: positions per chunk ([chunk, V] logits at a time)")
+    adapter: str = _f(
+        "", "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) on model.path's "
+        "base: the initial policy's adapters (needs lora.rank > 0; its rank and alpha are used)",
+    )  # fmt: skip
+    ref_quant: str = _f(
+        "none", "the frozen reference (and with lora.rank > 0 the shared base) weight-only quantised: none, "
+        "int8 or int4 (qwix; klrl.models.quant; measured in docs/ref_quant.md)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
@@ -117,7 +128,10 @@ class ModelConfig:
         _check(self.d_model >= 1, "model.d_model", "must be >= 1")
         _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
         _check(self.mlp_ratio >= 1, "model.mlp_ratio", "must be >= 1")
-        _choice(self.value_model, "model.value_model", ("head", "separate"))
+        _choice(self.value_model, "model.value_model", ("head", "separate", "lora"))
+        _choice(self.ref_quant, "model.ref_quant", ("none", "int8", "int4"))
+        _check(self.adapter.strip() == self.adapter, "model.adapter", "must not have surrounding spaces")
+        _check(not self.adapter or self.path, "model.adapter", "needs model.path (the adapter's base)")
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
         _choice(self.ref_dtype, "model.ref_dtype", ("float32", "bfloat16"))
         for name in ("path", "value_path", "reward_path"):
@@ -127,6 +141,29 @@ class ModelConfig:
         _choice(self.remat, "model.remat", ("none", "block", "full"))
         _choice(self.logits, "model.logits", ("auto", "full", "chunked"))
         _check(self.logits_chunk >= 1, "model.logits_chunk", "must be >= 1")
+
+
+@section("lora")
+class LoRAConfig:
+    """LoRA adapters on the frozen base (klrl.models.lora; also spelled --model.lora.FIELD)."""
+
+    rank: int = _f(0, "adapter rank of the policy: 0 = full fine-tuning; > 0 = the policy is the frozen "
+                   "base plus adapters, the reference the base with them off")  # fmt: skip
+    alpha: float = _f(16.0, "adapter scale numerator: the update is (alpha / rank) x A B (PEFT's lora_alpha)")
+    targets: str = _f(
+        "", "regex searched in the module paths that get adapters, as PEFT's target_modules (e.g. "
+        "'q_proj|v_proj'); '' = every linear layer of the blocks (attention and MLP)",
+    )  # fmt: skip
+    critic_rank: int = _f(0, "model.value_model=lora: the critic's adapter rank (0 = lora.rank)")
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "lora.rank", "must be >= 0 (0 = full fine-tuning)")
+        _check(self.critic_rank >= 0, "lora.critic_rank", "must be >= 0 (0 = lora.rank)")
+        _check(self.alpha > 0, "lora.alpha", "must be > 0")
+        try:
+            re.compile(self.targets)
+        except re.error as e:
+            raise ConfigError(f"lora.targets: {self.targets!r} is not a regular expression ({e})") from None
 
 
 @section("sampling")

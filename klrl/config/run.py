@@ -25,6 +25,7 @@ from klrl.config.fields import (
     ControllerConfig,
     Help,
     KLConfig,
+    LoRAConfig,
     ModelConfig,
     OptimConfig,
     PPOConfig,
@@ -41,7 +42,8 @@ from klrl.registry import ADVANTAGES, TASKS, is_adaptive  # names are checked ag
 __all__ = [
     "FORMATS", "TRUNCATE", "KL_UNITS", "PLACEMENTS", "ConfigError", "ControllerConfig", "DataConfig",
     "DiagnosisConfig",
-    "KLConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RunConfig", "SamplingConfig",
+    "KLConfig", "LoRAConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RunConfig",
+    "SamplingConfig",
     "TaskConfig", "TaskShape", "TrainConfig", "UnknownFieldError", "config_warnings", "field_names",
     "parse_mesh",
 ]  # fmt: skip
@@ -211,6 +213,7 @@ class RunConfig:
     """Everything a run needs. Cross-field rules are checked here."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     ctrl: ControllerConfig = field(default_factory=ControllerConfig)
@@ -250,12 +253,34 @@ class RunConfig:
         if self.optim.critic_lr > 0:
             _check(bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]), "optim.critic_lr",
                    f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate")  # fmt: skip
+        self._check_lora()
         c = self.ctrl
         start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
         if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently
             _check(c.beta_min <= start[1] <= c.beta_max, start[0],
                    f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
                    f"(ctrl.drives={c.drives}), got {start[1]}")  # fmt: skip
+
+    def _check_lora(self) -> None:
+        """Adapters, the shared frozen base and a quantised reference: the combinations that work."""
+        lo, m = self.lora, self.model
+        frozen = self.kl.ref_update_every <= 0
+        if lo.rank > 0:
+            _check(frozen, "lora.rank", "the reference is the base with the adapters off: it cannot be "
+                   f"refreshed (kl.ref_update_every={self.kl.ref_update_every}; use 0, or "
+                   "full fine-tuning)")  # fmt: skip
+        if m.adapter:
+            _check(lo.rank > 0, "model.adapter", "a PEFT adapter is the initial policy of a LoRA run: set "
+                   "lora.rank > 0 (the adapter's own rank and alpha are then used)")  # fmt: skip
+        if m.value_model == "lora":
+            _check(lo.rank > 0 or lo.critic_rank > 0, "model.value_model",
+                   "lora: the critic's adapters need lora.critic_rank > 0 (or lora.rank > 0)")  # fmt: skip
+            _check(frozen, "model.value_model", "lora: the critic's base is the frozen reference "
+                   f"(kl.ref_update_every={self.kl.ref_update_every}; use 0, or head/separate)")  # fmt: skip
+        if m.ref_quant != "none":
+            _check(frozen, "model.ref_quant", "a quantised reference is frozen "
+                   f"(kl.ref_update_every={self.kl.ref_update_every}; use 0)")  # fmt: skip
+            _check(m.ref_dtype == "float32", "model.ref_quant", "replaces model.ref_dtype (leave it float32)")
 
     # ---- helpers -------------------------------------------------------
     def replace(self, **sections: Any) -> RunConfig:
@@ -281,6 +306,10 @@ class RunConfig:
         Anything else than ``{section: {field: value}}`` with known names raises :class:`ConfigError`."""
         if not isinstance(d, dict):
             raise ConfigError(f"config: expected an object of sections, got {type(d).__name__}")
+        model = d.get("model")
+        if isinstance(model, dict) and isinstance(model.get("lora"), dict):  # model: {lora: {...}} spelling
+            d = {**d, "model": {k: v for k, v in model.items() if k != "lora"},
+                 "lora": {**d.get("lora", {}), **model["lora"]}}  # fmt: skip
         kwargs = {}
         for name, sub in d.items():
             if name not in SECTIONS:

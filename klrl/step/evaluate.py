@@ -33,6 +33,7 @@ from klrl.algo.shaping import missing_eos_penalty
 from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.models.base import forward
 from klrl.models.rollout import generate, response_slice, sequence
+from klrl.step.parts import full_params
 
 PREFIX = "eval/heldout/"
 
@@ -46,12 +47,13 @@ def heldout_metrics(train: Any, state: Any, env: Any) -> dict[str, jax.Array]:
     greedy = dataclasses.replace(cfg.sampling, temperature=1.0, top_k=1)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(0), i))(jnp.arange(n))
     head = ctx.models.value_head if ctx.head else None
-    ro = generate(ctx.models.policy, state.params["policy"], prompts, pmask, keys, greedy, ctx.stop_ids,
+    policy = full_params(ctx, state.params, state.ref_params)["policy"]
+    ro = generate(ctx.models.policy, policy, prompts, pmask, keys, greedy, ctx.stop_ids,
                   task.pad_id, False, value_head=head)  # fmt: skip
     ro = ro._replace(prompt_idx=jnp.arange(n, dtype=jnp.int32))
     m = ro.mask
     tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, m)
-    ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask)
+    ref_out = forward(ctx.ref_model, state.ref_params, tokens, key_mask)
     if ctx.reward_on_reference and task.heldout.reward is task.reward:  # as the train step reads it
         reward = task.reward.from_hidden(env, ro, ref_out.hidden)
     else:
@@ -84,4 +86,11 @@ def make_heldout_eval(train: Any, stacked: bool = False) -> Any:
     def one(state, env):
         return heldout_metrics(train, state, env)
 
-    return jax.jit(jax.vmap(one, in_axes=(0, None)) if stacked else one)
+    if not stacked:
+        return jax.jit(one)
+    if not ctx.ref_frozen:
+        return jax.jit(jax.vmap(one, in_axes=(0, None)))
+    # a sweep's frozen reference is one copy for all members (klrl.step.parts.state_shardings)
+    member = lambda rest, ref, env: one(rest._replace(ref_params=ref), env)
+    mapped = jax.vmap(member, in_axes=(0, None, None))
+    return jax.jit(lambda state, env: mapped(state._replace(ref_params=None), state.ref_params, env))

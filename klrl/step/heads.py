@@ -14,7 +14,7 @@ from klrl.models.base import forward
 from klrl.models.heads import detach
 from klrl.models.rollout import Rollout, response_slice
 from klrl.step import chunked
-from klrl.step.parts import Batch, Context, TrainState
+from klrl.step.parts import Batch, Context, TrainState, full_params
 
 Array = jax.Array
 
@@ -66,7 +66,8 @@ def score_terms(ctx: Context, state: TrainState, ro: Rollout, ref_hidden: Array)
     """Scoring on the chunked path: ``(ref_logp, exact KL or None, full KL under kl.clamp or None)``,
     each ``[B, R]``, from the reference's and the rollout's hidden states (:mod:`klrl.step.chunked`)."""
     clamp = ctx.cfg.kl.clamp
-    pol = detach(state.params["policy"])[0] if ctx.head else state.params["policy"]
+    pol = full_params(ctx, state.params, state.ref_params)["policy"]
+    pol = detach(pol)[0] if ctx.head else pol
     t = chunked.head_terms(
         ctx.models.policy, ro.response, ro.mask, temperature=ctx.cfg.sampling.temperature,
         chunk=ctx.cfg.model.logits_chunk, want=("ref_logp",) + (("kl",) if ctx.exact_kl else ()),

@@ -183,6 +183,7 @@ def shard_step(
     donate: bool = True,
     state_shardings: Any = None,
     kept: str | None = None,
+    kept_shared: bool = False,
 ) -> Callable:
     """``jit(shard_map(fn))`` for ``fn(state, env) -> (state, metrics)``.
 
@@ -197,6 +198,8 @@ def shard_step(
     reference: it is passed to the program as its own argument, neither donated nor returned, and
     the returned state holds the very arrays it was given (:class:`KeptStep`). So those arrays may
     be shared with other owners (the task's loaded parameters), where a donated field must be a copy.
+    ``kept_shared`` (a sweep): that field has no members' axis, one copy for every member (a frozen
+    reference or LoRA base: ``fn`` is then a ``vmap`` that does not map it).
     """
     spec = P(SWEEP) if sweep else P()
     # fsdp/tensor of size 1: the body is manual over every axis, the data-parallel program of before
@@ -214,7 +217,8 @@ def shard_step(
 
         one = isinstance(state_shardings, NamedSharding)
         rest_sh, kept_sh = (state_shardings,) * 2 if one else _split(state_shardings, kept)
-        in_specs, in_sh, state_out = (spec, spec, P()), (rest_sh, kept_sh, None), rest_sh
+        in_specs = (spec, P() if kept_shared else spec, P())
+        in_sh, state_out = (rest_sh, kept_sh, None), rest_sh
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(spec, spec), axis_names=manual, check_vma=False
     )

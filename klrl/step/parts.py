@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from klrl.algo.advantages import needs_critic
 from klrl.algo.control import Controller, ControllerState
 from klrl.config import RunConfig
+from klrl.models import lora as lora_lib
 from klrl.models.base import CausalLM
 from klrl.models.heads import HEAD_KEY, ValueHead, attach
 from klrl.models.registry import get_family
@@ -33,8 +34,8 @@ Array = jax.Array
 
 
 class TrainState(NamedTuple):
-    params: Any  # {'policy': ..., 'value': ... or None}: what the optimiser trains
-    ref_params: Any  # frozen reference policy (a copy of the initial policy)
+    params: Any  # {'policy': ..., 'value': ... or None}: what the optimiser trains (adapters with LoRA)
+    ref_params: Any  # the reference policy (a copy of the initial policy); with LoRA the frozen base
     opt_state: Any
     ctrl: ControllerState  # beta and the controller's own state
     other_coef: Array  # float32: the KL coefficient the controller does not drive
@@ -207,22 +208,57 @@ def all_finite(tree: Any) -> Array:
 
 class Models(NamedTuple):
     """The networks of a run. ``value_head`` sits on the policy trunk (``model.value_model=head``)
-    or on ``value`` (``separate``); both are None without a critic."""
+    or on ``value`` (``separate``, or ``lora``: the base with the critic's adapters); both are None
+    without a critic. ``ref`` is the reference's model: the base family (adapters off; weight-only
+    quantised with ``model.ref_quant``), None = ``policy``."""
 
     policy: CausalLM
     value: CausalLM | None
     value_head: ValueHead | None
+    ref: CausalLM | None = None
+
+
+def adapted(cfg: RunConfig, base: CausalLM, rank: int) -> CausalLM:
+    """``base`` with rank-``rank`` adapters of ``cfg.lora`` (on the ``model.ref_quant`` base)."""
+    lo = cfg.lora
+    return lora_lib.LoRA(base, rank, lo.alpha, lo.targets, quant=cfg.model.ref_quant)
 
 
 def build_models(cfg: RunConfig, policy: CausalLM, family: str = "gpt") -> Models:
-    """The one factory: the value trunk (a ``family`` model of ``cfg.model`` without LM head, as
-    long as the policy) and the value head, as ``cfg.ppo.advantage`` and ``cfg.model.value_model`` ask."""
+    """The one factory: the policy (with ``lora.rank`` adapters on the base ``policy``), the value trunk
+    (a ``family`` model of ``cfg.model`` without LM head, as long as the policy; or the base with its own
+    adapters) and the value head, as ``cfg.ppo.advantage`` and ``cfg.model.value_model`` ask."""
+    base = policy.base if isinstance(policy, lora_lib.LoRA) else policy
+    ref = base
+    if cfg.model.ref_quant != "none":
+        from klrl.models import quant
+
+        ref = quant.quantized_model(base, cfg.model.ref_quant)
+    if cfg.lora.rank > 0 and not isinstance(policy, lora_lib.LoRA):
+        policy = adapted(cfg, base, cfg.lora.rank)
     if not needs_critic(cfg.ppo.advantage):
-        return Models(policy, None, None)
+        return Models(policy, None, None, ref)
     if cfg.model.value_model == "head":
-        return Models(policy, None, ValueHead(policy.hidden_size))
-    value = get_family(family)(cfg.model, policy.vocab_size, policy.max_len, lm_head=False)
-    return Models(policy, value, ValueHead(value.hidden_size))
+        return Models(policy, None, ValueHead(policy.hidden_size), ref)
+    if cfg.model.value_model == "lora":
+        value = adapted(cfg, base, cfg.lora.critic_rank or cfg.lora.rank)
+    else:
+        value = get_family(family)(cfg.model, policy.vocab_size, policy.max_len, lm_head=False)
+    return Models(policy, value, ValueHead(value.hidden_size), ref)
+
+
+def full_params(ctx: Context, params: Any, base: Any) -> Any:
+    """The train state's ``params`` as the models apply them: with adapters (``lora.rank``,
+    ``model.value_model=lora``) each is merged with the frozen ``base`` (:func:`klrl.models.lora.merge`:
+    a dict union, no copy); otherwise ``params`` itself."""
+    if not (ctx.lora or ctx.lora_critic):
+        return params
+    out = dict(params)
+    if ctx.lora:
+        out["policy"] = lora_lib.merge(base, params["policy"])
+    if ctx.lora_critic:
+        out["value"] = lora_lib.merge(base, params["value"])
+    return out
 
 
 @dataclass(frozen=True)
@@ -240,6 +276,23 @@ class Context:
     n_dev: int
     log_target: bool = False  # log ``ctrl/target``: some run of this program has an adaptive controller
     samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.step.samples)
+    ref_init: Any = None  # the reference's own initial parameters (quantised, model.ref_quant), else None
+    policy_adapters: Any = None  # the policy's initial adapters (model.adapter), None: fresh (B = 0)
+
+    @property
+    def lora(self) -> bool:
+        """The policy is adapters on the frozen base (``lora.rank`` > 0); the base is ``ref_params``."""
+        return isinstance(self.models.policy, lora_lib.LoRA)
+
+    @property
+    def lora_critic(self) -> bool:
+        """The critic is the frozen base with its own adapters (``model.value_model=lora``)."""
+        return isinstance(self.models.value, lora_lib.LoRA)
+
+    @property
+    def ref_model(self) -> CausalLM:
+        """The reference's model (the base family; quantised with ``model.ref_quant``)."""
+        return self.models.ref if self.models.ref is not None else self.models.policy
 
     # shapes and modes, all static
     @property
@@ -347,8 +400,10 @@ class Context:
         trunk = getattr(r, "trunk", None)
         if getattr(r, "from_hidden", None) is None or trunk is None or not self.ref_frozen:
             return False
+        if self.ref_init is not None:  # a quantised reference: not the reward's float trunk
+            return False
         model, params = trunk
-        if model is not self.models.policy and model != self.models.policy:
+        if model is not self.ref_model and model != self.ref_model:
             return False
         mine, theirs = jax.tree.leaves(params), jax.tree.leaves(self.policy_params)
         if jax.tree.structure(params) != jax.tree.structure(self.policy_params):
@@ -399,11 +454,20 @@ def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | Non
         key = jax.random.key_data(key)
     k_head, k_value, k_run = jax.random.split(key, 3)
     m, kl_cfg = ctx.models, ctx.cfg.kl
-    pol = jax.tree.map(jnp.copy, ctx.policy_params)  # own buffers: the step donates the state
+    ref = ctx.ref_init if ctx.ref_init is not None else as_ref_dtype(ctx, ctx.policy_params)
+    if ctx.lora:  # adapters on the frozen base (B = 0: the initial policy is the base)
+        pol = ctx.policy_adapters
+        if pol is None:
+            pol = m.policy.init_adapters(ref, jax.random.fold_in(k_head, 1))
+        pol = jax.tree.map(jnp.copy, pol)
+    else:
+        pol = jax.tree.map(jnp.copy, ctx.policy_params)  # own buffers: the step donates the state
     if ctx.head:  # graft a fresh value head onto the pretrained trunk
         pol = attach(pol, m.value_head.init(k_head))
     value = None
-    if ctx.separate:
+    if ctx.lora_critic:  # the critic's own adapters on the same base, and a fresh value head
+        value = attach(m.value.init_adapters(ref, jax.random.fold_in(k_value, 1)), m.value_head.init(k_value))
+    elif ctx.separate:
         value = ctx.value_params
         if value is None:
             value = attach(m.value.init(k_value), m.value_head.init(k_value))
@@ -413,7 +477,7 @@ def initial_state(ctx: Context, seed: int | Array = 0, beta: float | Array | Non
     driven, other = (b_r, kl_cfg.loss_coef) if ctx.drives_reward else (kl_cfg.loss_coef, b_r)
     return TrainState(
         params=params,
-        ref_params=as_ref_dtype(ctx, ctx.policy_params),
+        ref_params=ref,
         opt_state=ctx.optimizer.init(params),
         ctrl=jax.tree.map(jnp.copy, ctx.controller.init(jnp.asarray(driven, jnp.float32))),  # own buffers
         other_coef=jnp.asarray(other, jnp.float32),
@@ -441,7 +505,10 @@ def state_shardings(ctx: Context, mesh: Any, sweep: bool = False) -> Any:
     )  # fmt: skip
     specs = param_specs(rules, abstract, mesh)
     if sweep:
-        specs = jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), specs)
+        stack = lambda t: jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), t)
+        # a frozen reference (the shared base) is one copy for every member: no leading axis
+        ref = specs.ref_params if ctx.ref_frozen else stack(specs.ref_params)
+        specs = stack(specs._replace(ref_params=None))._replace(ref_params=ref)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 

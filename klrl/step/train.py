@@ -41,6 +41,7 @@ from klrl.algo.control import ControllerState, from_config
 from klrl.algo.logprobs import token_logprobs
 from klrl.algo.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.config import ConfigError, RunConfig
+from klrl.models import lora as lora_lib
 from klrl.models.base import CausalLM, forward
 from klrl.models.heads import ValueHead, detach
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
@@ -62,6 +63,7 @@ from klrl.step.parts import (
     as_ref_dtype,
     build_models,
     coefs,
+    full_params,
     init_state,
     iteration_keys,
     make_optimizer,
@@ -93,8 +95,9 @@ def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
     )
     ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
     head = ctx.models.value_head if ctx.head else None
+    policy = full_params(ctx, state.params, state.ref_params)["policy"]
     ro = generate(
-        ctx.models.policy, state.params["policy"], env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
+        ctx.models.policy, policy, env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
         ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
         keep_hidden=ctx.keep_hidden,
     )  # fmt: skip
@@ -109,16 +112,17 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
     tokens, key_mask = sequence(ro.prompt, ro.prompt_mask, ro.response, mask)
     ref_hidden = exact = full = None
     if ctx.chunked:  # no [B, R, V] logits (klrl.step.chunked)
-        ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask, logits=False)
+        ref_out = forward(ctx.ref_model, state.ref_params, tokens, key_mask, logits=False)
         ref_h = response_slice(ref_out.hidden, ctx.p_len, ctx.r_len)
         ref_logits, (ref_logp, exact, full) = None, score_terms(ctx, state, ro, ref_h)
         ref_hidden = ref_h if ctx.full_in_loss else None
     else:
-        ref_out = forward(ctx.models.policy, state.ref_params, tokens, key_mask)
+        ref_out = forward(ctx.ref_model, state.ref_params, tokens, key_mask)
         ref_logits = response_slice(ref_out.logits, ctx.p_len, ctx.r_len) / ctx.cfg.sampling.temperature
         ref_logp = token_logprobs(ref_logits, ro.response) * mask
     if ctx.separate:
-        old_value = value_out(ctx, state.params["value"], tokens, key_mask) * mask
+        value = full_params(ctx, state.params, state.ref_params)["value"]
+        old_value = value_out(ctx, value, tokens, key_mask) * mask
     elif ctx.head:
         old_value = ro.value
     else:
@@ -296,6 +300,8 @@ def make_train(
         if not models.value:
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = Models(policy, value, ValueHead(value.hidden_size))
+    policy_params = task.policy_params if policy_params is None else policy_params
+    check_adapters(models, policy_params)
     n_dev = mesh.shape[DATA]
     share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
     if share % k:  # (one device: RunConfig checked that k divides the minibatch)
@@ -305,7 +311,7 @@ def make_train(
         cfg=cfg,
         task=task,
         models=models,
-        policy_params=task.policy_params if policy_params is None else policy_params,
+        policy_params=policy_params,
         value_params=value_params,
         stop_ids=stop_set(task.stop_ids if stop_ids is None else stop_ids),
         controller=from_config(cfg.ctrl),
@@ -333,6 +339,17 @@ def make_train(
         context=ctx,
         state_shardings=shardings,
     )
+
+
+def check_adapters(models: Models, base_params: Any) -> None:
+    """Each adapted model's ``lora.targets`` matches some linear layer of its family (a
+    :class:`ConfigError` naming the field otherwise), before anything compiles."""
+    for m in (models.policy, models.value):
+        if isinstance(m, lora_lib.LoRA):
+            try:
+                lora_lib.check(m, base_params)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def place_state(ctx: Context, shardings: Any, state: TrainState) -> TrainState:

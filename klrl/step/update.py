@@ -19,7 +19,7 @@ from klrl.algo.logprobs import entropy, token_logprobs
 from klrl.step import chunked
 from klrl.step.heads import policy_out, policy_terms, value_out
 from klrl.step.parallel import DATA, average, take_rows, total
-from klrl.step.parts import Batch, Context, TrainState, all_finite, coefs, iteration_keys
+from klrl.step.parts import Batch, Context, TrainState, all_finite, coefs, full_params, iteration_keys
 
 Array = jax.Array
 
@@ -36,6 +36,7 @@ def ppo_loss(
     ``sum_b token_mean_b(kl) / n_seq`` (``seq_mean``).
     """
     ppo, kl_cfg = ctx.cfg.ppo, ctx.cfg.kl
+    params = full_params(ctx, params, ref_params)  # LoRA: adapters on the frozen base; gradients reach them
     if ctx.chunked:  # logit terms from hidden states, chunk by chunk (klrl.step.chunked)
         logits, (logp, ent_c, value, full_kl) = None, policy_terms(ctx, params["policy"], mb, ref_params)
     else:

@@ -41,6 +41,7 @@ from klrl.algo.logprobs import token_logprobs
 from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.config import ConfigError, RunConfig
 from klrl.data.prompts import PromptPool, check_fields, counts_line, load_prompts
+from klrl.models import lora as lora_lib
 from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
@@ -288,7 +289,12 @@ def make_text(cfg: RunConfig, log: Any = None) -> Task:
     return make_text_task(cfg, log)
 
 
-def save_policy(task: Task, state: Any, out_dir: str | Path) -> Path:
-    """The final policy (value head dropped) as an HF directory (:func:`klrl.models.save_pretrained`)."""
+def save_policy(task: Task, state: Any, out_dir: str | Path, cfg: RunConfig | None = None) -> Path:
+    """The final policy (value head dropped) as an HF directory (:func:`klrl.models.save_pretrained`).
+    With LoRA adapters (``cfg.lora.rank`` > 0; ``state.params['policy']`` holds them) the adapters are
+    folded into the float base (:func:`klrl.models.lora.merged_kernels`, PEFT's ``merge_and_unload``)."""
     trunk = detach(jax.device_get(state.params["policy"]))[0]
+    if cfg is not None and cfg.lora.rank > 0:
+        base = jax.device_get(task.policy_params)
+        trunk = lora_lib.merged_kernels(base, trunk, cfg.lora.alpha / cfg.lora.rank)
     return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)
