@@ -169,3 +169,96 @@ def test_exported_model_files_follow_the_umask(gpt_run, tiny_gguf_run, tmp_path,
             assert mode(out / "model.safetensors") == mode(out / "config.json") == 0o640
     finally:
         os.umask(old)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run (rank 2, alpha 6: scale 3; adapters on q, v and up only) of the text task on
+    tests/data/tiny_llama (with the tiny GGUF's tokenizer beside it: same 256 ids), one iteration,
+    checkpointed."""
+    import shutil
+    import warnings
+
+    import klrl
+    from klrl.config import RunConfig
+    from klrl.data.prompts import PromptTruncationWarning
+    from klrl.models import from_pretrained
+
+    tmp = tmp_path_factory.mktemp("lora-run")
+    base = Path(shutil.copytree(DATA / "tiny_llama", tmp / "tiny_llama"))
+    from_pretrained(GGUF)[2].save(base)
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"path": str(base)},
+            "lora": {"rank": 2, "alpha": 6.0, "targets": "q_proj|v_proj|up_proj"},
+            "task": {"name": "text"},
+            "data": {"prompt_len": 16, "limit": 8},
+            "sampling": {"response_len": 4},
+            "ppo": {"epochs": 1, "minibatches": 2},
+            "optim": {"lr": 1e-2},
+            "train": {"iterations": 1, "batch_size": 4, "out_dir": str(tmp / "runs"), "name": "r",
+                      "quiet": True, "checkpoint_every": 1},
+        }
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTruncationWarning)
+        return klrl.run(cfg), base
+
+
+def test_export_lora_run_merged_and_as_peft_adapter(lora_run, tmp_path, capsys):
+    """``klrl export`` of a LoRA run: OUT_DIR is the merged model, whose logits are the LoRA policy's
+    (base + (alpha/r) x A B at every use); OUT_DIR/adapter is the adapters in PEFT's format, which
+    load_adapter reads back to the checkpoint's adapters (bit for bit) with the run's rank and alpha."""
+    import jax.numpy as jnp
+
+    from klrl.models import from_pretrained, lora
+    from klrl.models.base import forward
+    from klrl.models.heads import detach
+    from klrl.models.peft import load_adapter
+
+    result, base_dir = lora_run
+    out = tmp_path / "hf"
+    status, stdout, err = _klrl(["export", str(result.dir), str(out)], capsys)
+    assert status == 0, err
+    assert "HF directory" in stdout and "rank 2, alpha 6" in stdout and stdout.count("\n") == 1, stdout
+    adapters = detach(jax.device_get(result.state.params["policy"]))[0]
+    assert all(np.abs(b).max() > 0 for b in jax.tree.leaves(adapters))  # trained: B moved off zero
+    model, base, _ = from_pretrained(base_dir)
+    merged_model, merged, tok = from_pretrained(out)
+    assert merged_model == model and tok is not None
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, 256, size=(2, 9)), jnp.int32)
+    mask = jnp.asarray(np.arange(9)[None, :] >= np.array([[0], [3]]))  # the second row left-padded
+    want = forward(
+        lora.LoRA(model, 2, 6.0, "q_proj|v_proj|up_proj"), lora.merge(base, adapters), tokens, mask
+    )
+    got = forward(merged_model, merged, tokens, mask)
+    real = np.asarray(mask)
+    assert (
+        np.abs(np.asarray(want.logits) - np.asarray(forward(model, base, tokens, mask).logits))[real].max()
+        > 1e-3
+    )
+    assert np.abs(np.asarray(got.logits) - np.asarray(want.logits))[real].max() < 1e-4
+    assert (out / "model.safetensors").read_bytes() == (
+        result.dir / "policy" / "model.safetensors"
+    ).read_bytes()
+    lm, back = load_adapter(out / "adapter", model, base, base_name=str(base_dir))
+    assert (lm.rank, lm.alpha) == (2, 6.0)
+    assert sorted(lora.check(lm, base)) == ["layers/q_proj", "layers/up_proj", "layers/v_proj"]
+    _equal_trees(back, adapters)
+
+
+def test_export_lora_run_of_klrls_gpt_is_one_line(gpt_run, tmp_path, capsys):
+    """A LoRA run of klrl's GPT (here: the run's config.json says lora.rank=2) is refused in one line:
+    its checkpoints hold the adapters, not the task's pretrained base."""
+    import json
+    import shutil
+
+    d = Path(shutil.copytree(gpt_run.dir, tmp_path / "run"))
+    doc = json.loads((d / "config.json").read_text())
+    doc["lora"] = {**doc.get("lora", {}), "rank": 2}
+    (d / "config.json").write_text(json.dumps(doc))
+    status, _, err = _klrl(["export", str(d), str(tmp_path / "out")], capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and "a LoRA run of klrl's GPT (lora.rank=2)" in lines[0], err
+    assert not (tmp_path / "out").exists()

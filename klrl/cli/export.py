@@ -9,11 +9,22 @@ step directory that holds no finished save is skipped, and the line printed says
   ``generation_config.json`` and the tokenizer files, which
   ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` and :func:`klrl.models.from_pretrained`
   load. ``model.path`` must still be there (its architecture and tokenizer are read from it).
+* **A LoRA run on a pretrained model** (``lora.rank > 0``: the checkpoint's policy is the adapters): the
+  merged policy as above (the float base of ``model.path`` with the adapters folded into its kernels,
+  ``W + (alpha / r) A B``, :func:`klrl.models.lora.merged_kernels`, PEFT's ``merge_and_unload``; with
+  ``model.ref_quant`` the run's base was the quantised one, the export's is the float one, as QLoRA merges
+  are), and the adapters alone in PEFT's format in ``OUT_DIR/adapter/``
+  (:func:`klrl.models.peft.save_adapter`: ``adapter_config.json`` with ``base_model_name_or_path`` =
+  ``model.path``, ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` and
+  :func:`klrl.models.peft.load_adapter` (``model.adapter``) load on that base. The rank is the
+  adapters'; alpha is ``lora.alpha`` (``model.adapter``'s ``lora_alpha`` when the run started from a
+  PEFT adapter: its rank and alpha are the run's).
 * **A run of klrl's own GPT** (the synthetic testbed tasks): not a transformers architecture, so
   ``model.safetensors`` holds the policy's parameters (float32; its value head dropped) under
   their flax paths (``wte/embedding``, ...) and ``config.json`` says what they are: ``{"format": "klrl-gpt",
   "model": the run's model section, "task": the run's task.json, "iteration", "klrl_version",
-  "run_config"}``. :func:`load_gpt` reads both back.
+  "run_config"}``. :func:`load_gpt` reads both back. A LoRA run of the GPT (``lora.rank > 0``) is
+  refused: its checkpoints hold the adapters, not the task's pretrained base.
 * **A sweep member** (``SWEEP_DIR/MEMBER``): its slice of the sweep's stacked checkpoint, as above.
 
 A bad ``RUN_DIR``, a missing step, a non-empty ``OUT_DIR`` or a damaged checkpoint is an
@@ -40,6 +51,7 @@ from klrl.io import checkpoint as ckpt
 from klrl.io.checkpoint import CheckpointError, version
 from klrl.io.digest import leaf_name
 from klrl.io.readers import RunDirError, read_json, read_run, read_sweep_members
+from klrl.models import lora, peft
 from klrl.models.heads import detach
 from klrl.models.hf import CheckpointFormatError, save_safetensors
 from klrl.models.pretrained import from_pretrained, save_pretrained
@@ -47,6 +59,7 @@ from klrl.tasks.text import check_model_paths
 
 FORMAT = "klrl-gpt"
 SAFETENSORS = "model.safetensors"
+ADAPTER = "adapter"  # a LoRA run's adapters in PEFT's format, inside OUT_DIR
 
 
 class ExportError(ValueError):
@@ -124,13 +137,36 @@ def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path
     return f"klrl GPT policy parameters ({len(tensors)} float32 tensors, safetensors) + config.json"
 
 
+def _lora_of(cfg, model: Any, adapters: Any) -> lora.LoRA:
+    """The run's LoRA model: the adapters' rank; ``lora.alpha``, or ``model.adapter``'s ``lora_alpha``."""
+    flat = jax.tree_util.tree_flatten_with_path(adapters)[0]
+    ranks = {int(np.shape(x)[-1]) for p, x in flat if str(getattr(p[-1], "key", "")).endswith("_lora_a")}
+    if len(ranks) != 1:
+        raise ExportError(
+            f"lora.rank: the checkpoint's policy is not LoRA adapters of one rank (ranks {sorted(ranks)})"
+        )
+    alpha = cfg.lora.alpha
+    doc = Path(cfg.model.adapter) / peft.CONFIG if cfg.model.adapter else None
+    if doc is not None and doc.is_file():  # the run's rank and alpha were the adapter's
+        alpha = float(read_json(doc).get("lora_alpha", alpha))
+    return lora.LoRA(model, ranks.pop(), alpha, cfg.lora.targets)
+
+
 def _write_hf(cfg, params: Any, out: Path) -> str:
 
     check_model_paths(cfg)  # the architecture and the tokenizer come from model.path
-    model, _, tok = from_pretrained(cfg.model.path, tokenizer=True)
-    save_pretrained(model, params, tok, out)
+    model, base, tok = from_pretrained(cfg.model.path, tokenizer=True)
+    if cfg.lora.rank <= 0:
+        save_pretrained(model, params, tok, out)
+        where = f"architecture and tokenizer of {cfg.model.path}"
+        return f"HF directory (transformers-loadable) of the policy, {where}"
+    lm = _lora_of(cfg, model, params)
+    save_pretrained(model, lora.merged_kernels(base, params, lm.scale), tok, out)
+    peft.save_adapter(out / ADAPTER, lm, params, base_name=cfg.model.path)
     return (
-        f"HF directory (transformers-loadable) of the policy, architecture and tokenizer of {cfg.model.path}"
+        f"HF directory (transformers-loadable) of the policy, its LoRA adapters (rank {lm.rank}, alpha "
+        f"{lm.alpha:g}) merged into the base {cfg.model.path}, and the adapters alone in PEFT's format in "
+        f"{ADAPTER}/"
     )
 
 
@@ -145,6 +181,11 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) ->
     try:
         root, member = _checkpoint_of(d)
         cfg, _ = read_run(d)
+        if not cfg.model.path and cfg.lora.rank > 0:
+            raise ExportError(
+                f"{d}: a LoRA run of klrl's GPT (lora.rank={cfg.lora.rank}): its checkpoints hold the "
+                "adapters, not the task's pretrained base they sit on (LoRA runs on model.path are exported)"
+            )
         params, step = _policy_params(root, member, step)
         tmp.mkdir(parents=True)
         if cfg.model.path:
