@@ -158,6 +158,7 @@ def test_same_base_names():
     assert same_base("/home/u/models/smollm2-135m-instruct/", "SmolLM2-135M-Instruct")
     assert same_base("Qwen/Qwen2-0.5B", "/c/hub/models--Qwen--Qwen2-0.5B/snapshots/0a1b2c")
     assert same_base("TheBloke/Mistral-7B-v0.1-GGUF", "mistral-7b-v0.1.Q4_K_M.gguf")
+    assert same_base("Qwen/Qwen2-0.5B-Instruct", "qwen2-0_5b-instruct-q4_k_m.gguf")
     assert not same_base("HuggingFaceTB/SmolLM2-135M", "SmolLM2-135M-Instruct")
     assert not same_base("tiny_llama", "tiny_qwen2")
 

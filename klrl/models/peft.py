@@ -77,15 +77,9 @@ GPT2 = Layout(
 
 # adapter_config.json fields: read (checked below), or without effect on the adapted function
 _READ = {
-    "peft_type",
-    "task_type",
-    "r",
-    "lora_alpha",
-    "target_modules",
-    "exclude_modules",
-    "base_model_name_or_path",
-}
-_READ |= {"bias", "use_rslora", "use_dora", "modules_to_save", "init_lora_weights"}
+    "peft_type", "task_type", "r", "lora_alpha", "target_modules", "exclude_modules",
+    "base_model_name_or_path", "bias", "use_rslora", "use_dora", "modules_to_save", "init_lora_weights",
+}  # fmt: skip
 _NEUTRAL = {
     "peft_version", "auto_mapping", "revision", "inference_mode", "lora_dropout", "fan_in_fan_out",
     "runtime_config", "megatron_core", "qalora_group_size", "layers_pattern", "ensure_weight_tying",
@@ -115,7 +109,8 @@ def layout(model: Any, where: str | Path) -> Layout:
 def _name(base_name: str) -> str:
     """A model's name for :func:`same_base`: the last path component (a Hub id's model part; the
     ``models--org--name`` directory of an HF cache snapshot path), without ``.gguf``, a trailing GGUF
-    quantisation tag (``.Q4_1``, ``-Q4_K_M``, ``-f16``, ...) or ``-GGUF``, case-folded."""
+    quantisation tag (``.Q4_1``, ``-Q4_K_M``, ``-f16``, ...) or ``-GGUF``, case-folded, with ``.``, ``_``
+    and ``-`` all read as ``-`` (GGUF files spell ``Qwen2-0.5B`` ``qwen2-0_5b``)."""
     parts = [p for p in re.split(r"[/\\]+", base_name.strip()) if p]
     if not parts:
         return ""
@@ -125,13 +120,14 @@ def _name(base_name: str) -> str:
             break
     name = re.sub(r"\.gguf$", "", parts[-1], flags=re.I)
     name = re.sub(r"[._-](?:I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.I)
-    return re.sub(r"-GGUF$", "", name, flags=re.I).casefold()
+    return re.sub(r"[._-]+", "-", re.sub(r"-GGUF$", "", name, flags=re.I)).casefold()
 
 
 def same_base(recorded: str, base_name: str) -> bool:
     """Whether an adapter's ``base_model_name_or_path`` names the model ``base_name`` (a name or a path):
     their :func:`_name` forms are equal (``HuggingFaceTB/SmolLM2-135M-Instruct`` ~ ``SmolLM2-135M-Instruct``
-    ~ ``SmolLM2-135M-Instruct.Q4_1.gguf`` ~ ``/any/dir/smollm2-135m-instruct/``; not ``SmolLM2-135M``)."""
+    ~ ``SmolLM2-135M-Instruct.Q4_1.gguf`` ~ ``/any/dir/smollm2-135m-instruct/``; not ``SmolLM2-135M``).
+    A loose comparison on purpose: it catches an adapter trained on another model, not a renamed copy."""
     return _name(recorded) == _name(base_name)
 
 
