@@ -30,17 +30,18 @@ from klrl import distributed
 from klrl.algo.control import from_config
 from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_run, load_sweep
 from klrl.checks import check_config, check_program
-from klrl.config import RunConfig
+from klrl.config import ConfigError, RunConfig
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.loop.program import Program
 from klrl.models.catalog import resolve_model_paths
+from klrl.models.hf import CheckpointFormatError
 from klrl.registry import TASKS, is_adaptive
 from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
 from klrl.step.evaluate import make_heldout_eval
 from klrl.step.parallel import mesh_from_config, shard_step
-from klrl.step.parts import Train, TrainState, init_state, set_learning_rate, state_shardings
+from klrl.step.parts import Train, TrainState, as_ref_dtype, init_state, set_learning_rate, state_shardings
 from klrl.step.train import make_train
 from klrl.tasks.base import Task
 from klrl.tasks.text import save_policy, value_models
@@ -58,6 +59,22 @@ __all__ = [
     "run",
     "sweep",
 ]
+
+
+def adopt_adapter(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``lora.rank`` and ``lora.alpha`` of its ``model.adapter`` (a PEFT directory: the initial
+    policy's adapters keep their own rank and scale); ``cfg`` itself without one. A missing or unreadable
+    adapter config is a :class:`ConfigError` naming the file."""
+    if not cfg.model.adapter:
+        return cfg
+    from klrl.models import peft
+
+    path = Path(cfg.model.adapter)
+    try:
+        r, alpha = peft._check_options(peft._read_config(path), path / peft.CONFIG)
+    except CheckpointFormatError as e:
+        raise ConfigError(f"model.adapter: {e}") from None
+    return cfg.replace(lora={"rank": r, "alpha": alpha})
 
 
 def build_task(cfg: RunConfig, log: Any = None) -> Task:
@@ -103,7 +120,7 @@ def run(
         )
         if result.dir is not None and distributed.is_main():
             if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
-                save_policy(task, result.state, result.dir / "policy", cfg)
+                save_policy(task, result.state, result.dir / "policy", adopt_adapter(cfg))
             if report is not None:
                 report(result)
         if stop_error is not None:
@@ -202,6 +219,7 @@ def build_program(
     reward normalisation of the run resumed; ``write`` turns the step's sample rows on
     (``train.samples_every``). The task's ``info["notes"]`` (lines, e.g. the text task's count of
     prompts cut to the budget) are logged once the checks have passed (not with ``train.quiet``)."""
+    members = [adopt_adapter(m) for m in members]
     base, tc = members[0], members[0].train
     mesh = mesh_from_config(tc, sweep_devices)
     task = task or build_task(base, None if tc.quiet else log)
@@ -244,11 +262,15 @@ def build_program(
 def _single(train: Train, cfg: RunConfig) -> dict[str, Any]:
     """A run's state as ``train`` makes it: a frozen reference kept as the task's arrays (one copy,
     also after a restore: ``train.place``), restored straight onto the run's mesh."""
+    ctx = train.context
     return dict(
         init=lambda: train.init(cfg.train.seed),
         step=train.step,
         place=train.place,
         shardings=train.state_shardings,
+        frozen_ref=(lambda: placed_reference(ctx, train.state_shardings.ref_params))
+        if ctx.ref_frozen
+        else None,
     )
 
 
@@ -288,7 +310,14 @@ def _stacked(train: Train, members: list[RunConfig]) -> dict[str, Any]:
         step=step,
         place=lambda s: distributed.put(jax.tree.map(np.asarray, s), split),
         abstract=abstract._replace(ref_params=one.ref_params if shared else stack(one.ref_params)),
+        frozen_ref=(lambda: placed_reference(train.context, split.ref_params)) if shared else None,
     )
+
+
+def placed_reference(ctx: Any, sharding: Any) -> Any:
+    """The frozen reference as the state holds it (the task's arrays; quantised with model.ref_quant)."""
+    ref = ctx.ref_init if ctx.ref_init is not None else as_ref_dtype(ctx, ctx.policy_params)
+    return jax.device_put(ref, sharding)
 
 
 def shared_ref_vmap(fn: Any) -> Any:

@@ -38,7 +38,7 @@ from klrl.io import checkpoint as ckpt
 from klrl.io.logging import Progress, new_run_dir
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
-from klrl.loop import reliability
+from klrl.loop import frozen, reliability
 from klrl.loop.files import (
     ROLLED_BACK,
     SAMPLES_ROLLED_BACK,
@@ -188,7 +188,10 @@ def _resumed(prog: Program, resume: Resume, restore_to: Any, log: Callable[[str]
     the same first lines, only process 0 writes)."""
     cfgs, main, tc = prog.configs, distributed.is_main(), prog.configs[0].train
     dirs = member_dirs(resume.dir, cfgs, prog.stacked, existing=True)
+    if not frozen.saved_with_reference(resume.meta):  # (older checkpoints hold the frozen reference too)
+        restore_to = frozen.without(prog, restore_to)
     state, meta = restore_resume(resume, restore_to, prog.init)
+    state = frozen.restored(prog, state, meta, f"checkpoint {resume.step} in {resume.dir}")
     state = prog.place(state)  # host values (the same on every process), or already on prog.shardings
     swept = varying_fields(cfgs) if prog.stacked else []
     aliases = set(alias_map(tc.metric_aliases).values())
@@ -208,16 +211,21 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
     if metric:
         # the state a rollback to step 0 restores (a host copy: ``init`` cannot be re-run once ``step``
         # has donated the controller's parameter arrays)
-        initial = ckpt.host_copy(loop.state if resume is None else prog.init())
+        initial = ckpt.host_copy(frozen.without(prog, loop.state if resume is None else prog.init()))
         traces = [[float(r.get(metric, math.nan)) for r in rows] for rows in loop.rows]
         if resume is not None:  # the rollback metric at iteration 0 (the threshold's reference)
             bases = rollback_bases(resume.meta, metric, traces)
     rollback = QualityRollback(tc, loop.stacked, log, traces, bases, initial)
     mgr = None if loop.root is None else ckpt.manager(loop.root, keep=tc.keep_checkpoints, async_save=True)
     if mgr is not None and loop.main and not tc.quiet:  # how many checkpoints, how big (the disk they take)
-        log(ckpt.plan_line(restore_to, tc.keep_checkpoints, tc.checkpoint_every, loop.root))
+        log(
+            ckpt.plan_line(
+                frozen.without(prog, restore_to), tc.keep_checkpoints, tc.checkpoint_every, loop.root
+            )
+        )
     last_saved = loop.start if resume is not None else -1
-    ckpts = Checkpoints(mgr, tc.checkpoint_every, tc.iterations, restore_to, rollback.base_meta, last_saved)
+    ckpts = Checkpoints(mgr, tc.checkpoint_every, tc.iterations, frozen.without(prog, restore_to),
+                        rollback.base_meta, last_saved)  # fmt: skip
     loop.t0 = time.time()
     quiet = tc.quiet or not loop.main
     progress = ProgressLine(Progress(tc.iterations, tc.log_every, quiet, start=loop.start))

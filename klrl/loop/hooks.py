@@ -41,7 +41,7 @@ from klrl import distributed
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import MetricsWriter, Progress, sweep_progress
-from klrl.loop import reliability
+from klrl.loop import frozen, reliability
 from klrl.loop.files import move_rolled_back
 from klrl.loop.metrics import latest, learning_rates, timings, with_aliases
 from klrl.loop.program import Program
@@ -158,6 +158,7 @@ class Checkpoints(Hook):
         self.mgr, self.every, self.iterations = mgr, every, iterations
         self.restore_to, self.base_meta = restore_to, base_meta
         self.last_saved = last_saved  # the newest step saved (-1: none)
+        self.frozen_id: dict | None = None  # the frozen reference's {path, digest} (klrl.loop.frozen)
 
     def due(self, i: int) -> bool:
         """Whether the state after ``i`` iterations is saved (its metrics fetched at once)."""
@@ -172,7 +173,11 @@ class Checkpoints(Hook):
                 "rollback_base": self.base_meta()}  # fmt: skip
         if loop.stacked:
             meta["members"] = [c.to_dict() for c in loop.configs]
-        ckpt.save(self.mgr, step, loop.state, meta)
+        if loop.prog.frozen_ref is not None:  # left out of the checkpoint, identified (klrl.loop.frozen)
+            if self.frozen_id is None:
+                self.frozen_id = frozen.identity(loop.prog)
+            meta[frozen.KEY] = self.frozen_id
+        ckpt.save(self.mgr, step, frozen.without(loop.prog, loop.state), meta)
         self.last_saved = step
 
     def where_saved(self) -> str:
@@ -390,6 +395,7 @@ class QualityRollback(Hook):
         the restored and the new beta per member (flat)."""
         failed = np.asarray(distributed.to_host(loop.state.ctrl.beta), np.float32)  # beta when it crossed
         new = self.initial if target == 0 else ckpts.restore(target)
+        new = frozen.restored(loop.prog, new, {}, f"checkpoint {target}")  # the frozen reference put back
         old = np.asarray(distributed.to_host(new.ctrl.beta), np.float32)
         new_beta = reliability.rollback_betas(old, failed, members, self.tc.rollback_factor)
         new = new._replace(ctrl=new.ctrl._replace(beta=new_beta))

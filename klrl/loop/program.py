@@ -37,3 +37,7 @@ class Program:
     # the state's shardings on this mesh (a pytree of ``Sharding`` like the state, or one): a checkpoint
     # is restored straight onto them, from whatever mesh it was saved (None: as host arrays, then ``place``)
     shardings: Any = None
+    # the frozen reference (a LoRA run's base, a frozen full fine-tuning reference), placed as the state holds
+    # it: checkpoints leave ``ref_params`` out and a restore takes it from here (klrl.loop.frozen); None: the
+    # reference moves (kl.ref_update_every) and is checkpointed with the rest
+    frozen_ref: Callable[[], Any] | None = None

@@ -301,6 +301,10 @@ def make_train(
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = Models(policy, value, ValueHead(value.hidden_size))
     policy_params = task.policy_params if policy_params is None else policy_params
+    adapters = None
+    if cfg.model.adapter:  # a PEFT directory: the initial policy's adapters (klrl.models.peft)
+        policy, adapters = initial_adapters(cfg, policy, policy_params)
+        models = models._replace(policy=policy)
     check_adapters(models, policy_params)
     n_dev = mesh.shape[DATA]
     share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
@@ -319,6 +323,7 @@ def make_train(
         n_dev=n_dev,
         log_target=is_adaptive(cfg.ctrl.kind) if log_target is None else log_target,
         samples=min(int(samples), cfg.train.batch_size),
+        policy_adapters=adapters,
     )
     one = partial(step_fn, ctx)
     phases = Phases(
@@ -339,6 +344,20 @@ def make_train(
         context=ctx,
         state_shardings=shardings,
     )
+
+
+def initial_adapters(cfg: RunConfig, policy: CausalLM, base_params: Any) -> tuple[CausalLM, Any]:
+    """``(LoRA policy, adapters)`` of ``model.adapter`` on the base ``policy`` (its targets, rank and alpha;
+    the base's quantisation of ``model.ref_quant``); a bad directory is a :class:`ConfigError`."""
+    from klrl.models import peft
+    from klrl.models.hf import CheckpointFormatError
+
+    base = policy.base if isinstance(policy, lora_lib.LoRA) else policy
+    try:
+        model, adapters = peft.load_adapter(cfg.model.adapter, base, base_params, base_name=cfg.model.path)
+    except CheckpointFormatError as e:
+        raise ConfigError(f"model.adapter: {e}") from None
+    return dataclasses.replace(model, quant=cfg.model.ref_quant), adapters
 
 
 def check_adapters(models: Models, base_params: Any) -> None:

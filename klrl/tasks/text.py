@@ -292,9 +292,15 @@ def make_text(cfg: RunConfig, log: Any = None) -> Task:
 def save_policy(task: Task, state: Any, out_dir: str | Path, cfg: RunConfig | None = None) -> Path:
     """The final policy (value head dropped) as an HF directory (:func:`klrl.models.save_pretrained`).
     With LoRA adapters (``cfg.lora.rank`` > 0; ``state.params['policy']`` holds them) the adapters are
-    folded into the float base (:func:`klrl.models.lora.merged_kernels`, PEFT's ``merge_and_unload``)."""
+    folded into the float base (:func:`klrl.models.lora.merged_kernels`, PEFT's ``merge_and_unload``)
+    and also written alone in PEFT's format in ``out_dir/adapter`` (:func:`klrl.models.peft.save_adapter`)."""
     trunk = detach(jax.device_get(state.params["policy"]))[0]
-    if cfg is not None and cfg.lora.rank > 0:
-        base = jax.device_get(task.policy_params)
-        trunk = lora_lib.merged_kernels(base, trunk, cfg.lora.alpha / cfg.lora.rank)
-    return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)
+    if cfg is None or cfg.lora.rank <= 0:
+        return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)
+    from klrl.models import peft
+
+    model = lora_lib.LoRA(task.policy, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    merged = lora_lib.merged_kernels(jax.device_get(task.policy_params), trunk, model.scale)
+    out = save_pretrained(task.policy, merged, task.tokenizer, out_dir)
+    peft.save_adapter(Path(out) / "adapter", model, trunk, base_name=cfg.model.path)
+    return out
