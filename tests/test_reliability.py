@@ -291,7 +291,8 @@ def test_nan_rewards_skip_and_stop(k, tiny_task, cache_dir, jax_cache, tmp_path)
     # the last good state is checkpointed: the parameters (and optimiser state) never moved
     mgr = ckpt.manager(tmp_path / "r", read_only=True)
     initial = make_train(cfg, task).init(cfg.train.seed)
-    state, meta = ckpt.restore(mgr, jax.eval_shape(lambda: initial._replace(ref_params=None)))  # (frozen: left out)
+    frozen_out = initial._replace(ref_params=None)  # a frozen reference is not checkpointed
+    state, meta = ckpt.restore(mgr, jax.eval_shape(lambda: frozen_out))
     mgr.close()
     assert meta["iteration"] == n and meta["metrics_lines"] == n
     assert int(state.iteration) == n and int(state.skipped) == n
