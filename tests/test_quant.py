@@ -1,5 +1,6 @@
 """klrl.models.quant: weight-only int8/int4 references, against a NumPy absmax dequantisation."""
 
+import functools
 from pathlib import Path
 
 import jax
@@ -24,10 +25,19 @@ LINEARS = {
 STACK = {"tiny_llama": "layers", "tiny_gpt2": "h"}
 
 
+@functools.cache
+def load(name):
+    return from_pretrained(DATA / name, tokenizer=False)[:2]
+
+
+@functools.cache
+def quantized(name, kind):
+    return quant.quantize(*load(name), kind)
+
+
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_gpt2"])
 def loaded(request):
-    model, params, _ = from_pretrained(DATA / request.param, tokenizer=False)
-    return request.param, model, params
+    return request.param, *load(request.param)
 
 
 def batch(vocab: int):
@@ -65,7 +75,7 @@ def test_kernels_are_numpy_absmax(loaded, kind, bits, tile):
     tie ``2^(b-1) - 1/2`` exactly, which float32 rounding of ``W / s`` decides either way: there (and
     only within 1e-3 of a half step) the two may differ by one step."""
     name, model, params = loaded
-    _, qp = quant.quantize(model, params, kind)
+    _, qp = quantized(name, kind)
     for k, got in qwix_kernels(name, qp).items():
         s, x, want = absmax_np(np.asarray(params["params"][STACK[name]][k]["kernel"]), bits, tile)
         tie = np.abs(np.abs(x - np.floor(x)) - 0.5) < 1e-3
@@ -80,7 +90,7 @@ def test_logits_are_the_dequantised_float_model(loaded):
     rounding (``(x @ Q) s`` vs ``x @ (Q s)``, ~1e-6 relative): atol 1e-4 on logits of size ~2."""
     name, model, params = loaded
     for kind in ("int8", "int4"):
-        qm, qp = quant.quantize(model, params, kind)
+        qm, qp = quantized(name, kind)
         tokens, mask = batch(model.vocab_size)
         got = jax.jit(lambda p, qm=qm: forward(qm, p, tokens, mask).logits)(qp)
         p = jax.tree.map(np.asarray, params)
@@ -99,13 +109,10 @@ def test_int8_close_to_float_int4_looser(loaded):
     """Relative RMS logit error vs float32 (measured on these random tiny models: int8 ~1.5%,
     int4 ~20%). Per-channel int8 rounds each weight by at most ``s/2 = max|W|/255``; int4's step is
     17x coarser, so its error must be several times int8's."""
-    _, model, params = loaded
+    name, model, params = loaded
     tokens, mask = batch(model.vocab_size)
     ref = forward(model, params, tokens, mask).logits
-    err = {
-        k: rel_rms(forward(*quant.quantize(model, params, k), tokens, mask).logits, ref, mask)
-        for k in ("int8", "int4")
-    }
+    err = {k: rel_rms(forward(*quantized(name, k), tokens, mask).logits, ref, mask) for k in ("int8", "int4")}
     assert err["int8"] < 0.03, err
     assert err["int4"] < 0.4, err
     assert err["int4"] > 4 * err["int8"], err
@@ -122,21 +129,21 @@ def test_memory(loaded):
         ("int8", 1.0, lambda w: w.shape[0] * w.shape[2]),
         ("int4", 0.5, lambda w: w.shape[0] * w.shape[1] // 32 * w.shape[2]),
     ):
-        _, qp = quant.quantize(model, params, kind)
+        _, qp = quantized(name, kind)
         qk = [qp["params"][stack][k]["kernel"] for k in kern]
         packed = sum(w.size * value_bytes + 4 * scales(w) for w in kern.values())
         assert quant.nbytes(qk, packed=True) == packed
         assert quant.nbytes(qk) == sum(w.size + 4 * scales(w) for w in kern.values())  # unpacked on CPU
         rest = {k: v for k, v in qp["params"].items() if k != stack}
         assert quant.nbytes(rest) == quant.nbytes({k: v for k, v in params["params"].items() if k != stack})
-    _, q8 = quant.quantize(model, params, "int8")
+    _, q8 = quantized(name, "int8")
     ratio = quant.nbytes([q8["params"][stack][k]["kernel"] for k in kern]) / f32
     assert 0.25 < ratio < 0.25 * (1 + 4 / 32) + 1e-9  # the scales: 4 bytes per >= 32 weights
 
 
 def test_kv_cache_decode_matches_full_forward(loaded):
-    _, model, params = loaded
-    qm, qp = quant.quantize(model, params, "int4")
+    name, model, params = loaded
+    qm, qp = quantized(name, "int4")
     tokens, mask = batch(model.vocab_size)
     full = np.asarray(forward(qm, qp, tokens, mask).logits)
     apply = jax.jit(qm.apply)
@@ -154,8 +161,8 @@ def test_kv_cache_decode_matches_full_forward(loaded):
 
 def test_head_jit_vmap_device_put(loaded):
     """``head`` is the float head of ``apply``'s hidden states; the tree jits, vmaps and moves."""
-    _, model, params = loaded
-    qm, qp = quant.quantize(model, params, "int8")
+    name, model, params = loaded
+    qm, qp = quantized(name, "int8")
     tokens, mask = batch(model.vocab_size)
     out = forward(qm, qp, tokens, mask)
     np.testing.assert_allclose(qm.head(qp, out.hidden), out.logits, atol=1e-5)
@@ -164,11 +171,15 @@ def test_head_jit_vmap_device_put(loaded):
     got = jax.jit(jax.vmap(lambda p: forward(qm, p, tokens, mask).logits))(two)
     np.testing.assert_allclose(got[1], out.logits, atol=1e-5)
     assert (qm.vocab_size, qm.hidden_size, qm.max_len) == (model.vocab_size, model.hidden_size, model.max_len)
+    assert hash(qm) == hash(quant.quantize(model, params, "int8")[0])  # a static jit argument
+    # model.ref_dtype=bfloat16 casts the floating leaves, the scales among them: still runs
+    bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, qp)
+    assert rel_rms(forward(qm, bf, tokens, mask).logits, out.logits, mask) < 0.05
 
 
 def test_partition_rules_place_values_like_kernels():
-    model, params, _ = from_pretrained(DATA / "tiny_llama", tokenizer=False)
-    qm, qp = quant.quantize(model, params, "int8")
+    model, params = load("tiny_llama")
+    qm, qp = quantized("tiny_llama", "int8")
     specs = spec_for(qm.partition_rules(), qp)["params"]
     assert specs["layers"]["q_proj"]["kernel"].array.qvalue == P(None, "fsdp", "tensor")
     assert specs["layers"]["o_proj"]["kernel"].array.qvalue == P(None, "tensor", "fsdp")
@@ -179,7 +190,7 @@ def test_partition_rules_place_values_like_kernels():
 def test_klrl_gpt_family():
     """klrl's own gpt (no top-level "params" key, blocks in a Python loop) against NumPy too."""
     model = build_gpt(ModelConfig(), 64, 16)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))
     qm, qp = quant.quantize(model, params, "int8")
     tokens, mask = batch(64)
     p = jax.tree.map(np.asarray, params)
@@ -189,16 +200,17 @@ def test_klrl_gpt_family():
             s, _, want = absmax_np(p[f"h{i}"][lin]["kernel"][None], 8, None)
             assert np.mean(np.abs(got - want[0]) < 1e-4 * s[0]) > 0.99  # all but the ties
             p[f"h{i}"][lin]["kernel"] = got
-    want = forward(model, p, tokens, mask).logits
-    np.testing.assert_allclose(forward(qm, qp, tokens, mask).logits, want, atol=1e-4)
-    np.testing.assert_allclose(qm.head(qp, forward(qm, qp, tokens, mask).hidden), want, atol=1e-4)
+    want = jax.jit(lambda p: forward(model, p, tokens, mask).logits)(p)
+    out = jax.jit(lambda p: forward(qm, p, tokens, mask))(qp)
+    np.testing.assert_allclose(out.logits, want, atol=1e-4)
+    np.testing.assert_allclose(qm.head(qp, out.hidden), want, atol=1e-4)
 
 
 def test_qlora_provider_over_rule_args():
     """``rule_args`` + ``module_path`` make a QLoRA provider; ``quantize_params_for`` fills its base
     (quantised) and, with a key, its fresh adapters: lora_b starts at 0, so the logits are PTQ's."""
-    model, params, _ = from_pretrained(DATA / "tiny_llama", tokenizer=False)
-    qm, qp = quant.quantize(model, params, "int8")
+    model, params = load("tiny_llama")
+    qm, qp = quantized("tiny_llama", "int8")
     rule = qwix.LoraRule(module_path=quant.module_path(model), rank=2, alpha=4.0, **quant.rule_args("int8"))
     lora = qwix.apply_lora_to_model(model.module, qwix.LoraProvider([rule]))
     t = jnp.zeros((1, 2), jnp.int32)
@@ -210,7 +222,7 @@ def test_qlora_provider_over_rule_args():
 
 
 def test_none_is_identity_and_errors_are_one_line():
-    model, params, _ = from_pretrained(DATA / "tiny_llama", tokenizer=False)
+    model, params = load("tiny_llama")
     assert quant.quantize(model, params, "none") == (model, params)
     assert quant.rule_args("none") == {}
     one_of = r"^model\.ref_quant: must be one of none, int8, int4 \(got 'int3'\)$"

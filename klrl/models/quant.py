@@ -119,7 +119,7 @@ def _quantize_leaf(x: Array, abstract: ptq.WithAux) -> ptq.WithAux:
         except ValueError:  # the per-layer tiling does not fit the stacked shape
             got = None
         if got == want:
-            return abstract.replace(array=jax.jit(f)(x))
+            return abstract.replace(array=f(x))
         f = jax.vmap(f)
     raise ValueError(f"cannot quantise a {x.shape} leaf into {want}")
 
