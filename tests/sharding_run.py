@@ -50,15 +50,18 @@ def main(cfg_path: str, out_path: str, jobs: str, n_proc: int = 1, proc_id: int 
         family, sizes = job.split(":")
         d, f, t = (int(s) for s in sizes.split(","))
         mesh = make_mesh(d, devices=jax.devices()[: d * f * t], fsdp=f, tensor=t)
-        models = {}
-        if family == "llama":
+        models, run_cfg = {}, cfg
+        if family == "lora":  # the tiny Llama with rank-4 adapters and a LoRA critic on its frozen base
+            run_cfg = cfg.replace(lora={"rank": 4}, model={"value_model": "lora"})
+        if family in ("llama", "lora"):
             llama = Llama(LlamaConfig(**TINY_LLAMA))
             models = {"policy": llama, "policy_params": llama.init(jax.random.PRNGKey(7))}
-        tr = make_train(cfg.replace(train={"devices": d}), task, mesh, **models)
+        tr = make_train(run_cfg.replace(train={"devices": d}), task, mesh, **models)
         env = D.replicate(task.env, mesh)
         s = tr.init(cfg.train.seed)
         out[f"{job}/bytes/params"] = sharded_bytes(s.params)
         out[f"{job}/bytes/opt_state"] = sharded_bytes(s.opt_state)
+        out[f"{job}/bytes/ref_params"] = sharded_bytes(s.ref_params)
         step = tr.step.lower(s, env).compile()
         cost = step.cost_analysis()
         out[f"{job}/flops_per_device"] = float((cost[0] if isinstance(cost, list) else cost)["flops"])

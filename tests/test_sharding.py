@@ -30,7 +30,7 @@ TIMEOUT = 1500  # wall seconds on a loaded shared machine; ~4 min of CPU on an i
 RTOL = 1e-4
 # two 8-device processes (compiles are mostly single-threaded: they overlap on 2 cores)
 JOBS_A = "gpt:1,1,1;gpt:2,2,2;gpt:2,4,1;sweep"
-JOBS_B = "llama:1,1,1;llama:2,2,2;update:global;update:shard"
+JOBS_B = "llama:1,1,1;llama:2,2,2;update:global;update:shard;lora:1,1,1;lora:2,2,2"
 
 
 def _free_port() -> int:
@@ -117,6 +117,18 @@ def test_2x2x2_mesh_matches_one_device(runs, family):
     # the parameters really were sharded: the biggest leaf's spec names the mesh axes
     assert str(single[f"{family}:1,1,1/spec/biggest"]) == "P()"
     assert "fsdp" in str(single[f"{family}:2,2,2/spec/biggest"])
+
+
+def test_lora_on_a_mesh_matches_one_device_with_the_base_sharded(runs):
+    """LoRA (rank 4, a LoRA critic) on the tiny Llama: the frozen base is placed by the family's partition
+    rules (1/4 of its bytes per device on fsdp 2 x tensor 2), the adapters and optimiser moments are
+    small and replicated, and the run is the 1-device run."""
+    single, _ = runs
+    worst = _same_run(single, "lora:2,2,2", "lora:1,1,1")
+    print(f"lora: (2,2,2) vs 1 device: worst relative difference {worst:.3g}")
+    full, part = int(single["lora:1,1,1/bytes/ref_params"]), int(single["lora:2,2,2/bytes/ref_params"])
+    assert 0.25 <= part / full <= 0.26, (part, full)
+    assert int(single["lora:1,1,1/bytes/params"]) < 0.1 * full  # adapters and heads only
 
 
 def test_batch_rows_split_over_data_and_fsdp(runs):

@@ -117,18 +117,24 @@ class LoRA:
         return self.alpha / self.rank
 
     @property
-    def rule(self) -> qwix.LoraRule:
+    def rules(self) -> list:
+        """qwix's rules: adapters on the targets; with ``quant``, every linear layer of the blocks weight-only
+        quantised (the targets through their LoRA rule, the others through a plain quantisation rule: the
+        first rule matching a module applies), as :func:`klrl.models.quant.quantize` quantises the base."""
         extra = {}
         if self.quant != "none":
             from klrl.models import quant
 
             extra = quant.rule_args(self.quant)
         path = module_regex(self.base, self.targets)
-        return qwix.LoraRule(module_path=path, rank=self.rank, alpha=float(self.alpha), **extra)
+        rules = [qwix.LoraRule(module_path=path, rank=self.rank, alpha=float(self.alpha), **extra)]
+        if extra:
+            rules.append(qwix.QuantizationRule(module_path=module_regex(self.base), **extra))
+        return rules
 
     @property
     def module(self) -> Any:
-        return qwix.apply_lora_to_model(self.base.module, qwix.LoraProvider([self.rule]))
+        return qwix.apply_lora_to_model(self.base.module, qwix.LoraProvider(self.rules))
 
     @property
     def wrapped(self) -> bool:

@@ -228,12 +228,7 @@ def build_models(cfg: RunConfig, policy: CausalLM, family: str = "gpt") -> Model
     """The one factory: the policy (with ``lora.rank`` adapters on the base ``policy``), the value trunk
     (a ``family`` model of ``cfg.model`` without LM head, as long as the policy; or the base with its own
     adapters) and the value head, as ``cfg.ppo.advantage`` and ``cfg.model.value_model`` ask."""
-    base = policy.base if isinstance(policy, lora_lib.LoRA) else policy
-    ref = base
-    if cfg.model.ref_quant != "none":
-        from klrl.models import quant
-
-        ref = quant.quantized_model(base, cfg.model.ref_quant)
+    base = ref = policy.base if isinstance(policy, lora_lib.LoRA) else policy
     if cfg.lora.rank > 0 and not isinstance(policy, lora_lib.LoRA):
         policy = adapted(cfg, base, cfg.lora.rank)
     if not needs_critic(cfg.ppo.advantage):

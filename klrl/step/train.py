@@ -299,13 +299,17 @@ def make_train(
     if value is not None:
         if not models.value:
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
-        models = Models(policy, value, ValueHead(value.hidden_size))
+        models = models._replace(value=value, value_head=ValueHead(value.hidden_size))
     policy_params = task.policy_params if policy_params is None else policy_params
     adapters = None
     if cfg.model.adapter:  # a PEFT directory: the initial policy's adapters (klrl.models.peft)
         policy, adapters = initial_adapters(cfg, policy, policy_params)
         models = models._replace(policy=policy)
-    check_adapters(models, policy_params)
+    ref_init = None
+    if cfg.model.ref_quant != "none":  # the frozen reference (and a LoRA run's base) weight-only quantised
+        ref, ref_init = quantized_reference(cfg, models.ref, policy_params)
+        models = models._replace(ref=ref)
+    check_adapters(models, policy_params if ref_init is None else ref_init)
     n_dev = mesh.shape[DATA]
     share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
     if share % k:  # (one device: RunConfig checked that k divides the minibatch)
@@ -324,6 +328,7 @@ def make_train(
         log_target=is_adaptive(cfg.ctrl.kind) if log_target is None else log_target,
         samples=min(int(samples), cfg.train.batch_size),
         policy_adapters=adapters,
+        ref_init=ref_init,
     )
     one = partial(step_fn, ctx)
     phases = Phases(
@@ -358,6 +363,17 @@ def initial_adapters(cfg: RunConfig, policy: CausalLM, base_params: Any) -> tupl
     except CheckpointFormatError as e:
         raise ConfigError(f"model.adapter: {e}") from None
     return dataclasses.replace(model, quant=cfg.model.ref_quant), adapters
+
+
+def quantized_reference(cfg: RunConfig, base: CausalLM, params: Any) -> tuple[CausalLM, Any]:
+    """``(model, parameters)`` of the ``model.ref_quant`` reference (:func:`klrl.models.quant.quantize`);
+    a family it does not support is a :class:`ConfigError`."""
+    from klrl.models import quant
+
+    try:
+        return quant.quantize(base, params, cfg.model.ref_quant)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_adapters(models: Models, base_params: Any) -> None:
