@@ -35,6 +35,7 @@ from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.loop.program import Program
+from klrl.models import peft
 from klrl.models.catalog import resolve_model_paths
 from klrl.models.hf import CheckpointFormatError
 from klrl.registry import TASKS, is_adaptive
@@ -67,8 +68,6 @@ def adopt_adapter(cfg: RunConfig) -> RunConfig:
     adapter config is a :class:`ConfigError` naming the file."""
     if not cfg.model.adapter:
         return cfg
-    from klrl.models import peft
-
     path = Path(cfg.model.adapter)
     try:
         r, alpha = peft._check_options(peft._read_config(path), path / peft.CONFIG)

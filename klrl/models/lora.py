@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from klrl.models import quant
 from klrl.models.base import LMOutput, causal_mask, positions_from_mask
 
 Array = jax.Array
@@ -123,8 +124,6 @@ class LoRA:
         first rule matching a module applies), as :func:`klrl.models.quant.quantize` quantises the base."""
         extra = {}
         if self.quant != "none":
-            from klrl.models import quant
-
             extra = quant.rule_args(self.quant)
         path = module_regex(self.base, self.targets)
         rules = [qwix.LoraRule(module_path=path, rank=self.rank, alpha=float(self.alpha), **extra)]

@@ -37,7 +37,9 @@ import numpy as np
 from safetensors import safe_open
 
 from klrl.models import lora
+from klrl.models.gpt2 import GPT2 as GPT2Family
 from klrl.models.hf import CheckpointFormatError, save_safetensors
+from klrl.models.llama import Llama
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -92,9 +94,6 @@ _PLAIN_INIT = (True, False, "gaussian", "orthogonal", "eva")
 def layout(model: Any, where: str | Path) -> Layout:
     """The :class:`Layout` of ``model``'s family (a :class:`~klrl.models.lora.LoRA`: its base's); klrl's
     GPT and any other family: a one-line error naming ``where``."""
-    from klrl.models.gpt2 import GPT2 as GPT2Family
-    from klrl.models.llama import Llama
-
     base = model.base if isinstance(model, lora.LoRA) else model
     if isinstance(base, Llama):
         return LLAMA

@@ -42,8 +42,10 @@ from klrl.algo.logprobs import token_logprobs
 from klrl.algo.shaping import missing_eos_penalty, sequence_returns, shaped_rewards
 from klrl.config import ConfigError, RunConfig
 from klrl.models import lora as lora_lib
+from klrl.models import peft, quant
 from klrl.models.base import CausalLM, forward
 from klrl.models.heads import ValueHead, detach
+from klrl.models.hf import CheckpointFormatError
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.registry import is_adaptive
 from klrl.step import chunked
@@ -354,9 +356,6 @@ def make_train(
 def initial_adapters(cfg: RunConfig, policy: CausalLM, base_params: Any) -> tuple[CausalLM, Any]:
     """``(LoRA policy, adapters)`` of ``model.adapter`` on the base ``policy`` (its targets, rank and alpha;
     the base's quantisation of ``model.ref_quant``); a bad directory is a :class:`ConfigError`."""
-    from klrl.models import peft
-    from klrl.models.hf import CheckpointFormatError
-
     base = policy.base if isinstance(policy, lora_lib.LoRA) else policy
     try:
         model, adapters = peft.load_adapter(cfg.model.adapter, base, base_params, base_name=cfg.model.path)
@@ -368,8 +367,6 @@ def initial_adapters(cfg: RunConfig, policy: CausalLM, base_params: Any) -> tupl
 def quantized_reference(cfg: RunConfig, base: CausalLM, params: Any) -> tuple[CausalLM, Any]:
     """``(model, parameters)`` of the ``model.ref_quant`` reference (:func:`klrl.models.quant.quantize`);
     a family it does not support is a :class:`ConfigError`."""
-    from klrl.models import quant
-
     try:
         return quant.quantize(base, params, cfg.model.ref_quant)
     except ValueError as e:

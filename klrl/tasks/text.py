@@ -42,6 +42,7 @@ from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.config import ConfigError, RunConfig
 from klrl.data.prompts import PromptPool, check_fields, counts_line, load_prompts
 from klrl.models import lora as lora_lib
+from klrl.models import peft
 from klrl.models.base import forward
 from klrl.models.heads import ScalarHead, ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError, load_hf, read_config
@@ -297,8 +298,6 @@ def save_policy(task: Task, state: Any, out_dir: str | Path, cfg: RunConfig | No
     trunk = detach(jax.device_get(state.params["policy"]))[0]
     if cfg is None or cfg.lora.rank <= 0:
         return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)
-    from klrl.models import peft
-
     model = lora_lib.LoRA(task.policy, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     merged = lora_lib.merged_kernels(jax.device_get(task.policy_params), trunk, model.scale)
     out = save_pretrained(task.policy, merged, task.tokenizer, out_dir)
