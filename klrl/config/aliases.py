@@ -232,10 +232,18 @@ FLAG_ALIASES: dict[str, str] = {
     "reward_model.model.path": "model.reward_path",
     "value_model_path": "model.value_path", "critic_pretrain": "model.value_path",
     "critic.model.path": "model.value_path",
+    # LoRA (PEFT's LoraConfig r / lora_alpha / target_modules, OpenRLHF's --lora_rank, verl's model.lora_rank)
+    "lora_r": "lora.rank", "lora_rank": "lora.rank", "actor_rollout_ref.model.lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha", "actor_rollout_ref.model.lora_alpha": "lora.alpha",
+    "target_modules": "lora.targets", "lora_target_modules": "lora.targets",
+    "actor_rollout_ref.model.target_modules": "lora.targets", "load_in_4bit": "model.ref_quant",
+    "load_in_8bit": "model.ref_quant",
 }  # fmt: skip
 
 # Keys whose value must be converted (unit, meaning or a pair), for hints and for docs/names.md.
 FLAG_NOTES: dict[str, str] = {
+    "load_in_4bit": "value int4: the frozen base (QLoRA with --lora.rank) or reference quantised",
+    "load_in_8bit": "value int8: the frozen base (QLoRA with --lora.rank) or reference quantised",
     "adap_kl_ctrl": "true -> --ctrl.kind proportional (klrl's default is fixed)",
     "target_kl": "verl: the controller target (nats/token: add --ctrl.unit token_mean); TRL 0.11: an "
     "early-stopping threshold on the policy change, which klrl does not have",
