@@ -143,3 +143,33 @@ def test_peer_task_reward_reads_last_real_token():
     # the last real token does
     r2 = reward(resp.at[0, 2].set((resp[0, 2] + 1 - 2) % 30 + 2))
     assert not jnp.allclose(r0[0], r2[0]) and jnp.allclose(r0[1:], r2[1:], atol=1e-5)
+
+
+def test_lora_script_tiny(tmp_path):
+    """``lora.py --workload tiny``: full, LoRA and a 4-member LoRA sweep, each in its own process, one JSON
+    line each, then the summary; the counts against the tiny GGUF's shapes by hand."""
+    proc, last = _run(["benchmarks/lora.py", "--workload", "tiny", "--iterations", "3"], tmp_path, 900)
+    rows = {r["config"]: r for r in map(json.loads, proc.stdout.splitlines()[:-1])}
+    assert list(rows) == ["tiny-full", "tiny-lora", "tiny-lora-sweep4"] and last["errors"] == {}
+    full, lora, sweep = rows["tiny-full"], rows["tiny-lora"], rows["tiny-lora-sweep4"]
+    for r in rows.values():
+        assert r["iterations_timed"] == 3 and r["iteration_s_median"] > 0 and r["compile_s"] > 0, r["config"]
+        assert r["peak_rss_mb"] >= r["rss_by_stage_mb"]["init"]["peak_rss_mb"] > 0
+        assert r["opt_state_bytes"] >= 2 * r["params_bytes"]  # Adam: two moments per trained parameter
+    # tiny.gguf: 2 layers, width 32, 4 query heads and 2 kv heads of 8, MLP 64; rank-8 adapters on
+    # q (32->32), k, v (32->16), o (32->32), gate, up (32->64), down (64->32): 8 * (in + out) each
+    per_model = 2 * 8 * (64 + 48 + 48 + 64 + 96 + 96 + 96)
+    head = 32 + 1  # the value head: kernel [32, 1] and bias
+    assert lora["trained_params"] == 2 * per_model + head  # policy's and critic's adapters
+    base = full["base_bytes"] // 4  # float32 reference = the loaded model
+    assert full["trained_params"] == 2 * base + head  # policy and a separate value model (its trunk + head)
+    assert lora["base_bytes"] == full["base_bytes"]
+    # the sweep: 4 members' adapters, one shared frozen base
+    assert sweep["members"] == 4 and sweep["trained_params"] == 4 * lora["trained_params"]
+    assert sweep["base_bytes"] == lora["base_bytes"]
+    assert lora["full_model_matmul_flops"] == full["full_model_matmul_flops"]  # the same work
+    assert sweep["full_model_matmul_flops"] == 4 * lora["full_model_matmul_flops"]
+    assert lora["lora_matmul_flops"] > 0 and "lora_matmul_flops" not in full
+    assert last["lora_s_over_full_s"] == lora["iteration_s_median"] / full["iteration_s_median"]
+    assert last["sweep4_s_over_lora_s"] == sweep["iteration_s_median"] / lora["iteration_s_median"]
+    assert last["lora_peak_rss_gb"] == lora["peak_rss_gb"] and last["lora_peak_rss_gb_aim"] == 2.5
