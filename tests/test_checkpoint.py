@@ -119,6 +119,28 @@ def test_resume_is_bit_exact(kind, tiny_task, cache_dir, jax_cache, tmp_path):
     assert len(list((tmp_path / "split" / "tb").glob("events.out.tfevents.*"))) == 2
 
 
+def test_checkpoints_with_the_reference_inside_still_resume(tiny_task, cache_dir, jax_cache, tmp_path):
+    """A checkpoint written before frozen references were left out (``ref_params`` saved, no
+    ``frozen_ref`` record) resumes to the same run, bit for bit."""
+    import klrl
+    from klrl.io import checkpoint as ckpt
+
+    cfg = base_config(cache_dir, iterations=3)
+    straight = klrl.run(cfg, task=tiny_task, run_dir=tmp_path / "straight")
+    half = klrl.run(cfg.replace(train={"iterations": 2}), task=tiny_task, run_dir=tmp_path / "old")
+    mgr = ckpt.manager(tmp_path / "old", read_only=True)
+    state, meta = ckpt.restore(mgr, jax.eval_shape(lambda: half.state._replace(ref_params=None)))
+    mgr.close()
+    meta = {k: v for k, v in meta.items() if k not in ("frozen_ref", "arrays", "digest")}
+    mgr = ckpt.manager(tmp_path / "old")
+    mgr.delete(2)
+    ckpt.save(mgr, 2, state._replace(ref_params=tiny_task.policy_params), meta)  # the old layout
+    ckpt.finish(mgr)
+    resumed = klrl.run(cfg, task=tiny_task, resume=tmp_path / "old")
+    assert resumed.info["start_iteration"] == 2
+    assert_trees_equal(resumed.state, straight.state)
+
+
 def test_checkpoint_every_and_keep(tiny_task, cache_dir, jax_cache, tmp_path):
     import klrl
     from klrl.io import checkpoint as ckpt
