@@ -22,7 +22,7 @@ the mean KL_f32, and the correlation over sequences; plus the reference's memory
 int8, int4) and the time of one reference forward.
 
     python experiments/ref_quant.py --n 256    # the stored run: 39 min on 2 CPU cores shared at load 6-8
-    python experiments/ref_quant.py            # --n 128: about 6 min on 2 idle cores
+    python experiments/ref_quant.py            # --n 128: about 6-7 min on 2 idle cores (estimated)
     python experiments/ref_quant.py --replay   # rebuild the doc's tables from the stored json
 """
 
