@@ -70,7 +70,7 @@ def adopt_adapter(cfg: RunConfig) -> RunConfig:
         return cfg
     path = Path(cfg.model.adapter)
     try:
-        r, alpha = peft._check_options(peft._read_config(path), path / peft.CONFIG)
+        r, alpha = peft.adapter_options(path)
     except CheckpointFormatError as e:
         raise ConfigError(f"model.adapter: {e}") from None
     return cfg.replace(lora={"rank": r, "alpha": alpha})

@@ -304,3 +304,47 @@ def test_an_adapter_for_another_base_is_one_line():
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(str(d / "adapter_model.safetensors")), msg
     assert "k_proj.lora_B.weight' has shape [16, 4], the base and r imply [8, 4]" in msg, msg
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_reward_adapter_round_trips_and_scores_as_transformers(name, tmp_path):
+    """A SEQ_CLS adapter (the base + a reward model's own adapters + its score head): written, read back
+    tensor for tensor, and, where torch and peft are installed, ``PeftModel`` on transformers'
+    ``*ForSequenceClassification`` scores the last real token as klrl's ScalarHead does."""
+    from klrl.models.heads import ScalarHead
+    from klrl.models.peft import load_reward_adapter
+
+    model, params = base(name)
+    lm, adapters = load_adapter(DATA / "peft" / name, model, params)
+    head = {"kernel": jax.random.normal(jax.random.PRNGKey(3), (model.hidden_size, 1)), "bias": jnp.zeros(1)}
+    out = save_adapter(tmp_path / "rm", lm, adapters, base_name=name, score=head)
+    doc = json.loads((out / "adapter_config.json").read_text())
+    assert doc["task_type"] == "SEQ_CLS" and doc["modules_to_save"] == ["score"]
+    lm2, ad2, head2 = load_reward_adapter(out, model, params, base_name=name)
+    for a, b in zip(jax.tree.leaves((adapters, head)), jax.tree.leaves((ad2, head2)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(CheckpointFormatError, match="task_type 'SEQ_CLS': only causal-LM adapters"):
+        load_adapter(out, model, params)
+    g = golden(name)
+    tokens, mask = jnp.asarray(g["tokens"], jnp.int32), jnp.asarray(g["mask"])
+    hidden = forward(lm2, lora.merge(params, ad2), tokens, mask, logits=False).hidden
+    mine = np.asarray(ScalarHead(model.hidden_size).apply(head2, hidden))[
+        :, -1
+    ]  # left-padded: the last token
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    tf = pytest.importorskip("transformers")
+    hf = tf.AutoModelForSequenceClassification.from_pretrained(
+        DATA / name, num_labels=1, attn_implementation="eager", dtype=torch.float32
+    )
+    hf.config.pad_token_id = 0
+    pm = peft.PeftModel.from_pretrained(hf, out).eval()
+    with torch.no_grad():
+        hs = pm(
+            input_ids=torch.tensor(g["tokens"]),
+            attention_mask=torch.tensor(g["mask"].astype(np.int64)),
+            position_ids=torch.tensor(g["positions"]),
+            output_hidden_states=True,
+        ).hidden_states[-1]
+    theirs = (hs[:, -1] @ pm.base_model.model.score.modules_to_save["default"].weight.T)[:, 0].numpy()
+    np.testing.assert_allclose(mine, theirs, atol=ATOL, rtol=1e-4)

@@ -44,6 +44,7 @@ from klrl.models.llama import Llama
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+SCORE = PREFIX + "score.weight"  # a SEQ_CLS adapter's score head (modules_to_save)
 _FLOAT = {"F32", "F16", "BF16", "F64"}
 
 
@@ -167,12 +168,16 @@ def adapter_config(model: lora.LoRA, adapted: list[str], base_name: str) -> dict
     }
 
 
-def save_adapter(out_dir: str | Path, model: lora.LoRA, adapters: Any, base_name: str) -> Path:
+def save_adapter(
+    out_dir: str | Path, model: lora.LoRA, adapters: Any, base_name: str, score: Any = None
+) -> Path:
     """Write ``adapters`` (klrl's layout: ``params/<stack>/<module>/kernel_lora_{a,b}``, ``[L, in, r]`` and
     ``[L, r, out]``; any other leaf, e.g. a value head, is no part of an adapter and is left out) as a PEFT
     directory ``out_dir``: ``adapter_config.json`` (``r = model.rank``, ``lora_alpha = model.alpha``,
     ``base_model_name_or_path = base_name``) and ``adapter_model.safetensors`` (float32; per layer ``i``:
-    ``lora_A.weight = A[i]^T``, ``lora_B.weight = B[i]^T``). ``PeftModel.from_pretrained`` loads it."""
+    ``lora_A.weight = A[i]^T``, ``lora_B.weight = B[i]^T``). ``PeftModel.from_pretrained`` loads it.
+    With ``score`` (a reward model's scalar head ``{'kernel': [D, 1], 'bias': [1]}``, bias 0): a
+    ``SEQ_CLS`` adapter with the head as ``modules_to_save`` ``score`` (:func:`load_reward_adapter`)."""
     out = Path(out_dir)
     lay = layout(model, out)
     ad = lora.split(adapters)[1]
@@ -192,9 +197,16 @@ def save_adapter(out_dir: str | Path, model: lora.LoRA, adapters: Any, base_name
             name = f"{PREFIX}{lay.prefix}.{i}.{lay.modules[mod]}"
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    doc = adapter_config(model, sorted(stack), base_name)
+    if score is not None:
+        if np.any(np.asarray(score["bias"])):
+            raise ValueError(
+                f"{out}: an HF score head has no bias (this one's is {np.asarray(score['bias'])})"
+            )
+        tensors[SCORE] = np.ascontiguousarray(np.asarray(score["kernel"], np.float32).T)
+        doc.update(task_type="SEQ_CLS", modules_to_save=["score"])
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, out / WEIGHTS, {"format": "pt"})
-    doc = adapter_config(model, sorted(stack), base_name)
     (out / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
     return out
 
@@ -217,7 +229,7 @@ def _read_config(path: Path) -> dict:
     return doc
 
 
-def _check_options(doc: dict, f: Path) -> tuple[int, float]:
+def _check_options(doc: dict, f: Path, seq_cls: bool = False) -> tuple[int, float]:
     """``(r, lora_alpha)`` of a plain-LoRA config; any other option: a one-line error naming it."""
 
     def bad(field: str, why: str) -> CheckpointFormatError:
@@ -225,8 +237,10 @@ def _check_options(doc: dict, f: Path) -> tuple[int, float]:
 
     if doc.get("peft_type") != "LORA":
         raise bad("peft_type", "only LoRA adapters are read (LORA)")
-    if doc.get("task_type") not in (None, "CAUSAL_LM"):
-        raise bad("task_type", "only causal-LM adapters are read (CAUSAL_LM)")
+    want = (None, "CAUSAL_LM") if not seq_cls else ("SEQ_CLS",)
+    if doc.get("task_type") not in want:
+        what = "causal-LM adapters (CAUSAL_LM)" if not seq_cls else "reward-model adapters (SEQ_CLS)"
+        raise bad("task_type", f"only {what} are read here")
     r, alpha = doc.get("r", 8), doc.get("lora_alpha", 8)
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise bad("r", "the rank must be a positive integer")
@@ -237,8 +251,10 @@ def _check_options(doc: dict, f: Path) -> tuple[int, float]:
     for field in ("use_rslora", "use_dora"):
         if doc.get(field):
             raise bad(field, "not supported (klrl's LoRA scales by lora_alpha / r, without a magnitude)")
-    if doc.get("modules_to_save"):
-        raise bad("modules_to_save", "fully trained modules beside the adapter are not supported (null)")
+    saved = doc.get("modules_to_save") or []
+    if saved and not (seq_cls and set(saved) <= {"score", "classifier"}):
+        raise bad("modules_to_save", "fully trained modules beside the adapter are not supported (null; "
+                  "a reward model's score head)")  # fmt: skip
     if doc.get("init_lora_weights", True) not in _PLAIN_INIT:
         raise bad("init_lora_weights", "this initialisation rewrites the base weights; not supported")
     for field, v in sorted(doc.items()):
@@ -370,6 +386,22 @@ def _check_tensors(info: dict, expected: dict, f: Path, lay: Layout) -> None:
             raise CheckpointFormatError(f"{f}: tensor {k!r} has dtype {dt}, not a float")
 
 
+def adapter_options(path: str | Path) -> tuple[int, float]:
+    """``(r, lora_alpha)`` of the PEFT directory ``path`` (options checked as by :func:`load_adapter`)."""
+    path = Path(path)
+    return _check_options(_read_config(path), path / CONFIG)
+
+
+def load_reward_adapter(
+    path: str | Path, base_model: Any, base_params: Any, *, base_name: str | None = None
+) -> tuple[lora.LoRA, Any, Any]:
+    """A PEFT sequence-classification LoRA directory (``task_type`` ``SEQ_CLS``, ``modules_to_save``
+    ``score``: a reward model as TRL's RewardTrainer with a ``peft_config`` saves it) on ``base_model`` ->
+    ``(LoRA model, adapters, score head)``: the head ``{'kernel': score.weight^T [D, 1], 'bias': 0}``
+    (transformers' ``*ForSequenceClassification`` score has no bias). Checked as :func:`load_adapter`."""
+    return _load(path, base_model, base_params, base_name, seq_cls=True)
+
+
 def load_adapter(
     path: str | Path, base_model: Any, base_params: Any, *, base_name: str | None = None
 ) -> tuple[lora.LoRA, Any]:
@@ -384,11 +416,17 @@ def load_adapter(
     is an error; they are compared by :func:`same_base` (the last path components, without GGUF file and
     quantisation suffixes, case-insensitive); an adapter that records no base is not checked. Every
     failure is a one-line :class:`CheckpointFormatError` naming the file and the field or tensor."""
+    return _load(path, base_model, base_params, base_name)[:2]
+
+
+def _load(
+    path: Any, base_model: Any, base_params: Any, base_name: str | None, seq_cls: bool = False
+) -> tuple:
     path = Path(path)
     doc = _read_config(path)
     f = path / CONFIG
     lay = layout(base_model, path)
-    r, alpha = _check_options(doc, f)
+    r, alpha = _check_options(doc, f, seq_cls)
     recorded = doc.get("base_model_name_or_path")
     if (
         base_name is not None
@@ -403,6 +441,8 @@ def load_adapter(
     shapes = _shapes(base_model, lay)
     h, wf, info = _open_weights(path)
     expected = _expected(lay, shapes, adapted, r)
+    if seq_cls:
+        expected[SCORE] = (1, base_model.hidden_size)
     _check_tensors(info, expected, wf, lay)
     stack = {}
     for mod in adapted:
@@ -418,4 +458,8 @@ def load_adapter(
     found = sorted(p.split("/")[-1] for p in lora.adapted_modules(model, base_params))
     if found != adapted:  # klrl's own targets regex and the family's LORA_TARGETS disagree: a klrl bug
         raise RuntimeError(f"{path}: LoRA targets {targets!r} adapt {found}, the adapter holds {adapted}")
-    return model, {"params": {lay.stack: stack}}
+    out = model, {"params": {lay.stack: stack}}
+    if not seq_cls:
+        return out
+    score = np.asarray(h.get_tensor(SCORE), np.float32)
+    return (*out, {"kernel": jnp.asarray(score.T), "bias": jnp.zeros((1,), jnp.float32)})

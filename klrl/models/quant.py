@@ -58,13 +58,13 @@ Array = jax.Array
 KINDS = ("none", "int8", "int4")
 INT4_TILE = 32  # inputs per int4 scale (llama.cpp's Q4 block)
 
-# family class name -> regex (qwix module_path, matched against the flax module path) of the
-# linear layers inside the transformer blocks; embeddings and LM heads are left out on purpose
-_LINEARS = {
-    "Llama": r"^layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$",
-    "GPT2": r"^h/(c_attn|c_proj|c_fc|mlp_c_proj)$",
-    "GPT": r"^h\d+/(qkv|proj|fc|out)$",
-}
+
+def _linears(model: Any) -> str | None:
+    """The qwix ``module_path`` (full-matched against the flax module path) of ``model``'s linear layers
+    inside the transformer blocks: its family's ``LORA_TARGETS`` (the layers adapters may sit on);
+    embeddings and LM heads are left out on purpose. None: the family declares none."""
+    t = getattr(type(model), "LORA_TARGETS", None)
+    return None if t is None else f"^(?:{t})$"
 
 
 def check(model: Any, kind: str) -> None:
@@ -73,7 +73,7 @@ def check(model: Any, kind: str) -> None:
     family is supported: its blocks are plain ``nn.Dense`` in a Python loop, the same interception."""
     if kind not in KINDS:
         raise ValueError(f"model.ref_quant: must be one of {', '.join(KINDS)} (got {kind!r})")
-    if kind != "none" and type(model).__name__ not in _LINEARS:
+    if kind != "none" and _linears(model) is None:
         raise ValueError(
             f"model.ref_quant: {kind} supports the llama, gpt2 and gpt families, not {type(model).__name__}"
         )
@@ -83,7 +83,7 @@ def module_path(model: Any) -> str:
     """The qwix ``module_path`` regex of ``model``'s quantised linear layers (for a
     ``qwix.LoraRule(module_path=module_path(model), **rule_args(kind), ...)``)."""
     check(model, "int8")
-    return _LINEARS[type(model).__name__]
+    return _linears(model)
 
 
 def rule_args(kind: str) -> dict:
@@ -211,7 +211,7 @@ def quantize(model: Any, params: Any, kind: str) -> tuple[Any, Any]:
     check(model, kind)
     if kind == "none":
         return model, params
-    rule = qwix.QuantizationRule(module_path=_LINEARS[type(model).__name__], **rule_args(kind))
+    rule = qwix.QuantizationRule(module_path=_linears(model), **rule_args(kind))
     qmodule = qwix.quantize_model(model.module, qwix.PtqProvider([rule]))
     wrapped = "params" not in params
     p = {"params": params} if wrapped else params

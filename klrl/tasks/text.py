@@ -85,6 +85,13 @@ def reward_model(cfg: RunConfig, policy: Any = None, policy_params: Any = None, 
     """``(trunk, trunk+head params)`` of the frozen reward model ``cfg.model.reward_path`` (see the
     module docstring); a fresh head is drawn from ``seed``."""
     path, dtype = cfg.model.reward_path, compute_dtype(cfg)
+    if path and (Path(path) / peft.CONFIG).is_file() and policy is not None:
+        # a PEFT reward-model adapter (SEQ_CLS) on the policy's base: the base's buffers, shared, plus its own
+        # adapters and score head (klrl.models.peft.load_reward_adapter)
+        model, adapters, head = peft.load_reward_adapter(
+            path, policy, policy_params, base_name=cfg.model.path
+        )
+        return model, attach(lora_lib.merge(policy_params, adapters), head)
     if path and is_sequence_classifier(path):
         model, params, score = load_hf(path, dtype=dtype, score=True, put=jnp.asarray)
         score = np.asarray(score, np.float32)
