@@ -76,9 +76,11 @@ class ModelConfig:
     mlp_ratio: int = _f(4, "MLP hidden width as a multiple of d_model")
     tie_embeddings: bool = _f(True, "share the token embedding with the output projection")
     value_model: str = _f(
-        "head",
+        "auto",
         "value function: 'head' (scalar head on the policy trunk), 'separate' model, or 'lora' (the frozen "
-        "base with the critic's own adapters, lora.critic_rank, and a value head)",
+        "base with the critic's own adapters, lora.critic_rank, and a value head); 'auto' = lora when "
+        "lora.rank > 0, else separate with model.path, else head (klrl's GPT); config.json records the "
+        "choice. The shared trunk's head is risky on a pretrained model under an adaptive controller",
     )
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (parameters stay float32)")
     ref_dtype: str = _f(
@@ -128,7 +130,7 @@ class ModelConfig:
         _check(self.d_model >= 1, "model.d_model", "must be >= 1")
         _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
         _check(self.mlp_ratio >= 1, "model.mlp_ratio", "must be >= 1")
-        _choice(self.value_model, "model.value_model", ("head", "separate", "lora"))
+        _choice(self.value_model, "model.value_model", ("auto", "head", "separate", "lora"))
         _choice(self.ref_quant, "model.ref_quant", ("none", "int8", "int4"))
         _check(self.adapter.strip() == self.adapter, "model.adapter", "must not have surrounding spaces")
         _check(not self.adapter or self.path, "model.adapter", "needs model.path (the adapter's base)")
@@ -307,7 +309,6 @@ class PPOConfig:
         1, Help(lambda: f"responses per prompt ({' and '.join(grouped_advantages())} need >= 2)")
     )
     group_std: bool = _f(True, "grpo: divide by the group's standard deviation")
-
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
         _check(self.minibatches >= 1, "ppo.minibatches", "must be >= 1")
@@ -329,7 +330,10 @@ class PPOConfig:
 class OptimConfig:
     """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
 
-    lr: float = _f(1e-4, "peak learning rate")
+    lr: float = _f(
+        1e-4, "peak learning rate; 1e-4 suits klrl's GPT and LoRA adapters (PEFT/QLoRA use 1e-4 to 2e-4); "
+        "full fine-tuning of a pretrained model.path wants 1e-6 to 1e-5 (TRL 3e-6, verl and OpenRLHF 1e-6)",
+    )  # fmt: skip
     critic_lr: float = _f(
         0.0,
         "peak learning rate of the critic: the value head (model.value_model=head) or the whole separate "
@@ -342,7 +346,14 @@ class OptimConfig:
         "Adam epsilon (1e-5 as in PPO2 baselines: Adam would amplify float noise in near-zero gradients)",
     )
     weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "global-norm gradient clip (0 = off)")
+    max_grad_norm: float = _f(
+        1.0, "global-norm gradient clip (0 = off); with optim.critic_max_grad_norm > 0 the policy's alone"
+    )
+    critic_max_grad_norm: float = _f(
+        0.0, "the critic's own gradient-norm clip (value head or value model, as optim.critic_lr): its "
+        "gradient clipped apart from the policy's, so a large value loss cannot shrink the policy's step "
+        "(verl, OpenRLHF: one optimiser and clip each); 0 = one global clip over both (TRL)",
+    )  # fmt: skip
     schedule: str = _f("constant", "constant, linear (decay to 0) or cosine, after warm-up")
     warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
 
@@ -358,5 +369,7 @@ class OptimConfig:
         _check(self.eps > 0, "optim.eps", "must be > 0")
         _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         _check(self.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
+        ok = math.isfinite(self.critic_max_grad_norm) and self.critic_max_grad_norm >= 0
+        _check(ok, "optim.critic_max_grad_norm", "must be >= 0 (0 = one global clip, optim.max_grad_norm)")
         _choice(self.schedule, "optim.schedule", ("constant", "linear", "cosine"))
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

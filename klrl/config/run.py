@@ -253,6 +253,8 @@ class RunConfig:
         if self.optim.critic_lr > 0:
             _check(bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]), "optim.critic_lr",
                    f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate")  # fmt: skip
+        critic = dataclasses.replace(self.model, value_model=resolve_value_model(self))  # auto: chosen here
+        object.__setattr__(self, "model", critic)
         self._check_lora()
         c = self.ctrl
         start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
@@ -329,6 +331,28 @@ class RunConfig:
 
 strict_init(RunConfig, "", "config section")
 
+
+class AutoValueModel(str):
+    """The critic ``model.value_model=auto`` chose (a ``str``, equal to that name wherever it is read and
+    written: config.json records the choice). It stays marked as chosen, so a config derived from this
+    one (:meth:`RunConfig.replace`, ``dataclasses.replace``) chooses again for its own model.path and
+    lora.rank; a name read back from a config.json is explicit and kept (a resume keeps its critic)."""
+
+
+def resolve_value_model(cfg: RunConfig) -> str:
+    """``model.value_model`` of ``cfg``, ``auto`` (or an earlier choice of it) resolved: ``lora`` (the
+    frozen base with the critic's own adapters) when ``lora.rank > 0``; ``separate`` (its own copy of the
+    pretrained trunk) with ``model.path``; else ``head`` (klrl's GPT tasks: the testbed's tuned setting).
+    Why not the head on a pretrained model: the value loss's gradient then moves the policy's own trunk,
+    and under an adaptive controller the returns it regresses on grow with beta (FINDINGS.md, SmolLM2)."""
+    vm = cfg.model.value_model
+    if vm != "auto" and not isinstance(vm, AutoValueModel):
+        return vm
+    if cfg.lora.rank > 0:
+        return AutoValueModel("lora")
+    return AutoValueModel("separate" if cfg.model.path else "head")
+
+
 # the section classes (the default factories are the classes: nothing is instantiated at import,
 # when the registries that validate names may not be filled yet)
 SECTIONS: dict[str, type] = {
@@ -389,4 +413,27 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                 f"ctrl.target={c.target} nats/sequence with ctrl.unit=seq_sum looks like a per-token target "
                 "(verl and OpenRLHF feed the controller per-token means)"
             )
+    out += _pretrained_warnings(cfg)
+    return out
+
+
+def _pretrained_warnings(cfg: RunConfig) -> list[str]:
+    """A pretrained ``model.path`` run with the klrl GPT's settings: the critic on the policy's trunk
+    under an adaptive controller, a full fine-tuning learning rate above the anchors' range."""
+    out = []
+    m, o = cfg.model, cfg.optim
+    if not m.path:
+        return out
+    critic = bool(ADVANTAGES.meta(cfg.ppo.advantage)["critic"])
+    if critic and m.value_model == "head" and is_adaptive(cfg.ctrl.kind):
+        out.append(
+            f"model.value_model=head with ctrl.kind={cfg.ctrl.kind} on model.path: the value loss trains the "
+            "policy's own trunk and its returns grow with beta, so raising beta can raise the KL (SmolLM2: "
+            "beta 280, KL 32 nats/seq); use separate or lora"
+        )
+    if cfg.lora.rank == 0 and o.lr > 1e-5:
+        out.append(
+            f"optim.lr={o.lr:g} for full fine-tuning of model.path: TRL, verl and OpenRLHF use 1e-6 to 1e-5 "
+            "(one Adam step moves every weight by about lr); 1e-4 suits klrl's GPT or LoRA (lora.rank)"
+        )
     return out

@@ -112,20 +112,34 @@ class Train(NamedTuple):
     state_shardings: Any = None  # NamedSharding pytree of the TrainState on ``mesh`` (step's in/out)
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float, critic_max_norm: float = 0.0) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm`` with the clip as one scalar factor: ``g * min(1, c / ||g||)``
     (optax computes ``g / ||g|| * c`` per element; the two differ by float32 rounding when the clip
     triggers and not at all when it does not). XLA counts a division as expensive and so wrote optax's
     clipped gradients into buffers of their own (1.0 GiB on SmolLM2 with a separate value model) for
     Adam's two moment updates to read; a multiplication by a scalar is fused into each of them. The
     step's peak then lies elsewhere: its temporaries fell by 0.25 GiB with ``model.remat=block`` and
-    by less than 0.01 GiB with ``none`` (``benchmarks/step_memory.py --compile-only``)."""
+    by less than 0.01 GiB with ``none`` (``benchmarks/step_memory.py --compile-only``).
+
+    ``critic_max_norm > 0`` (``optim.critic_max_grad_norm``): the critic's parameters (:func:`is_critic`)
+    and the policy's are clipped apart, ``g_p * min(1, c / ||g_p||)`` and ``g_v * min(1, c_v / ||g_v||)``
+    (``max_norm`` 0: the policy's unclipped), as two optimisers with a clip each would (verl, OpenRLHF):
+    a large value-loss gradient no longer shrinks the policy's."""
+
+    def factor(norm, c):
+        return jnp.where(norm < c, 1.0, c / norm) if c > 0 else jnp.float32(1.0)
 
     def update_fn(updates, state, params=None):
         del params
-        g_norm = optax.tree.norm(updates)
-        factor = jnp.where(g_norm < max_norm, 1.0, max_norm / g_norm)
-        return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
+        if critic_max_norm <= 0:
+            f = factor(optax.tree.norm(updates), max_norm)
+            return jax.tree.map(lambda t: t * f.astype(t.dtype), updates), state
+        leaves = jax.tree_util.tree_leaves_with_path(updates)
+        sq = lambda critic: sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in leaves
+                                if is_critic(p) == critic)  # fmt: skip
+        f_p, f_v = factor(jnp.sqrt(sq(False)), max_norm), factor(jnp.sqrt(sq(True)), critic_max_norm)
+        scale = lambda p, g: g * (f_v if is_critic(p) else f_p).astype(g.dtype)
+        return jax.tree_util.tree_map_with_path(scale, updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
@@ -161,8 +175,9 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     ``optim.critic_lr > 0``: the critic's parameters (:func:`is_critic`) step by ``critic_lr``
     instead (``hyperparams['critic_step_size']`` = -critic_lr, :func:`scale_policy_critic`), as a
     second Adam(W) with that learning rate would: Adam and the schedule are per element, only the
-    final scale differs. The clip stays one global norm over all parameters (one optimiser, as
-    TRL's PPO; verl and OpenRLHF clip the critic's optimiser on its own)."""
+    final scale differs. The clip is one global norm over all parameters (one optimiser, as TRL's PPO),
+    or with ``optim.critic_max_grad_norm > 0`` one norm each for the policy's and the critic's
+    (:func:`clip_by_global_norm`; verl and OpenRLHF clip the critic's optimiser on its own)."""
     o = cfg.optim
     total_steps = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.minibatches
     decay = max(total_steps - o.warmup_steps, 1)
@@ -176,7 +191,8 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
         shape = optax.join_schedules(
             [optax.linear_schedule(0.0, 1.0, o.warmup_steps), shape], [o.warmup_steps]
         )
-    parts = [clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm > 0 else []
+    clip = o.max_grad_norm > 0 or o.critic_max_grad_norm > 0
+    parts = [clip_by_global_norm(o.max_grad_norm, o.critic_max_grad_norm)] if clip else []
     parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
     if o.weight_decay > 0:
         parts += [optax.add_decayed_weights(o.weight_decay)]

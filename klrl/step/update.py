@@ -19,7 +19,16 @@ from klrl.algo.logprobs import entropy, token_logprobs
 from klrl.step import chunked
 from klrl.step.heads import policy_out, policy_terms, value_out
 from klrl.step.parallel import DATA, average, take_rows, total
-from klrl.step.parts import Batch, Context, TrainState, all_finite, coefs, full_params, iteration_keys
+from klrl.step.parts import (
+    Batch,
+    Context,
+    TrainState,
+    all_finite,
+    coefs,
+    full_params,
+    is_critic,
+    iteration_keys,
+)
 
 Array = jax.Array
 
@@ -76,6 +85,16 @@ def ppo_loss(
         stats[f"kl/loss_{kl_cfg.loss_agg}"] = kl_term
     stats["loss/total"] = loss
     return loss, stats
+
+
+def policy_critic_norms(grads: Any) -> tuple[Array, Array]:
+    """``(||g_policy||, ||g_critic||)``: the global norms of the policy's and the critic's gradients
+    (:func:`klrl.step.parts.is_critic`; the critic's is 0 without one), before any clip. Logged as
+    ``grad/policy_norm`` and ``grad/critic_norm``; ``grad/norm`` is ``sqrt`` of their squares' sum."""
+    sq = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        sq[is_critic(path)] += jnp.sum(jnp.square(g.astype(jnp.float32)))
+    return jnp.sqrt(sq[0]), jnp.sqrt(sq[1])
 
 
 def minibatch_rows(ctx: Context, key: Array, dev: Array) -> Array:
@@ -159,6 +178,7 @@ def update_phase(
                                            lambda i: rows(batch.mask, i), idx, beta_l)  # fmt: skip
         grads, stats = average((grads, stats))
         stats["grad/norm"] = optax.tree.norm(grads)  # non-finite iff some gradient is (or it overflows)
+        stats["grad/policy_norm"], stats["grad/critic_norm"] = policy_critic_norms(grads)
         fine = fine & (jax.lax.pmin(all_finite(stats).astype(jnp.int32), DATA) > 0)
         apply = go & fine
         stats["guard/minibatches_applied"] = apply.astype(jnp.float32)
