@@ -210,3 +210,26 @@ def test_every_combination_trains(tiny_cfg, tiny_task, fields):
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params), strict=True)
     ]
     assert any(changed)
+
+
+def test_a_reward_adapter_sits_on_the_policys_base_buffers(tmp_path):
+    """``model.reward_path`` = a PEFT SEQ_CLS adapter: the reward model is the policy's base (the same
+    buffers, not a copy) with its own adapters and score head."""
+    from klrl.models.heads import detach
+    from klrl.models.peft import save_adapter
+    from klrl.tasks.text import reward_model
+
+    _, model, params = FAMILIES[0]
+    m = lora.LoRA(model, 2, 4.0)
+    ad = jax.tree.map(lambda x: x + 0.01, m.init_adapters(params, jax.random.PRNGKey(0)))
+    head = {"kernel": jnp.ones((model.hidden_size, 1)), "bias": jnp.zeros(1)}
+    save_adapter(tmp_path / "rm", m, ad, base_name="tiny_llama", score=head)
+    cfg = RunConfig().replace(model={"path": str(DATA / "tiny_llama"), "reward_path": str(tmp_path / "rm")})
+    rm, rparams = reward_model(cfg, model, params)
+    assert isinstance(rm, lora.LoRA)
+    trunk, got_head = detach(rparams)
+    base, adapters = lora.split(trunk)
+    ptr = lambda t: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(t)]
+    assert ptr(base) == ptr(params)
+    np.testing.assert_array_equal(np.asarray(got_head["kernel"]), np.ones((model.hidden_size, 1)))
+    assert lora.count(adapters) == lora.count(ad)
