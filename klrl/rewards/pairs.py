@@ -1,0 +1,187 @@
+"""Preference pairs for a Bradley-Terry reward model (``klrl reward-model``): read, checked, tokenised.
+
+A pairs file is JSONL or Parquet with TRL's columns (``RewardTrainer``'s preference format):
+``chosen`` and ``rejected`` required, ``prompt`` optional. Each value is either
+
+* **text**: a string. The sequence is ``prompt + chosen`` (resp. ``rejected``), as TRL concatenates
+  them; with ``chat_template=True`` a string prompt is wrapped as one user message and rendered with
+  the model's chat template (as klrl's own prompts are, :func:`klrl.data.chat.render`);
+* **conversational**: a list of ``{role, content}`` messages. The last message of ``chosen`` (resp.
+  ``rejected``) is the response; the prompt's messages and the earlier ones of the response side
+  (TRL's "implicit prompt" layout) are rendered with the chat template and the generation prompt.
+
+Either way a sequence is laid out as a klrl rollout is: ``encode(prompt)`` then ``encode(response)``
+followed by the tokenizer's end token (``stop_ids[0]``, unless the response already ends with a stop
+id; TRL appends EOS too), so the reward model is trained to read the position that klrl's reward
+(:func:`klrl.tasks.text.model_reward`) reads at RL time: the last real token. Sequences are
+right-padded to ``max_len``; a longer one loses the start of its prompt, then the end of its response
+(counted in :attr:`Pairs.truncated`).
+
+Every problem (a missing, empty or foreign file, a missing column, a non-text or empty value) is a
+:class:`PairsError` whose message is one line naming the file and row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from klrl.data.chat import PromptDataError, one_line
+from klrl.data.prompts import read_records
+from klrl.data.tokenizer import Tokenizer
+
+FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
+REQUIRED = ("chosen", "rejected")
+
+
+class PairsError(ValueError):
+    """A pairs file or one of its rows is unusable; the message is one line naming the file and row."""
+
+
+class Pairs(NamedTuple):
+    """Tokenised pairs: ``chosen``/``rejected`` ``[N, T]`` int32 right-padded with the pad id, their
+    masks ``[N, T]`` float32 (1 on real tokens), ``truncated`` the number of cut pairs."""
+
+    chosen: np.ndarray
+    chosen_mask: np.ndarray
+    rejected: np.ndarray
+    rejected_mask: np.ndarray
+    truncated: int
+
+    def take(self, idx: np.ndarray) -> Pairs:
+        return Pairs(self.chosen[idx], self.chosen_mask[idx], self.rejected[idx], self.rejected_mask[idx], 0)
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return int(self.chosen.shape[0])
+
+
+def read_pairs(path: str | Path) -> list[dict]:
+    """The rows of a pairs file (JSONL or Parquet), checked with :func:`check_pairs`."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise PairsError(f"{p}: pairs file not found")
+    if not p.is_file():
+        raise PairsError(f"{p}: not a regular file (a pairs file is .jsonl or .parquet)")
+    fmt = FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise PairsError(f"{p}: unknown pairs file type {p.suffix!r} (use .jsonl or .parquet)")
+    try:
+        records, where = read_records(p, format=fmt)
+    except PromptDataError as e:
+        msg = str(e).replace("no prompts in the file", "no pairs in the file")
+        raise PairsError(msg.replace("prompt file not found", "pairs file not found")) from None
+    check_pairs(records, [f"{p} {w}" for w in where])
+    return records
+
+
+def _kind(value: Any, label: str) -> str:
+    """``'text'`` or ``'chat'``; anything else (or an empty value) is a :class:`PairsError`."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise PairsError(f"{label}: empty")
+        return "text"
+    ok = isinstance(value, list | tuple) and len(value) > 0
+    ok = ok and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        what = "an empty list" if isinstance(value, list | tuple) and not value else type(value).__name__
+        raise PairsError(f"{label}: expected a string or a list of {{role, content}} messages, got {what}")
+    if not value[-1]["content"].strip():
+        raise PairsError(f"{label}: the last message (the response) is empty")
+    return "chat"
+
+
+def check_pairs(records: list[dict], where: list[str]) -> None:
+    """Columns ``chosen`` and ``rejected`` in every row; every value text or a conversation, non-empty;
+    ``chosen`` and ``rejected`` of one kind; ``prompt`` (optional, may be null) text or a conversation."""
+    if not records:
+        raise PairsError(f"{where[0] if where else '<records>'}: no pairs")
+    for rec, w in zip(records, where, strict=True):
+        missing = [c for c in REQUIRED if c not in rec]
+        if missing:
+            cols = ", ".join(list(rec)[:10]) or "none"
+            raise PairsError(f"{w}: no column {missing[0]!r} (columns: {cols}); a pair needs both")
+        kinds = {_kind(rec[c], f"{w}: {c}") for c in REQUIRED}
+        if len(kinds) > 1:
+            raise PairsError(f"{w}: chosen and rejected must both be text or both conversations")
+        prompt = rec.get("prompt")
+        if prompt is not None and not (isinstance(prompt, str) and not prompt.strip()):
+            _kind(prompt, f"{w}: prompt")
+
+
+def _template(tokenizer: Tokenizer, msgs: list[dict], label: str) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PairsError(f"{label}: a conversation needs a chat template; the tokenizer has none")
+    try:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except Exception as e:  # jinja2's TemplateError, or whatever the template raises
+        raise PairsError(f"{label}: the chat template failed ({one_line(e)})") from None
+
+
+def texts(
+    rec: dict, side: str, tokenizer: Tokenizer, chat_template: bool, label: str
+) -> tuple[str, str, bool]:
+    """``(prompt text, response text, templated)`` of one side (``'chosen'`` or ``'rejected'``) of a row
+    (module docstring)."""
+    prompt, resp = rec.get("prompt"), rec[side]
+    if isinstance(resp, str):
+        if isinstance(prompt, list | tuple):
+            return _template(tokenizer, [dict(m) for m in prompt], label), resp, True
+        prompt = prompt or ""
+        if chat_template and prompt:
+            return _template(tokenizer, [{"role": "user", "content": prompt}], label), resp, True
+        return prompt, resp, False
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}] if prompt else []
+    before = list(prompt or [])
+    msgs = [*before, *resp[:-1]]
+    return (_template(tokenizer, msgs, label) if msgs else ""), resp[-1]["content"], bool(msgs)
+
+
+def _sequence(prompt: list[int], resp: list[int], max_len: int) -> tuple[list[int], bool]:
+    if len(prompt) + len(resp) <= max_len:
+        return prompt + resp, False
+    keep = max(max_len - len(resp), 0)
+    return (prompt[len(prompt) - keep :] if keep else []) + resp[:max_len], True
+
+
+def encode_pairs(
+    records: list[dict], tokenizer: Tokenizer, max_len: int, *, chat_template: bool = False, source: str = ""
+) -> Pairs:
+    """Tokenise checked rows (:func:`check_pairs`) into :class:`Pairs` (module docstring)."""
+    stops = tuple(getattr(tokenizer, "stop_ids", ()) or ())
+    n = len(records)
+    toks = {s: np.full((n, max_len), tokenizer.pad_id, np.int32) for s in REQUIRED}
+    masks = {s: np.zeros((n, max_len), np.float32) for s in REQUIRED}
+    cut = np.zeros(n, bool)
+    for i, rec in enumerate(records):
+        for side in REQUIRED:
+            label = f"{source} row {i}: {side}".strip()
+            p_text, r_text, templated = texts(rec, side, tokenizer, chat_template, label)
+            p_ids = list(tokenizer.encode(p_text, add_special_tokens=not templated)) if p_text else []
+            r_ids = list(tokenizer.encode(r_text, add_special_tokens=not templated and not p_text))
+            if not r_ids:
+                raise PairsError(f"{label}: the response encodes to no tokens")
+            if stops and r_ids[-1] not in stops:
+                r_ids.append(stops[0])
+            ids, c = _sequence(p_ids, r_ids, max_len)
+            cut[i] |= c
+            toks[side][i, : len(ids)] = ids
+            masks[side][i, : len(ids)] = 1.0
+    return Pairs(toks["chosen"], masks["chosen"], toks["rejected"], masks["rejected"], int(cut.sum()))
+
+
+def split(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, held-out)`` row indices, each ascending: ``round(eval_fraction * n)`` rows (at least
+    one, never all) picked by a ``seed``-ed permutation (as :func:`klrl.data.prompts.split_indices`)."""
+    if not 0 < eval_fraction < 1:
+        raise PairsError(f"--eval-fraction: must be in (0, 1) (got {eval_fraction})")
+    if n < 2:
+        raise PairsError(f"--eval-fraction: {n} pair(s) cannot be split into training and held-out pairs")
+    k = min(max(1, round(eval_fraction * n)), n - 1)
+    held = np.sort(np.random.default_rng(seed).permutation(n)[:k])
+    return np.setdiff1d(np.arange(n), held), held
