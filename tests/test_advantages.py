@@ -94,6 +94,34 @@ def test_whiten_global_statistics_under_vmap_axis() -> None:
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_whiten_rewards_is_trls_masked_whiten_without_the_mean_shift() -> None:
+    """TRL's ``masked_whiten(rewards, mask, shift_mean=False)``: torch's unbiased variance (ddof 1) over
+    the masked tokens, the mean added back; on one array and across a mapped axis alike."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(-0.5, 3.0, size=(4, 6)).astype(np.float32)
+    mask = (np.arange(6)[None] < np.array([6, 3, 1, 5])[:, None]).astype(np.float32)
+    sel = x[mask > 0].astype(np.float64)
+    ref = ((x - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8) + sel.mean()) * mask
+    out = A.whiten_rewards(jnp.asarray(x), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+    split = jax.vmap(lambda a, m: A.whiten_rewards(a, m, "data"), axis_name="data")(
+        x.reshape(2, 2, 6), mask.reshape(2, 2, 6)
+    )
+    np.testing.assert_allclose(np.asarray(split).reshape(4, 6), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_estimator_whitens_the_rewards_first_with_ppo_whiten_rewards() -> None:
+    from klrl.config import PPOConfig
+
+    rewards, values, mask, _ = _random_case(8)
+    x = A.AdvantageInputs(jnp.asarray(rewards), jnp.zeros(7), jnp.asarray(values), jnp.asarray(mask))
+    adv, ret = A.ADVANTAGES.get("gae")(x, PPOConfig(whiten_rewards=True))
+    want = A.gae(A.whiten_rewards(x.rewards, x.mask), x.values, x.mask, 1.0, 0.95)
+    np.testing.assert_allclose(np.asarray(adv), np.asarray(want[0]), rtol=1e-6)
+    plain, _ = A.ADVANTAGES.get("gae")(x, PPOConfig())
+    assert not np.allclose(np.asarray(adv), np.asarray(plain))
+
+
 def test_grpo_hand_values() -> None:
     # groups of 3: [1, 2, 3] (mean 2, population std sqrt(2/3)), [5, 5, 5] (all equal)
     r = jnp.array([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])

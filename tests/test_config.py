@@ -284,3 +284,45 @@ def test_names_md_lists_every_config_field_with_its_default() -> None:
         assert rows.get(section.name) == want, (
             f"docs/names.md, section {section.name}: write\n| `{section.name}` | {want} |"
         )
+
+
+def test_value_model_auto_keeps_the_critic_off_a_pretrained_policy_s_trunk():
+    """``model.value_model=auto``: head for klrl's GPT, separate with model.path, lora with lora.rank;
+    config.json records the choice, a config derived by replace chooses again, an explicit name (a
+    config.json read back) is kept."""
+    base = RunConfig()
+    declared = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["value_model"]
+    assert base.model.value_model == "head" and declared == "auto"
+    path = base.replace(model={"path": "m.gguf"})
+    assert path.model.value_model == "separate"
+    assert path.replace(lora={"rank": 8}).model.value_model == "lora"
+    assert path.replace(model={"path": ""}).model.value_model == "head"
+    assert json.loads(json.dumps(path.to_dict()))["model"]["value_model"] == "separate"
+    saved = RunConfig.from_dict({"model": {"path": "m.gguf", "value_model": "head"}})
+    assert saved.model.value_model == "head"
+    assert saved.replace(lora={"rank": 8}).model.value_model == "head"  # explicit: kept
+
+
+def test_warnings_for_a_pretrained_model_with_the_testbed_s_settings():
+    """One line for the head critic under an adaptive controller on model.path, one for a full
+    fine-tuning lr above the anchors' 1e-5; none for the recipe (separate critic, or LoRA at 1e-4)."""
+    from klrl.config import config_warnings
+
+    risky = RunConfig.from_dict({"model": {"path": "m.gguf", "value_model": "head"}, "optim": {"lr": 3e-6},
+                                 "ctrl": {"kind": "pi", "target": 3.0}})  # fmt: skip
+    (line,) = config_warnings(risky)
+    assert line.startswith("model.value_model=head with ctrl.kind=pi on model.path:") and "beta" in line
+    assert config_warnings(risky.replace(ctrl={"kind": "fixed"})) == []
+    assert config_warnings(risky.replace(model={"value_model": "separate"})) == []
+    (lr,) = config_warnings(risky.replace(model={"value_model": "separate"}, optim={"lr": 1e-4}))
+    assert lr.startswith("optim.lr=0.0001 for full fine-tuning of model.path")
+    assert config_warnings(risky.replace(model={"value_model": "lora"}, lora={"rank": 8},
+                                         optim={"lr": 1e-4})) == []  # fmt: skip
+
+
+def test_reward_whitening_and_normalisation_fields():
+    with pytest.raises(ConfigError, match=r"^ppo\.whiten_rewards: needs ppo\.advantage=gae"):
+        RunConfig().replace(ppo={"whiten_rewards": True, "advantage": "grpo", "group_size": 2})
+    assert RunConfig().replace(ppo={"whiten_rewards": True}).ppo.whiten_rewards
+    with pytest.raises(ConfigError, match=r"^ppo\.normalize_reward: not yet read by the step"):
+        RunConfig().replace(ppo={"normalize_reward": True})

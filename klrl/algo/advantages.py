@@ -34,6 +34,7 @@ class AdvantageInputs(NamedTuple):
     seq_returns: Array  # [B] the sequence's total shaped return
     values: Array  # [B, T] old values V(s_t) (zeros without a critic)
     mask: Array  # [B, T] response mask
+    axis_name: str | None = None  # the mesh axis the batch's rows are split over (statistics across it)
 
 
 def gae(rewards: Array, values: Array, mask: Array, gamma: float, lam: float) -> tuple[Array, Array]:
@@ -111,13 +112,30 @@ def whiten(x: Array, mask: Array, axis_name: str | None = None, shift_mean: bool
     return y * mask
 
 
+def whiten_rewards(rewards: Array, mask: Array, axis_name: str | None = None) -> Array:
+    """TRL's ``whiten_rewards`` (``masked_whiten(rewards, mask, shift_mean=False)``, its unbiased
+    ``masked_var``): ``r' = (r - mu) / sqrt(var + 1e-8) + mu`` over the masked tokens of the shaped
+    per-token rewards (task reward and KL penalty), ``var = sum m (r - mu)^2 / (n - 1)``, ``n = sum m``;
+    the mean is kept, the scale set to 1, masked entries 0. Statistics over this device's rows, as TRL
+    computes them per process, or across ``axis_name``."""
+    mask = mask.astype(jnp.float32)
+    mean, var = masked_moments(rewards, mask, axis_name)
+    n = jnp.sum(mask) if axis_name is None else jax.lax.psum(jnp.sum(mask), axis_name)
+    var = var * n / jnp.maximum(n - 1.0, 1.0)  # Bessel's correction, as torch's (TRL's) var
+    return ((rewards - mean) * jax.lax.rsqrt(var + 1e-8) + mean) * mask
+
+
 # ---- the registry: one signature for the trainer --------------------------------------------------
 
 
 @ADVANTAGES.register("gae", critic=True, grouped=False, help="value function")
 def gae_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
-    """:func:`gae` of the shaped per-token rewards with ``ppo.gamma``, ``ppo.lam``."""
-    return gae(x.rewards, x.values, x.mask, cfg.gamma, cfg.lam)
+    """:func:`gae` of the shaped per-token rewards with ``ppo.gamma``, ``ppo.lam``; with
+    ``ppo.whiten_rewards`` the rewards first pass through :func:`whiten_rewards` (TRL's order)."""
+    rewards = x.rewards
+    if cfg.whiten_rewards:
+        rewards = whiten_rewards(rewards, x.mask, x.axis_name)
+    return gae(rewards, x.values, x.mask, cfg.gamma, cfg.lam)
 
 
 @ADVANTAGES.register("grpo", critic=False, grouped=True, help="group-normalised")

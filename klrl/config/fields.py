@@ -309,6 +309,18 @@ class PPOConfig:
         1, Help(lambda: f"responses per prompt ({' and '.join(grouped_advantages())} need >= 2)")
     )
     group_std: bool = _f(True, "grpo: divide by the group's standard deviation")
+    normalize_reward: bool = _f(
+        False, "the task reward as (r - mean) / std, the running mean and std of every task reward so far, "
+        "this batch's included (trlx's RunningMoments; OpenRLHF's normalize_reward fixes them in the reward "
+        "model); the moments live in the optimiser state: per sweep member, kept on resume "
+        "(klrl.rewards.running)",
+    )  # fmt: skip
+    whiten_rewards: bool = _f(
+        False, "gae: the shaped per-token rewards (task reward and KL penalty) scaled to std 1 over the "
+        "batch's response tokens, their mean kept, before GAE (TRL's whiten_rewards; "
+        "klrl.algo.advantages.whiten_rewards)",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
         _check(self.minibatches >= 1, "ppo.minibatches", "must be >= 1")
@@ -322,6 +334,9 @@ class PPOConfig:
         _check(0 <= self.lam <= 1, "ppo.lam", "must be in [0, 1]")
         _choice(self.advantage, "ppo.advantage", ADVANTAGES)
         _check(self.group_size >= 1, "ppo.group_size", "must be >= 1")
+        if self.whiten_rewards:
+            _check(self.advantage == "gae", "ppo.whiten_rewards",
+                   f"needs ppo.advantage=gae (got {self.advantage})")  # fmt: skip
         if self.advantage in grouped_advantages():
             _check(self.group_size >= 2, "ppo.group_size", f"must be >= 2 for ppo.advantage={self.advantage}")
 

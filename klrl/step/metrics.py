@@ -13,6 +13,7 @@ from klrl.algo import kl as kl_lib
 from klrl.algo import losses
 from klrl.algo.control import kinds
 from klrl.registry import is_adaptive
+from klrl.rewards import running
 from klrl.step.parallel import average, gather, total
 from klrl.step.parts import Advantages, Scores, TrainState
 
@@ -75,10 +76,13 @@ def _batch_metrics(ctx: Any, ad: Advantages, sc: Scores, mask: Array, length: Ar
     }
 
 
-def _optional_metrics(ctx: Any, env: Any, state: TrainState, ro: Any, sc: Scores, ad: Advantages) -> dict:
+def _optional_metrics(
+    ctx: Any, env: Any, state: TrainState, out: TrainState, ro: Any, sc: Scores, ad: Advantages
+) -> dict:
     """``kl/exact_*`` (with ``kl.exact_metric`` or a ``full`` estimator), ``ctrl/target`` (when some
     run of the program has an adaptive controller, ``ctx.log_target``; a ``fixed`` member of a mixed
-    sweep logs NaN: a fixed beta has no target) and the task's batch evaluators."""
+    sweep logs NaN: a fixed beta has no target), ``reward/running_mean`` and ``reward/running_std``
+    (``ppo.normalize_reward``: the moments ``out`` holds) and the task's batch evaluators."""
     metrics = {}
     if ad.exact is not None:
         metrics["kl/exact_seq_sum"] = _seq_mean(kl_lib.seq_sum(ad.exact, ro.mask))
@@ -87,6 +91,10 @@ def _optional_metrics(ctx: Any, env: Any, state: TrainState, ro: Any, sc: Scores
         p = state.ctrl.params
         static = jnp.asarray([not is_adaptive(k) for k in kinds()])  # by kind index (klrl.algo.control)
         metrics["ctrl/target"] = jnp.where(static[p.kind], jnp.nan, p.target)
+    if ctx.cfg.ppo.normalize_reward:  # the task reward's running moments after this iteration
+        moments = running.read(out.opt_state)
+        metrics["reward/running_mean"] = moments.mean
+        metrics["reward/running_std"] = jnp.sqrt(moments.var)
     batch_eval = ctx.task.batch_eval_fn
     if batch_eval is not None:
         tokens_only = ro._replace(logits=None, value=None, hidden=None)  # batch metrics read tokens only
@@ -123,7 +131,7 @@ def iteration_metrics(
         **_batch_metrics(ctx, ad, sc, mask, length),
         **stats,
     }
-    metrics.update(_optional_metrics(ctx, env, state, ro, sc, ad))
+    metrics.update(_optional_metrics(ctx, env, state, out, ro, sc, ad))
     metrics["guard/skipped"] = (~ok).astype(jnp.float32)
     metrics["guard/consecutive_skips"] = out.skipped.astype(jnp.float32)
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}

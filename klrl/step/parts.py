@@ -26,6 +26,7 @@ from klrl.models.heads import HEAD_KEY, ValueHead, attach
 from klrl.models.registry import get_family
 from klrl.models.remat import with_remat
 from klrl.registry import ESTIMATORS
+from klrl.rewards import running
 from klrl.step.chunked import use_chunks
 from klrl.step.parallel import SWEEP, param_specs
 from klrl.tasks.base import Task
@@ -193,6 +194,8 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
         )
     clip = o.max_grad_norm > 0 or o.critic_max_grad_norm > 0
     parts = [clip_by_global_norm(o.max_grad_norm, o.critic_max_grad_norm)] if clip else []
+    if cfg.ppo.normalize_reward:  # the task reward's running moments (klrl.rewards.running): state only
+        parts = [running.holder(), *parts]
     parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
     if o.weight_decay > 0:
         parts += [optax.add_decayed_weights(o.weight_decay)]
