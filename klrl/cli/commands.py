@@ -49,6 +49,7 @@ from klrl.cli.args import (
 )
 from klrl.cli.export import main as export_main
 from klrl.cli.launch import check_reward_fns, run_one, run_sweep
+from klrl.cli.reward_model import main as reward_model_main
 from klrl.config import ConfigError, RunConfig, config_warnings
 from klrl.config.schema import closest
 from klrl.config.sweep import check_members, check_overrides, grid, parse_axis
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(rest)
     if cmd == "models":
         return models_main(rest)
+    if cmd == "reward-model":
+        return reward_model_main(rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)
         hint = f"; did you mean klrl {near}?" if near else ""

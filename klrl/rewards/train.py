@@ -1,0 +1,222 @@
+"""Bradley-Terry reward-model training: any causal-LM trunk plus a scalar score head (klrl reward-model).
+
+The reward of a sequence is ``r = w . h_last``: the trunk's final hidden state at the last real token,
+times a bias-free score vector ``w [D]`` (a ``*ForSequenceClassification`` model's ``score`` with one
+label). On preference pairs the loss is (Ouyang et al. 2022, "InstructGPT", eq. 1; TRL's
+``RewardTrainer.compute_loss``)::
+
+    L = mean_i -log sigmoid(r(x_i, y_chosen) - r(x_i, y_rejected))
+        + center_coef * mean_i (r_chosen + r_rejected)^2          (TRL's center_rewards_coefficient)
+
+and the accuracy the fraction of pairs with ``r_chosen > r_rejected`` (TRL's ``compute_accuracy``;
+ties count as wrong). The trunk is trained in full or through LoRA adapters
+(:class:`klrl.models.lora.LoRA`; the base frozen), with optax AdamW; one epoch is one jitted
+``lax.scan`` over shuffled minibatches (the last partial minibatch is left out of that epoch).
+
+:func:`save_reward_model` writes the result as an HF sequence-classification directory (the adapters
+merged into the trunk: :func:`klrl.models.lora.merged_kernels`) that ``--model.reward_path`` and
+``transformers.AutoModelForSequenceClassification`` load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from klrl.models import lora as lora_lib
+from klrl.models.base import forward
+from klrl.models.hf import SAFETENSORS, save_safetensors
+from klrl.rewards.pairs import Pairs
+
+Array = jax.Array
+
+
+# ---- the maths -------------------------------------------------------------------------------------
+def bt_loss(r_chosen: Array, r_rejected: Array, center_coef: float = 0.0) -> Array:
+    """``mean(-log sigmoid(r_c - r_r)) + center_coef * mean((r_c + r_r)^2)`` (module docstring)."""
+    loss = -jnp.mean(jax.nn.log_sigmoid(r_chosen - r_rejected))
+    return loss + center_coef * jnp.mean((r_chosen + r_rejected) ** 2)
+
+
+def accuracy(r_chosen: Array, r_rejected: Array) -> Array:
+    """The fraction of pairs with ``r_chosen > r_rejected`` (a tie is wrong)."""
+    return jnp.mean((r_chosen > r_rejected).astype(jnp.float32))
+
+
+def last_token(hidden: Array, mask: Array) -> Array:
+    """``hidden [B, T, D]`` at each row's last real token (right-padded ``mask [B, T]``) -> ``[B, D]``."""
+    n = jnp.sum(mask, axis=-1).astype(jnp.int32)
+    idx = jnp.maximum(n - 1, 0)
+    return jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
+
+
+def scores(model: Any, trunk: Any, score: Array, tokens: Array, mask: Array) -> Array:
+    """``r = score . h_last`` ``[B]`` float32 of right-padded ``tokens [B, T]`` (``score [D]``)."""
+    hidden = forward(model, trunk, tokens, mask, logits=False).hidden
+    return last_token(hidden.astype(jnp.float32), mask) @ score.astype(jnp.float32)
+
+
+# ---- training --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The optimiser and the passes over the pairs (TRL's defaults where it has one: AdamW,
+    ``center_rewards_coefficient=None``)."""
+
+    epochs: int = 2
+    lr: float = 1e-4
+    batch_size: int = 8
+    weight_decay: float = 0.0
+    center_coef: float = 0.0
+    seed: int = 0
+
+
+class Trainable:
+    """The trained parameters of a trunk (``lora``: its adapters, the base frozen) and a score head."""
+
+    def __init__(self, model: Any, base: Any, lora: lora_lib.LoRA | None = None):
+        self.model, self.base, self.lora = model, base, lora
+
+    def init(self, key: Array) -> dict:
+        """``{'trunk': the full trunk or the adapters, 'score': [D]}``: ``score ~ N(0, 1/D)`` (a
+        fresh head; transformers draws it from ``N(0, initializer_range^2)``)."""
+        k_head, k_lora = jax.random.split(key)
+        d = self.model.hidden_size
+        trunk = self.base if self.lora is None else self.lora.init_adapters(self.base, k_lora)
+        return {"trunk": trunk, "score": jax.random.normal(k_head, (d,), jnp.float32) / np.sqrt(d)}
+
+    def apply_model(self) -> Any:
+        return self.model if self.lora is None else self.lora
+
+    def trunk(self, params: dict, base: Any) -> Any:
+        """The trunk parameters a forward takes (the adapters beside the frozen ``base``)."""
+        return params["trunk"] if self.lora is None else lora_lib.merge(base, params["trunk"])
+
+    def merged(self, params: dict) -> Any:
+        """The trunk as plain parameters of the family (adapters folded in)."""
+        if self.lora is None:
+            return params["trunk"]
+        return lora_lib.merged_kernels(self.base, params["trunk"], self.lora.scale)
+
+
+def _pair_scores(t: Trainable, params: dict, base: Any, batch: tuple) -> tuple[Array, Array]:
+    ct, cm, rt, rm = batch
+    r = scores(t.apply_model(), t.trunk(params, base), params["score"], jnp.concatenate([ct, rt]),
+               jnp.concatenate([cm, rm]))  # fmt: skip
+    return r[: ct.shape[0]], r[ct.shape[0] :]
+
+
+def make_epoch(t: Trainable, opt: optax.GradientTransformation, s: TrainSettings) -> Callable:
+    """``epoch(params, opt_state, base, data, key) -> (params, opt_state, mean loss, mean accuracy)``:
+    one jitted ``lax.scan`` of AdamW steps over a ``key``-shuffled pass of ``data`` (a :class:`Pairs`'
+    four arrays)."""
+
+    def loss_fn(params, base, batch):
+        rc, rr = _pair_scores(t, params, base, batch)
+        return bt_loss(rc, rr, s.center_coef), accuracy(rc, rr)
+
+    @jax.jit
+    def epoch(params, opt_state, base, data, key):
+        n = data[0].shape[0]
+        bs = min(s.batch_size, n)
+        perm = jax.random.permutation(key, n)[: (n // bs) * bs].reshape(n // bs, bs)
+
+        def step(carry, idx):
+            params, opt_state = carry
+            batch = tuple(x[idx] for x in data)
+            (loss, acc), g = jax.value_and_grad(loss_fn, has_aux=True)(params, base, batch)
+            upd, opt_state = opt.update(g, opt_state, params)
+            return (optax.apply_updates(params, upd), opt_state), (loss, acc)
+
+        (params, opt_state), (losses, accs) = jax.lax.scan(step, (params, opt_state), perm)
+        return params, opt_state, losses.mean(), accs.mean()
+
+    return epoch
+
+
+def make_evaluate(t: Trainable, center_coef: float = 0.0) -> Callable:
+    """``evaluate(params, base, data) -> {'loss', 'accuracy'}`` on all of ``data`` (one jitted batch)."""
+
+    @jax.jit
+    def numbers(params, base, data):
+        rc, rr = _pair_scores(t, params, base, data)
+        return bt_loss(rc, rr, center_coef), accuracy(rc, rr)
+
+    def evaluate(params, base, data) -> dict:
+        loss, acc = numbers(params, base, data)
+        return {"loss": float(loss), "accuracy": float(acc)}
+
+    return evaluate
+
+
+def train(
+    model: Any,
+    base: Any,
+    train_pairs: Pairs,
+    eval_pairs: Pairs,
+    s: TrainSettings,
+    lora: lora_lib.LoRA | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[Any, np.ndarray, list[dict]]:
+    """Train a reward model; returns ``(trunk parameters (adapters merged), score [D], history)``,
+    ``history`` one dict per epoch (``loss``/``accuracy`` on the training minibatches, ``eval_loss``/
+    ``eval_accuracy`` on ``eval_pairs`` after the epoch). ``log`` gets one line per epoch."""
+    t = Trainable(model, base, lora)
+    k_init, k_perm = jax.random.split(jax.random.key(s.seed))
+    params = t.init(k_init)
+    frozen = base if lora is not None else None  # full fine-tuning: the trunk is in params, nothing frozen
+    opt = optax.adamw(s.lr, weight_decay=s.weight_decay)
+    opt_state = opt.init(params)
+    epoch, evaluate = make_epoch(t, opt, s), make_evaluate(t, s.center_coef)
+    data = tuple(jnp.asarray(x) for x in train_pairs[:4])
+    held = tuple(jnp.asarray(x) for x in eval_pairs[:4])
+    history = []
+    for e, k in enumerate(jax.random.split(k_perm, s.epochs)):
+        params, opt_state, loss, acc = epoch(params, opt_state, frozen, data, k)
+        ev = evaluate(params, frozen, held)
+        row = {"epoch": e + 1, "loss": float(loss), "accuracy": float(acc),
+               "eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"]}  # fmt: skip
+        history.append(row)
+        if log:
+            log(f"epoch {e + 1}/{s.epochs}: train loss {row['loss']:.4f} (accuracy {row['accuracy']:.3f}), "
+                f"held-out loss {row['eval_loss']:.4f} accuracy {row['eval_accuracy']:.3f} "
+                f"({len(eval_pairs)} pairs)")  # fmt: skip
+    return t.merged(params), np.asarray(params["score"], np.float32), history
+
+
+# ---- the HF sequence-classification directory -------------------------------------------------------
+def seq_cls_architecture(causal: str) -> str:
+    """``LlamaForCausalLM`` -> ``LlamaForSequenceClassification``; ``GPT2LMHeadModel`` ->
+    ``GPT2ForSequenceClassification`` (transformers' class names)."""
+    for suffix in ("ForCausalLM", "LMHeadModel"):
+        if causal.endswith(suffix):
+            return causal[: -len(suffix)] + "ForSequenceClassification"
+    raise ValueError(f"{causal}: not a causal-LM architecture name")
+
+
+def save_reward_model(model: Any, trunk: Any, score: np.ndarray, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write an HF ``*ForSequenceClassification`` directory: ``config.json`` (the family's, with its
+    architecture renamed, one label, ``pad_token_id`` the tokenizer's), ``model.safetensors`` (the trunk's
+    tensors without ``lm_head.weight``, plus ``score.weight [1, D]``, float32) and the tokenizer files.
+    :func:`klrl.models.hf.load_hf` (``score=True``) and transformers read it back."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in model.params_to_hf(trunk).items()}
+    tensors.pop("lm_head.weight", None)
+    tensors["score.weight"] = np.ascontiguousarray(np.asarray(score, np.float32).reshape(1, -1))
+    save_safetensors(tensors, out / SAFETENSORS, {"format": "pt"})
+    cfg = dict(model.hf_config())
+    cfg["architectures"] = [seq_cls_architecture(a) for a in cfg.get("architectures", [])]
+    cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if tokenizer is not None:
+        cfg["pad_token_id"] = int(tokenizer.pad_id)
+        tokenizer.save(out)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

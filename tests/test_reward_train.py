@@ -1,0 +1,248 @@
+"""klrl.rewards.train and ``klrl reward-model``: the Bradley-Terry loss and accuracy against NumPy, a
+reward model trained on the tiny GGUF that separates a marker word on held-out pairs, its directory read
+back by klrl's ``--model.reward_path`` (a rollout's reward) and by transformers (same scores), LoRA
+adapters merged exactly, and bad input as one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import one_line_error
+
+from klrl.cli import main as klrl_main
+from klrl.config import ModelConfig, RunConfig
+from klrl.models import lora as lora_lib
+from klrl.models.hf import load_hf, load_score_head
+from klrl.models.pretrained import from_pretrained
+from klrl.models.rollout import Rollout
+from klrl.rewards.pairs import encode_pairs, split
+from klrl.rewards.train import (
+    Trainable,
+    TrainSettings,
+    accuracy,
+    bt_loss,
+    save_reward_model,
+    scores,
+    seq_cls_architecture,
+    train,
+)
+from klrl.tasks.text import model_reward, reward_model
+
+GGUF = Path(__file__).parent / "data" / "tiny_gguf" / "tiny.gguf"
+WORDS = "ab cd ef gh ij kl mn op".split()
+jit_scores = jax.jit(scores, static_argnums=0)  # (model, trunk, score, tokens, mask) -> [B]
+
+
+def marker_pairs(n: int, seed: int = 0) -> list[dict]:
+    """``n`` pairs whose chosen response holds the word ``yes`` and whose rejected one does not."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        filler = [rng.choice(WORDS) for _ in range(2)]
+        chosen = list(filler)
+        chosen.insert(rng.randrange(3), "yes")
+        rows.append({"prompt": rng.choice(WORDS), "chosen": " ".join(chosen),
+                     "rejected": " ".join([*filler, rng.choice(WORDS)])})  # fmt: skip
+    return rows
+
+
+# ---- the maths against NumPy ------------------------------------------------------------------------
+def test_bt_loss_and_accuracy_match_numpy_on_hand_values():
+    rc = np.array([1.0, -0.5, 2.0, 0.3], np.float32)
+    rr = np.array([0.0, 0.5, 2.0, -1.7], np.float32)
+    d = rc - rr  # 1, -1, 0, 2
+    want = np.mean(np.log1p(np.exp(-d)))  # -log sigmoid(d) = log(1 + e^-d)
+    assert abs(want - (np.log1p(np.e**-1) + np.log1p(np.e) + np.log(2) + np.log1p(np.e**-2)) / 4) < 1e-7
+    np.testing.assert_allclose(float(bt_loss(rc, rr)), want, rtol=1e-6)
+    center = 0.01 * np.mean((rc + rr) ** 2)  # (1, 0, 4, -1.4)^2 = 1, 0, 16, 1.96 -> mean 4.74
+    np.testing.assert_allclose(float(bt_loss(rc, rr, 0.01)), want + center, rtol=1e-6)
+    assert abs(center - 0.0474) < 1e-6
+    assert float(accuracy(rc, rr)) == 0.5  # 1 > 0 and 0.3 > -1.7; a tie (2 = 2) is wrong
+
+
+def test_bt_loss_gradient_is_sigmoid_of_minus_margin():
+    rc, rr = jnp.array([0.2, -1.0]), jnp.array([0.0, 1.0])
+    g = jax.grad(lambda a: bt_loss(a, rr))(rc)
+    np.testing.assert_allclose(np.asarray(g), -1 / (1 + np.exp(np.array([0.2, -2.0]))) / 2, rtol=1e-6)
+
+
+def test_architecture_names():
+    assert seq_cls_architecture("LlamaForCausalLM") == "LlamaForSequenceClassification"
+    assert seq_cls_architecture("GPT2LMHeadModel") == "GPT2ForSequenceClassification"
+    with pytest.raises(ValueError):
+        seq_cls_architecture("BertModel")
+
+
+# ---- one trained model, shared ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    model, base, tok = from_pretrained(GGUF)
+    rows = marker_pairs(40)
+    pairs = encode_pairs(rows, tok, 16)
+    tr, ev = split(len(rows), 0.25, 0)
+    s = TrainSettings(epochs=6, lr=3e-3, batch_size=10, seed=0)
+    lines: list[str] = []
+    trunk, score, history = train(model, base, pairs.take(tr), pairs.take(ev), s, log=lines.append)
+    out = save_reward_model(model, trunk, score, tok, tmp_path_factory.mktemp("rm") / "rm")
+    return dict(model=model, tok=tok, trunk=trunk, score=score, history=history, lines=lines, out=out,
+                eval=pairs.take(ev), rows=[rows[i] for i in ev])  # fmt: skip
+
+
+def test_training_separates_the_marker_on_held_out_pairs(trained):
+    h = trained["history"]
+    assert len(h) == 6 and len(trained["lines"]) == 6 and "held-out" in trained["lines"][0]
+    assert h[-1]["loss"] < h[0]["loss"] and h[-1]["loss"] < np.log(2)
+    assert h[-1]["eval_accuracy"] >= 0.8, h  # 10 held-out pairs; chance is 0.5
+
+
+def test_directory_is_read_by_klrl_reward_path(trained):
+    """``--model.reward_path DIR``: a rollout's reward (left-padded prompt, right-padded response) equals
+    the training-time score of the same tokens, and a chosen response scores above its rejected one."""
+    out, tok = trained["out"], trained["tok"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForSequenceClassification"] and cfg["num_labels"] == 1
+    np.testing.assert_array_equal(load_score_head(out)[0], trained["score"])
+    model, params = reward_model(RunConfig(model=ModelConfig(reward_path=str(out))))
+    r = model_reward(model, params)
+    row = trained["rows"][0]
+    p_ids = tok.encode(row["prompt"], add_special_tokens=True)
+    P, R = 6, 12
+    got = []
+    for side in ("chosen", "rejected"):
+        resp = tok.encode(row[side]) + [tok.stop_ids[0]]
+        prompt = np.full((1, P), tok.pad_id, np.int32)
+        prompt[0, P - len(p_ids) :] = p_ids
+        response = np.full((1, R), tok.pad_id, np.int32)
+        response[0, : len(resp)] = resp
+        ro = Rollout(prompt, (prompt != tok.pad_id).astype(np.float32), response,
+                     (np.arange(R) < len(resp))[None].astype(np.float32), None, None, None)  # fmt: skip
+        got.append(float(jax.jit(r.fn)(r.params, ro)[0]))
+    ev = trained["eval"]
+    head = jnp.asarray(trained["score"])
+    want = [jit_scores(trained["model"], trained["trunk"], head, ev[k][:1], ev[k + 1][:1]) for k in (0, 2)]
+    np.testing.assert_allclose(got, [float(w[0]) for w in want], atol=1e-4)
+    assert got[0] > got[1]
+
+
+def test_transformers_loads_the_directory_and_scores_alike(trained):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out, ev = trained["out"], trained["eval"]
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.pad_token_id == trained["tok"].pad_id == hf.config.pad_token_id
+    # right-padded with the pad id, as transformers pads
+    ids = np.concatenate([ev.chosen[:4], ev.rejected[:4]])
+    mask = np.concatenate([ev.chosen_mask[:4], ev.rejected_mask[:4]])
+    with torch.no_grad():
+        got = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits
+    want = jit_scores(trained["model"], trained["trunk"], jnp.asarray(trained["score"]), ids, mask)
+    np.testing.assert_allclose(got.numpy()[:, 0], np.asarray(want), atol=1e-4)
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------------
+def test_lora_merged_trunk_scores_as_the_adapted_model():
+    """With nonzero adapters, the merged trunk (what the directory holds) gives the adapted model's
+    scores (which differ from the base's)."""
+    model, base, tok = from_pretrained(GGUF)
+    lm = lora_lib.LoRA(model, 2, 4.0)
+    t = Trainable(model, base, lm)
+    params = t.init(jax.random.key(1))
+    noise = lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape)
+    params["trunk"] = jax.tree.map(noise, params["trunk"])
+    pairs = encode_pairs(marker_pairs(6), tok, 16)
+    args = (params["score"], pairs.chosen, pairs.chosen_mask)
+    adapted = jit_scores(lm, t.trunk(params, base), *args)
+    merged = jit_scores(model, t.merged(params), *args)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), atol=1e-4)
+    assert float(jnp.max(jnp.abs(adapted - jit_scores(model, base, *args)))) > 1e-3
+
+
+# ---- the command --------------------------------------------------------------------------------------
+def _pairs_file(tmp_path: Path, rows: list) -> Path:
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_command_writes_the_directory_and_its_numbers(tmp_path, capsys):
+    f = _pairs_file(tmp_path, marker_pairs(12))
+    out = tmp_path / "rm"
+    flags = "--epochs 2 --batch-size 4 --max-len 16 --eval-fraction 0.25 --lora.rank 2".split()
+    argv = ["reward-model", "--model.path", str(GGUF), "--pairs", str(f), "--out", str(out), *flags]
+    assert klrl_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("epoch ") for line in lines) == 2 and "LoRA rank 2" in lines[0]
+    doc = json.loads((out / "reward_model.json").read_text())
+    assert doc["pairs"] == {"total": 12, "train": 9, "heldout": 3, "truncated": 0}
+    assert 0 <= doc["heldout_accuracy"] <= 1 and len(doc["history"]) == 2
+    assert doc["settings"]["lora_rank"] == 2
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert load_score_head(out).shape == (1, 32)
+    # LoRA trains the adapters (merged into the attention/MLP kernels) and the head; the rest is the base's
+    _, trained, _ = load_hf(out, score=True)
+    _, base, _ = from_pretrained(GGUF)
+    emb = lambda p: np.asarray(p["params"]["embed_tokens"]["embedding"])
+    np.testing.assert_array_equal(emb(trained), emb(base))
+    layers = [jax.tree.leaves(p["params"]["layers"]) for p in (trained, base)]
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(*layers, strict=True)]
+    assert max(moved) > 0
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("missing", ["--pairs", "not found"]),
+        ("empty", ["no pairs"]),
+        ("csv", [".csv"]),
+        ("column", ["'rejected'"]),
+        ("nontext", ["got dict"]),
+        ("blank", ["chosen", "empty"]),
+        ("model", ["--model.path", "nope"]),
+        ("badmodel", ["--model.path"]),
+        ("out", ["--out", "not an empty directory"]),
+        ("lr", ["--lr", "> 0"]),
+        ("targets", ["--lora.targets", "zzz"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, words):
+    good = _pairs_file(tmp_path, marker_pairs(4))
+    args = {"--model.path": str(GGUF), "--pairs": str(good), "--out": str(tmp_path / "rm")}
+    extra: list[str] = []
+    if case == "missing":
+        args["--pairs"] = str(tmp_path / "none.jsonl")
+    elif case == "empty":
+        (tmp_path / "e.jsonl").write_text("\n")
+        args["--pairs"] = str(tmp_path / "e.jsonl")
+    elif case == "csv":
+        (tmp_path / "p.csv").write_text("chosen,rejected\na,b\n")
+        args["--pairs"] = str(tmp_path / "p.csv")
+    elif case in ("column", "nontext", "blank"):
+        row = {"column": {"chosen": "a", "reject": "b"}, "nontext": {"chosen": "a", "rejected": {"x": 1}},
+               "blank": {"chosen": "", "rejected": "b"}}[case]  # fmt: skip
+        args["--pairs"] = str(_pairs_file(tmp_path, [row]))
+    elif case == "model":
+        args["--model.path"] = str(tmp_path / "nope")
+    elif case == "badmodel":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text('{"model_type": "nonesuch"}')
+        args["--model.path"] = str(tmp_path / "m")
+    elif case == "out":
+        (tmp_path / "rm").mkdir()
+        (tmp_path / "rm" / "x").write_text("keep")
+    elif case == "lr":
+        extra = ["--lr", "0"]
+    elif case == "targets":
+        extra = ["--lora.rank", "2", "--lora.targets", "zzz"]
+    argv = ["reward-model", *[x for kv in args.items() for x in kv], *extra]
+    line = one_line_error(capsys, klrl_main, argv)
+    for w in words:
+        assert w in line, (w, line)
+    if case != "out":
+        assert not (tmp_path / "rm").exists()
