@@ -175,3 +175,29 @@ def test_ppo_loss_matches_numpy(case):
     assert float(stats["loss/total"]) == float(loss)
     assert ("loss/value" in stats) is (value_full is not None)
     assert (f"kl/loss_{cfg.kl.loss_agg}" in stats) is (cfg.kl.placement != "reward")
+
+
+def test_with_a_critic_clip_a_large_value_loss_leaves_the_policy_s_step_alone():
+    """One step with a separate critic at vf_coef 1e3 and at 1e-3: the same advantages (the old values
+    are the initial critic's), so the policy's gradient is the same; with optim.critic_max_grad_norm the
+    policy's parameters end bit for bit equal (one global clip: tests/test_optim.py shows the large value
+    loss shrinking the policy's step). grad/norm^2 = grad/policy_norm^2 + grad/critic_norm^2."""
+    clip = {"max_grad_norm": 0.5, "critic_max_grad_norm": 0.5}
+    policies, stats = [], []
+    for vf in (1e3, 1e-3):
+        cfg = RunConfig().replace(
+            model={"n_layers": 1, "d_model": 16, "n_heads": 2, "value_model": "separate"},
+            sampling={"response_len": R}, train={"batch_size": B, "devices": 1},
+            ppo={"minibatches": 1, "epochs": 1, "vf_coef": vf}, optim={"lr": 1e-2, **clip},
+        )  # fmt: skip
+        task = _task(cfg)
+        train = make_train(cfg, task)
+        state, metrics = train.step(train.init(3), task.env)
+        policies.append(state.params["policy"])
+        stats.append({k: float(metrics[k]) for k in ("grad/norm", "grad/policy_norm", "grad/critic_norm")})
+    for s in stats:
+        assert s["grad/norm"] ** 2 == pytest.approx(s["grad/policy_norm"] ** 2 + s["grad/critic_norm"] ** 2)
+    assert stats[0]["grad/policy_norm"] == pytest.approx(stats[1]["grad/policy_norm"], rel=1e-5)
+    assert stats[0]["grad/critic_norm"] > 1e3 * stats[0]["grad/policy_norm"]
+    for a, b in zip(*map(jax.tree.leaves, policies), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
