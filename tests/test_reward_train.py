@@ -5,6 +5,7 @@ adapters merged exactly, and bad input as one line with exit status 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -17,6 +18,7 @@ from conftest import one_line_error
 
 from klrl.cli import main as klrl_main
 from klrl.config import ModelConfig, RunConfig
+from klrl.data.hf_tokenizer import load_tokenizer_dir
 from klrl.models import lora as lora_lib
 from klrl.models.hf import load_hf, load_score_head
 from klrl.models.pretrained import from_pretrained
@@ -144,6 +146,32 @@ def test_transformers_loads_the_directory_and_scores_alike(trained):
         got = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits
     want = jit_scores(trained["model"], trained["trunk"], jnp.asarray(trained["score"]), ids, mask)
     np.testing.assert_allclose(got.numpy()[:, 0], np.asarray(want), atol=1e-4)
+
+
+def test_a_pad_that_is_the_end_token_is_replaced_for_transformers(trained, tmp_path):
+    """A tokenizer that pads with its end token (SmolLM2): transformers' classifier would read the token
+    before it; the directory names another pad (BOS here) in config.json and tokenizer_config.json, so
+    transformers' scores of a right-padded batch are klrl's again."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tok = trained["tok"]
+    end = tok.stop_ids[0]
+    special = {**tok.special, "pad_token": tok.decode([end], skip_special_tokens=False)}
+    eos_pad = dataclasses.replace(tok, pad_id=end, special=special)
+    out = save_reward_model(trained["model"], trained["trunk"], trained["score"], eos_pad, tmp_path / "rm")
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == tok.bos_id != end
+    assert load_tokenizer_dir(out).pad_id == tok.bos_id
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).pad_token_id == tok.bos_id
+    ev = trained["eval"]
+    ids = np.where(ev.chosen_mask[:4] > 0, ev.chosen[:4], tok.bos_id)
+    assert (ids[np.arange(4), ev.chosen_mask[:4].sum(1).astype(int) - 1] == end).all()  # each ends on it
+    with torch.no_grad():
+        got = hf(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()[:, 0]
+    want = jit_scores(
+        trained["model"], trained["trunk"], jnp.asarray(trained["score"]), ids, ev.chosen_mask[:4]
+    )
+    np.testing.assert_allclose(got, np.asarray(want), atol=1e-4)
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------------

@@ -89,7 +89,10 @@ class Trainable:
         fresh head; transformers draws it from ``N(0, initializer_range^2)``)."""
         k_head, k_lora = jax.random.split(key)
         d = self.model.hidden_size
-        trunk = self.base if self.lora is None else self.lora.init_adapters(self.base, k_lora)
+        if self.lora is None:
+            trunk = self.base
+        else:  # jitted: qwix's eager init forward is slower than its compile
+            trunk = jax.jit(self.lora.init_adapters)(self.base, k_lora)
         return {"trunk": trunk, "score": jax.random.normal(k_head, (d,), jnp.float32) / np.sqrt(d)}
 
     def apply_model(self) -> Any:
@@ -201,11 +204,37 @@ def seq_cls_architecture(causal: str) -> str:
     raise ValueError(f"{causal}: not a causal-LM architecture name")
 
 
+def pad_for_scoring(tokenizer: Any) -> int:
+    """The pad id of the written directory: the tokenizer's, unless it is a stop id (SmolLM2 pads with
+    its end token ``<|im_end|>``): transformers' sequence classifiers read the last token that is not
+    ``pad_token_id``, which would then skip the end token klrl reads (and the model was trained on).
+    Then the BOS token, or else the first added token, that is no stop id (it is never a sequence's
+    last token); the tokenizer's own pad id if there is none."""
+    stops = set(getattr(tokenizer, "stop_ids", ()) or ())
+    if tokenizer.pad_id not in stops:
+        return int(tokenizer.pad_id)
+    added = sorted(tokenizer.tok.get_added_tokens_decoder()) if hasattr(tokenizer, "tok") else []
+    for i in [tokenizer.bos_id, *added]:
+        if i is not None and i not in stops:
+            return int(i)
+    return int(tokenizer.pad_id)
+
+
+def _save_tokenizer(tokenizer: Any, pad: int, out: Path) -> None:
+    tokenizer.save(out)
+    if pad != tokenizer.pad_id:  # tokenizer_config.json's pad_token: the one config.json names
+        f = out / "tokenizer_config.json"
+        doc = json.loads(f.read_text())
+        doc["pad_token"] = tokenizer.decode([pad], skip_special_tokens=False)
+        f.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
 def save_reward_model(model: Any, trunk: Any, score: np.ndarray, tokenizer: Any, out_dir: str | Path) -> Path:
     """Write an HF ``*ForSequenceClassification`` directory: ``config.json`` (the family's, with its
-    architecture renamed, one label, ``pad_token_id`` the tokenizer's), ``model.safetensors`` (the trunk's
-    tensors without ``lm_head.weight``, plus ``score.weight [1, D]``, float32) and the tokenizer files.
-    :func:`klrl.models.hf.load_hf` (``score=True``) and transformers read it back."""
+    architecture renamed, one label, ``pad_token_id`` :func:`pad_for_scoring`), ``model.safetensors``
+    (the trunk's tensors without ``lm_head.weight``, plus ``score.weight [1, D]``, float32) and the
+    tokenizer files (their ``pad_token`` the same). :func:`klrl.models.hf.load_hf` (``score=True``) and
+    transformers read it back, and transformers scores right-padded sequences as klrl does."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in model.params_to_hf(trunk).items()}
@@ -216,7 +245,7 @@ def save_reward_model(model: Any, trunk: Any, score: np.ndarray, tokenizer: Any,
     cfg["architectures"] = [seq_cls_architecture(a) for a in cfg.get("architectures", [])]
     cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if tokenizer is not None:
-        cfg["pad_token_id"] = int(tokenizer.pad_id)
-        tokenizer.save(out)
+        cfg["pad_token_id"] = pad_for_scoring(tokenizer)
+        _save_tokenizer(tokenizer, cfg["pad_token_id"], out)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
