@@ -29,6 +29,7 @@ from klrl.rewards.train import (
     TrainSettings,
     accuracy,
     bt_loss,
+    make_evaluate,
     save_reward_model,
     scores,
     seq_cls_architecture,
@@ -146,6 +147,19 @@ def test_transformers_loads_the_directory_and_scores_alike(trained):
         got = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits
     want = jit_scores(trained["model"], trained["trunk"], jnp.asarray(trained["score"]), ids, mask)
     np.testing.assert_allclose(got.numpy()[:, 0], np.asarray(want), atol=1e-4)
+
+
+def test_held_out_numbers_in_chunks_equal_the_whole_batch(trained):
+    """make_evaluate scores 3 pairs at a time (the 10 held-out pairs: 4 chunks, the last one filled up):
+    the loss and accuracy of all 10 at once, in NumPy."""
+    ev, head = trained["eval"], jnp.asarray(trained["score"])
+    rc = np.asarray(jit_scores(trained["model"], trained["trunk"], head, ev.chosen, ev.chosen_mask))
+    rr = np.asarray(jit_scores(trained["model"], trained["trunk"], head, ev.rejected, ev.rejected_mask))
+    evaluate = make_evaluate(Trainable(trained["model"], None), center_coef=0.1, chunk=3)
+    got = evaluate({"trunk": trained["trunk"], "score": head}, None, tuple(jnp.asarray(x) for x in ev[:4]))
+    want = np.mean(np.logaddexp(0, -(rc - rr))) + 0.1 * np.mean((rc + rr) ** 2)
+    np.testing.assert_allclose(got["loss"], want, rtol=1e-5)
+    assert got["accuracy"] == np.mean(rc > rr) == trained["history"][-1]["eval_accuracy"]
 
 
 def test_a_pad_that_is_the_end_token_is_replaced_for_transformers(trained, tmp_path):
