@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="klrl reward-model", allow_abbrev=False, description=what,
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     a = p.add_argument
-    a("--model.path", dest="model_path", required=True, help="the base causal LM (.gguf, HF dir)")
+    a("--model.path", dest="model_path", required=True, metavar="PATH", help="the base causal LM")
     a("--pairs", required=True, metavar="FILE", help="JSONL or Parquet: prompt (optional), chosen, rejected")
     a("--out", required=True, metavar="DIR", help="a new (or empty) directory to write")
     a("--epochs", type=int, default=2, help="passes over the training pairs")
