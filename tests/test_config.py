@@ -304,8 +304,9 @@ def test_value_model_auto_keeps_the_critic_off_a_pretrained_policy_s_trunk():
 
 
 def test_warnings_for_a_pretrained_model_with_the_testbed_s_settings():
-    """One line for the head critic under an adaptive controller on model.path, one for a full
-    fine-tuning lr above the anchors' 1e-5; none for the recipe (separate critic, or LoRA at 1e-4)."""
+    """Under an adaptive controller on model.path: one line for the head critic, one for a full
+    fine-tuning lr above the anchors' 1e-5; none for the recipe (separate critic, or LoRA at 1e-4), none
+    with a fixed beta."""
     from klrl.config import config_warnings
 
     risky = RunConfig.from_dict({"model": {"path": "m.gguf", "value_model": "head"}, "optim": {"lr": 3e-6},
@@ -315,7 +316,9 @@ def test_warnings_for_a_pretrained_model_with_the_testbed_s_settings():
     assert config_warnings(risky.replace(ctrl={"kind": "fixed"})) == []
     assert config_warnings(risky.replace(model={"value_model": "separate"})) == []
     (lr,) = config_warnings(risky.replace(model={"value_model": "separate"}, optim={"lr": 1e-4}))
-    assert lr.startswith("optim.lr=0.0001 for full fine-tuning of model.path")
+    assert lr.startswith("optim.lr=0.0001 for full fine-tuning of model.path under ctrl.kind=pi")
+    assert config_warnings(risky.replace(model={"value_model": "separate"}, optim={"lr": 1e-4},
+                                         ctrl={"kind": "fixed"})) == []  # fmt: skip
     assert config_warnings(risky.replace(model={"value_model": "lora"}, lora={"rank": 8},
                                          optim={"lr": 1e-4})) == []  # fmt: skip
 

@@ -420,12 +420,26 @@ def config_warnings(cfg: RunConfig) -> list[str]:
 
 
 def _pretrained_warnings(cfg: RunConfig) -> list[str]:
-    """A pretrained ``model.path`` run with the klrl GPT's settings: the critic on the policy's trunk
-    under an adaptive controller, a full fine-tuning learning rate above the anchors' range."""
-    out = []
+    """An adaptive controller on a pretrained ``model.path`` with the klrl GPT's settings: the critic on
+    the policy's trunk, or a full fine-tuning learning rate above the anchors' range (the KL of one update
+    can then exceed the target, and the controller raises beta without bound; notes/anchors.md)."""
+    out: list[str] = []
     m, o = cfg.model, cfg.optim
-    if not m.path:
+    if not m.path or not is_adaptive(cfg.ctrl.kind):
         return out
+    if bool(ADVANTAGES.meta(cfg.ppo.advantage)["critic"]) and m.value_model == "head":
+        out.append(
+            f"model.value_model=head with ctrl.kind={cfg.ctrl.kind} on model.path: the value loss trains the "
+            "policy's own trunk and its returns grow with beta, so raising beta can raise the KL (SmolLM2: "
+            "beta 280, KL 32 nats/seq); use separate or lora"
+        )
+    if cfg.lora.rank == 0 and o.lr > 1e-5:
+        out.append(
+            f"optim.lr={o.lr:g} for full fine-tuning of model.path under ctrl.kind={cfg.ctrl.kind}: one Adam "
+            "step moves every weight by about lr, and the KL of one update may exceed ctrl.target (SmolLM2 "
+            "at 1e-4: 3.3 nats/seq); TRL, verl and OpenRLHF use 1e-6 to 1e-5, LoRA (lora.rank) ~1e-4"
+        )
+    return out
     critic = bool(ADVANTAGES.meta(cfg.ppo.advantage)["critic"])
     if critic and m.value_model == "head" and is_adaptive(cfg.ctrl.kind):
         out.append(
