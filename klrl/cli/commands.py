@@ -62,7 +62,7 @@ from klrl.tasks.text import check_model_paths
 
 __all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
-COMMANDS = ("train", "sweep", "study", "resume", "report", "export", "models")
+COMMANDS = ("train", "sweep", "study", "resume", "report", "export", "models", "reward-model")
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
@@ -346,7 +346,7 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 def _usage() -> str:
     return (
-        "usage: klrl {train,sweep,study,resume,report,export,models} [flags]  "
+        "usage: klrl {train,sweep,study,resume,report,export,models,reward-model} [flags]  "
         "(klrl COMMAND --help lists the flags)\n\n"
         "  train    one training run:             klrl train --kl.beta 0.1 --train.iterations 50\n"
         "  sweep    a grid as one program:        klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1\n"
@@ -355,6 +355,8 @@ def _usage() -> str:
         "  report   write report.md for a run:    klrl report runs/NAME\n"
         "  export   a checkpoint's policy:        klrl export runs/NAME OUT_DIR [--step N]\n"
         "  models   pretrained models it can see: klrl models   (their paths, for --model.path)\n"
+        "  reward-model  a Bradley-Terry reward model:\n"
+        "           klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)\n"
     )
 
 
