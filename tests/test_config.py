@@ -297,6 +297,7 @@ def test_value_model_auto_keeps_the_critic_off_a_pretrained_policy_s_trunk():
     assert path.model.value_model == "separate"
     assert path.replace(lora={"rank": 8}).model.value_model == "lora"
     assert path.replace(model={"path": ""}).model.value_model == "head"
+    assert type(path.to_dict()["model"]["value_model"]) is str  # yaml.safe_dump writes it
     assert json.loads(json.dumps(path.to_dict()))["model"]["value_model"] == "separate"
     saved = RunConfig.from_dict({"model": {"path": "m.gguf", "value_model": "head"}})
     assert saved.model.value_model == "head"

@@ -338,7 +338,11 @@ class AutoValueModel(str):
     """The critic ``model.value_model=auto`` chose (a ``str``, equal to that name wherever it is read and
     written: config.json records the choice). It stays marked as chosen, so a config derived from this
     one (:meth:`RunConfig.replace`, ``dataclasses.replace``) chooses again for its own model.path and
-    lora.rank; a name read back from a config.json is explicit and kept (a resume keeps its critic)."""
+    lora.rank; a name read back from a config.json is explicit and kept (a resume keeps its critic).
+    A copy (:meth:`RunConfig.to_dict`'s) is the plain ``str``: JSON, YAML and TOML write it as a name."""
+
+    def __deepcopy__(self, memo: dict) -> str:
+        return str(self)
 
 
 def resolve_value_model(cfg: RunConfig) -> str:
