@@ -233,3 +233,20 @@ def test_a_reward_adapter_sits_on_the_policys_base_buffers(tmp_path):
     assert ptr(base) == ptr(params)
     np.testing.assert_array_equal(np.asarray(got_head["kernel"]), np.ones((model.hidden_size, 1)))
     assert lora.count(adapters) == lora.count(ad)
+
+
+def test_running_reward_normalisation_in_the_step(tiny_cfg, tiny_task):
+    """``ppo.normalize_reward`` in the compiled step: after two iterations the moments in the optimiser state
+    are the NumPy mean and population variance of both batches' task rewards (as logged), and the shaped
+    reward is built from the normalised task reward (its batch mean over the sequences is ~ -beta KL)."""
+    from klrl.rewards import running
+    from klrl.step.train import make_train
+
+    train = make_train(tiny_cfg.replace(ppo={"normalize_reward": True}), tiny_task)
+    state, env, seen = train.init(0), train.context.task.env, []
+    for _ in range(2):
+        state, m = train.step(state, env)
+        seen.append(float(m["reward/task"]))
+    mom = running.read(state.opt_state)
+    assert float(mom.count) == 2 * tiny_cfg.train.batch_size
+    np.testing.assert_allclose(float(mom.mean), np.mean(seen), rtol=1e-5, atol=1e-6)

@@ -256,8 +256,6 @@ class RunConfig:
         critic = dataclasses.replace(self.model, value_model=resolve_value_model(self))  # auto: chosen here
         object.__setattr__(self, "model", critic)
         self._check_lora()
-        _check(not self.ppo.normalize_reward, "ppo.normalize_reward", "not yet read by the step "
-               "(klrl.rewards.running is ready; klrl.step.train does not call it)")  # fmt: skip
         c = self.ctrl
         start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
         if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently

@@ -46,8 +46,8 @@ class RewardMoments(NamedTuple):
 
 def init() -> RewardMoments:
     """No reward seen: ``n = mu = M = 0``."""
-    z = jnp.zeros((), jnp.float32)
-    return RewardMoments(z, z, z)
+    # three buffers, not one three times: the train step donates the state, each leaf on its own
+    return RewardMoments(*(jnp.zeros((), jnp.float32) for _ in range(3)))
 
 
 def update(m: RewardMoments, x: Array, axis_name: str | None = None) -> RewardMoments:

@@ -86,6 +86,7 @@ class Advantages(NamedTuple):
     kl_ctrl: Array  # [B, R] per-token KL of ctrl.estimator (what the controller sees)
     k1: Array  # [B, R]
     exact: Array | None  # [B, R] exact per-position KL from the full logits (None: kl.exact_metric off)
+    reward_moments: Any = None  # ppo.normalize_reward: the running moments with this batch merged in
 
 
 class Phases(NamedTuple):

@@ -48,6 +48,7 @@ from klrl.models.heads import ValueHead, detach
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.registry import is_adaptive
+from klrl.rewards import running
 from klrl.step import chunked
 from klrl.step.heads import score_terms, value_out
 from klrl.step.metrics import iteration_metrics
@@ -165,8 +166,11 @@ def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) ->
         return kl_lib.estimate(name, ro.logp, sc.ref_logp, mask, ro.logits, sc.ref_logits, kl_cfg.clamp)
 
     kl_reward = estimate(kl_cfg.estimator)
-    rewards = shaped_rewards(sc.task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
-    seq_ret = sequence_returns(sc.task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+    task_reward, moments = sc.task_reward, None
+    if ctx.cfg.ppo.normalize_reward:  # the running mean and std of the task reward (klrl.rewards.running)
+        task_reward, moments = running.normalized_reward(state.opt_state, sc.task_reward, DATA)
+    rewards = shaped_rewards(task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
+    seq_ret = sequence_returns(task_reward, kl_reward, mask, beta_r, kl_cfg.placement)
     inputs = AdvantageInputs(rewards, seq_ret, sc.value, mask)
     advantages, returns = ADVANTAGES.get(ctx.cfg.ppo.advantage)(inputs, ctx.cfg.ppo)
     if ctx.cfg.ppo.whiten:
@@ -187,6 +191,7 @@ def advantage_phase(ctx: Context, state: TrainState, ro: Rollout, sc: Scores) ->
         kl_ctrl=estimate(ctx.cfg.ctrl.estimator),
         k1=estimate("k1"),
         exact=exact,
+        reward_moments=moments,
     )
 
 
@@ -249,6 +254,9 @@ def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict
     go = ok & (state.skipped < limit) if limit > 0 else ok
     params, opt_state, stats = update_phase(ctx, state, ad.batch, go)
     ok = ok & (stats["guard/minibatches_applied"] == 1.0)
+    if ad.reward_moments is not None:  # the moments move with an applied iteration only
+        kept = running.read(state.opt_state)
+        opt_state = running.write(opt_state, where(ok, ad.reward_moments, kept))
     ref_params = refresh_reference(ctx, state, params["policy"])
     new = TrainState(params, ref_params, opt_state, ctrl, state.other_coef, state.rng,
                      state.iteration + 1, jnp.zeros((), jnp.int32))  # fmt: skip
