@@ -6,7 +6,8 @@
   the value head on the policy's trunk (``model.value_model=head``), one global gradient clip;
 * ``recipe``: LoRA adapters on the policy (``lora.rank``) and the critic's own adapters on the frozen
   base (``model.value_model=auto`` -> ``lora``), the policy's and the critic's gradients clipped apart
-  (``optim.critic_max_grad_norm``), lr ``--recipe-lr``.
+  (``optim.critic_max_grad_norm``), the task reward normalised by its running mean and std
+  (``ppo.normalize_reward``), lr ``--recipe-lr``.
 
 ``python experiments/recipe_smollm2.py --iterations 40 --out runs/recipe_smollm2
 [--json experiments/results/recipe_smollm2.json]`` runs the two setups as two processes side by side
@@ -66,6 +67,7 @@ def config(setup: str, ns: argparse.Namespace) -> Any:
         extra = {
             "lora": {"rank": ns.rank},
             "optim": {"lr": ns.recipe_lr, "max_grad_norm": 1.0, "critic_max_grad_norm": 1.0},
+            "ppo": {"normalize_reward": True},
         }
     for section, fields in extra.items():
         common[section] = {**common.get(section, {}), **fields}
@@ -74,7 +76,8 @@ def config(setup: str, ns: argparse.Namespace) -> Any:
 
 KEYS = ("ctrl/kl_observed_seq_sum", "kl/k1_seq_sum", "kl/exact_seq_sum", "ctrl/beta", "reward/task",
         "loss/value", "loss/policy", "grad/norm", "grad/policy_norm", "grad/critic_norm",
-        "value/explained_variance", "eval/ref_ppl", "guard/skipped")  # fmt: skip
+        "value/explained_variance", "eval/ref_ppl", "guard/skipped", "reward/running_mean",
+        "reward/running_std")  # fmt: skip
 
 
 def run_one(setup: str, ns: argparse.Namespace) -> int:
