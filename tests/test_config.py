@@ -329,3 +329,11 @@ def test_reward_whitening_and_normalisation_fields():
         RunConfig().replace(ppo={"whiten_rewards": True, "advantage": "grpo", "group_size": 2})
     assert RunConfig().replace(ppo={"whiten_rewards": True}).ppo.whiten_rewards
     assert RunConfig().replace(ppo={"normalize_reward": True}).ppo.normalize_reward
+
+
+def test_a_quantised_reference_under_full_fine_tuning_warns_with_the_measured_shift():
+    from klrl.config import config_warnings
+
+    (w,) = config_warnings(RunConfig().replace(model={"ref_quant": "int4"}))
+    assert w.startswith("model.ref_quant=int4 with full fine-tuning") and "15-18 nats/sequence" in w
+    assert config_warnings(RunConfig().replace(model={"ref_quant": "int4"}, lora={"rank": 4})) == []

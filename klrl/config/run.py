@@ -418,6 +418,13 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                 "(verl and OpenRLHF feed the controller per-token means)"
             )
     out += _pretrained_warnings(cfg)
+    if cfg.model.ref_quant != "none" and cfg.lora.rank == 0:  # the policy float, its reference quantised
+        shift = "15-18" if cfg.model.ref_quant == "int4" else "0.13-0.16 (negligible from ~3 nats)"
+        out.append(
+            f"model.ref_quant={cfg.model.ref_quant} with full fine-tuning: the KL is measured against a "
+            f"quantised copy of the policy's start, which adds ~{shift} nats/sequence on SmolLM2 "
+            "(docs/ref_quant.md); with lora.rank > 0 policy and reference share the quantised base"
+        )
     return out
 
 
