@@ -68,7 +68,7 @@ def test_model_paths_that_would_be_ignored_are_errors() -> None:
     cases = [
         (text.replace(model={"reward_path": "rm"}, reward={"fn": "positivity"}),
          False, r"^model\.reward_path: not read when reward\.fn is given"),
-        (text.replace(model={"value_path": "v"}), False,
+        (text.replace(model={"value_path": "v", "value_model": "head"}), False,
          r"^model\.value_path: read only with model\.value_model=separate \(got head\)$"),
         (text.replace(model={"value_path": "v", "value_model": "separate"},
                       ppo={"advantage": "grpo", "group_size": 2}),

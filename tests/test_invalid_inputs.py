@@ -42,6 +42,8 @@ FREE_STRINGS = {
     "train.rollback_metric",
     "model.path",
     "model.value_path",
+    "model.adapter",
+    "lora.targets",
     "model.reward_path",
     "model.eval_path",  # (a path: tested in RANGES)
     "train.mesh",  # (three integers: tested in RANGES)
@@ -273,7 +275,8 @@ IGNORED = [
     ("--task.name wordclass --model.eval_path GGUF", "model.eval_path: task wordclass does not read it"),
     ("--model.path GGUF --model.reward_path GGUF --reward.fn positivity",
      "model.reward_path: not read when reward.fn is given"),
-    ("--model.path GGUF --model.value_path GGUF", "model.value_path: read only with model.value_model=sep"),
+    ("--model.path GGUF --model.value_model head --model.value_path GGUF",
+     "model.value_path: read only with model.value_model=sep"),
     ("--sweep kl.beta=0.1,1 --model.path GGUF --model.value_model separate --model.value_path GGUF",
      "model.value_path: a sweep's members draw a fresh value model each"),
 ]  # fmt: skip
