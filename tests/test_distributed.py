@@ -210,11 +210,12 @@ def test_only_process_zero_writes(jobs) -> None:
 
 @pytest.fixture(scope="module")
 def rollback_jobs(tiny_cfg, tiny_task, tmp_path_factory):
-    """A run whose rollback metric crosses at once (the KL, ~1e-7 at iteration 0): it rolls back
-    to the initial state until ``max_rollbacks`` is spent, on 1 process and on 2."""
+    """A run whose rollback metric crosses at once (the exact KL, ~1e-8 at iteration 0: rounding; the k1
+    estimate there is rounding of either sign): it rolls back to the initial state until ``max_rollbacks``
+    is spent, on 1 process and on 2."""
     d = tmp_path_factory.mktemp("distributed-rollback")
     cfg = tiny_cfg.replace(
-        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/k1_seq_sum",
+        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/exact_seq_sum",
                "rollback_threshold": 1.5, "max_rollbacks": 2},
         kl={"beta": 0.001},
     )  # fmt: skip

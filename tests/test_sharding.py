@@ -128,7 +128,8 @@ def test_lora_on_a_mesh_matches_one_device_with_the_base_sharded(runs):
     print(f"lora: (2,2,2) vs 1 device: worst relative difference {worst:.3g}")
     full, part = int(single["lora:1,1,1/bytes/ref_params"]), int(single["lora:2,2,2/bytes/ref_params"])
     assert 0.25 <= part / full <= 0.26, (part, full)
-    assert int(single["lora:1,1,1/bytes/params"]) < 0.1 * full  # adapters and heads only
+    # adapters and heads only (rank 4 on a 32-wide model: 29% of the base here; 0.9% on SmolLM2 at rank 8)
+    assert int(single["lora:1,1,1/bytes/params"]) < 0.5 * full
 
 
 def test_batch_rows_split_over_data_and_fsdp(runs):
