@@ -449,16 +449,3 @@ def _pretrained_warnings(cfg: RunConfig) -> list[str]:
             "at 1e-4: 3.3 nats/seq); TRL, verl and OpenRLHF use 1e-6 to 1e-5, LoRA (lora.rank) ~1e-4"
         )
     return out
-    critic = bool(ADVANTAGES.meta(cfg.ppo.advantage)["critic"])
-    if critic and m.value_model == "head" and is_adaptive(cfg.ctrl.kind):
-        out.append(
-            f"model.value_model=head with ctrl.kind={cfg.ctrl.kind} on model.path: the value loss trains the "
-            "policy's own trunk and its returns grow with beta, so raising beta can raise the KL (SmolLM2: "
-            "beta 280, KL 32 nats/seq); use separate or lora"
-        )
-    if cfg.lora.rank == 0 and o.lr > 1e-5:
-        out.append(
-            f"optim.lr={o.lr:g} for full fine-tuning of model.path: TRL, verl and OpenRLHF use 1e-6 to 1e-5 "
-            "(one Adam step moves every weight by about lr); 1e-4 suits klrl's GPT or LoRA (lora.rank)"
-        )
-    return out

@@ -299,9 +299,8 @@ def make_train(
     direct caller can call :func:`klrl.checks.check_parts` first. ``log_target`` (default:
     ``is_adaptive(cfg.ctrl.kind)``) logs ``ctrl/target`` (a sweep sets it when any member is adaptive;
     fixed members then log NaN).
-    ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs
-    as ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them).
-    """
+    ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs as
+    ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them)."""
     mesh = mesh_from_config(cfg.train) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
@@ -311,15 +310,7 @@ def make_train(
             raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
         models = models._replace(value=value, value_head=ValueHead(value.hidden_size))
     policy_params = task.policy_params if policy_params is None else policy_params
-    adapters = None
-    if cfg.model.adapter:  # a PEFT directory: the initial policy's adapters (klrl.models.peft)
-        policy, adapters = initial_adapters(cfg, policy, policy_params)
-        models = models._replace(policy=policy)
-    ref_init = None
-    if cfg.model.ref_quant != "none":  # the frozen reference (and a LoRA run's base) weight-only quantised
-        ref, ref_init = quantized_reference(cfg, models.ref, policy_params)
-        models = models._replace(ref=ref)
-    check_adapters(models, policy_params if ref_init is None else ref_init)
+    models, adapters, ref_init = frozen_base(cfg, models, policy_params)  # (LoRA; model.ref_quant)
     n_dev = mesh.shape[DATA]
     share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
     if share % k:  # (one device: RunConfig checked that k divides the minibatch)
@@ -359,6 +350,21 @@ def make_train(
         context=ctx,
         state_shardings=shardings,
     )
+
+
+def frozen_base(cfg: RunConfig, models: Models, params: Any) -> tuple[Models, Any, Any]:
+    """``(models, initial adapters or None, quantised reference or None)``: the policy's adapters of
+    ``model.adapter`` (a PEFT directory), the ``model.ref_quant`` reference (and a LoRA run's base), and
+    every adapted model's targets checked against the base, before anything compiles."""
+    adapters = ref_init = None
+    if cfg.model.adapter:
+        policy, adapters = initial_adapters(cfg, models.policy, params)
+        models = models._replace(policy=policy)
+    if cfg.model.ref_quant != "none":
+        ref, ref_init = quantized_reference(cfg, models.ref, params)
+        models = models._replace(ref=ref)
+    check_adapters(models, params if ref_init is None else ref_init)
+    return models, adapters, ref_init
 
 
 def initial_adapters(cfg: RunConfig, policy: CausalLM, base_params: Any) -> tuple[CausalLM, Any]:
