@@ -20,6 +20,7 @@ from klrl.cli import main as klrl_main
 from klrl.config import ModelConfig, RunConfig
 from klrl.data.hf_tokenizer import load_tokenizer_dir
 from klrl.models import lora as lora_lib
+from klrl.models.base import forward
 from klrl.models.hf import load_hf, load_score_head
 from klrl.models.pretrained import from_pretrained
 from klrl.models.rollout import Rollout
@@ -295,3 +296,30 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, words):
         assert w in line, (w, line)
     if case != "out":
         assert not (tmp_path / "rm").exists()
+
+
+def test_head_only_trains_a_linear_probe_of_the_frozen_trunk(tmp_path, capsys):
+    """``head_only``: the trunk returned is the base's very arrays, only the head moved, and a linear probe
+    of the last hidden state separates the marker; the command refuses it together with adapters."""
+    model, base, tok = from_pretrained(GGUF)
+    rows = marker_pairs(40)
+    pairs = encode_pairs(rows, tok, 16)
+    tr, ev = split(len(rows), 0.25, 0)
+    s = TrainSettings(epochs=8, lr=3e-2, batch_size=10, seed=0)
+    trunk, score, history = train(model, base, pairs.take(tr), pairs.take(ev), s, head_only=True)
+    assert all(a is b for a, b in zip(jax.tree.leaves(trunk), jax.tree.leaves(base), strict=True))
+    assert Trainable(model, base, head_only=True).init(jax.random.key(0))["trunk"] == {}
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert history[-1]["eval_accuracy"] >= 0.8, history
+    # the head alone scores as score . h_last of the base (NumPy dot of the base's hidden states)
+    h = np.asarray(jax.jit(lambda t, m: forward(model, base, t, m, logits=False).hidden)(
+        jnp.asarray(pairs.chosen), jnp.asarray(pairs.chosen_mask) > 0))  # fmt: skip
+    last = h[np.arange(len(h)), pairs.chosen_mask.sum(1).astype(int) - 1]
+    got = jit_scores(
+        model, trunk, jnp.asarray(score), jnp.asarray(pairs.chosen), jnp.asarray(pairs.chosen_mask)
+    )
+    np.testing.assert_allclose(np.asarray(got), last.astype(np.float64) @ score, rtol=1e-4, atol=1e-4)
+    f = _pairs_file(tmp_path, rows)
+    argv = ["reward-model", "--model.path", str(GGUF), "--pairs", str(f), "--out", str(tmp_path / "o"),
+            "--head-only", "--lora.rank", "2"]  # fmt: skip
+    assert "--lora.rank: must be 0 with --head-only" in one_line_error(capsys, klrl_main, argv)

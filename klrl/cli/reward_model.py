@@ -5,11 +5,13 @@
     klrl reward-model --model.path BASE --pairs FILE --out DIR [--epochs N] [--lr X] [--batch-size B]
         [--max-len T] [--eval-fraction F] [--seed S] [--chat-template true|false]
         [--center-rewards-coef C] [--weight-decay W] [--lora.rank R --lora.alpha A --lora.targets RE]
+        [--head-only]
 
 ``BASE`` is any causal LM klrl loads (an HF directory or a ``.gguf``, with its tokenizer); ``FILE`` a
 JSONL or Parquet file of ``prompt`` (optional) / ``chosen`` / ``rejected`` rows
 (:mod:`klrl.rewards.pairs`). The trunk is trained in full, or with ``--lora.rank R > 0`` through LoRA
-adapters merged into it at the end, with a fresh bias-free score head (:mod:`klrl.rewards.train`).
+adapters merged into it at the end, or not at all with ``--head-only`` (a linear probe of the frozen
+trunk's last hidden state), with a fresh bias-free score head (:mod:`klrl.rewards.train`).
 One line per epoch: the training loss and the held-out accuracy on ``--eval-fraction`` of the pairs.
 
 ``DIR`` (new or empty) gets an HF ``*ForSequenceClassification`` directory: ``--model.reward_path DIR``
@@ -74,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
       help="LoRA scale numerator: (alpha / rank) A B")  # fmt: skip
     a("--lora.targets", "--model.lora.targets", dest="lora_targets", default="",
       help="regex of the adapted modules ('' = the family's defaults)")  # fmt: skip
+    a(
+        "--head-only",
+        action="store_true",
+        help="train the score head alone on the frozen trunk (a linear probe)",
+    )
     return p
 
 
@@ -88,6 +95,7 @@ def _check(ns: argparse.Namespace) -> None:
         (ns.weight_decay >= 0, "--weight-decay", "must be >= 0"),
         (ns.lora_rank >= 0, "--lora.rank", "must be >= 0 (0 = full fine-tuning)"),
         (ns.lora_alpha > 0, "--lora.alpha", "must be > 0"),
+        (not (ns.head_only and ns.lora_rank > 0), "--lora.rank", "must be 0 with --head-only (no adapters)"),
     ]
     for ok, flag, rule in rules:
         if not ok:
@@ -131,10 +139,16 @@ def run(ns: argparse.Namespace) -> dict:
     except PairsError as e:
         fail(f"--pairs: {e}")
     s = TrainSettings(ns.epochs, ns.lr, ns.batch_size, ns.weight_decay, ns.center_rewards_coef, ns.seed)
-    how = f"LoRA rank {ns.lora_rank}" if lora else "full fine-tuning"
+    how = (
+        "the score head alone"
+        if ns.head_only
+        else f"LoRA rank {ns.lora_rank}"
+        if lora
+        else "full fine-tuning"
+    )
     print(f"{len(records)} pairs ({len(tr)} training, {len(ev)} held out; {pairs.truncated} cut to "
           f"--max-len {ns.max_len}); {how} of {ns.model_path}")  # fmt: skip
-    trunk, score, history = train(model, base, pairs.take(tr), pairs.take(ev), s, lora, log=print)
+    trunk, score, history = train(model, base, pairs.take(tr), pairs.take(ev), s, lora, print, ns.head_only)
     save_reward_model(model, trunk, score, tok, ns.out)
     last = history[-1]
     doc = {

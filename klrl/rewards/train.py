@@ -79,17 +79,27 @@ class TrainSettings:
 
 
 class Trainable:
-    """The trained parameters of a trunk (``lora``: its adapters, the base frozen) and a score head."""
+    """The trained parameters of a trunk (``lora``: its adapters, the base frozen; ``head_only``: none,
+    the whole trunk frozen, a linear probe of its last hidden state) and a score head."""
 
-    def __init__(self, model: Any, base: Any, lora: lora_lib.LoRA | None = None):
-        self.model, self.base, self.lora = model, base, lora
+    def __init__(self, model: Any, base: Any, lora: lora_lib.LoRA | None = None, head_only: bool = False):
+        if head_only and lora is not None:
+            raise ValueError("a head-only reward model has no adapters (lora.rank must be 0)")
+        self.model, self.base, self.lora, self.head_only = model, base, lora, head_only
+
+    @property
+    def frozen(self) -> bool:
+        """The base is an argument of the compiled functions (not trained)."""
+        return self.lora is not None or self.head_only
 
     def init(self, key: Array) -> dict:
         """``{'trunk': the full trunk or the adapters, 'score': [D]}``: ``score ~ N(0, 1/D)`` (a
         fresh head; transformers draws it from ``N(0, initializer_range^2)``)."""
         k_head, k_lora = jax.random.split(key)
         d = self.model.hidden_size
-        if self.lora is None:
+        if self.head_only:
+            trunk = {}
+        elif self.lora is None:
             trunk = self.base
         else:  # jitted: qwix's eager init forward is slower than its compile
             trunk = jax.jit(self.lora.init_adapters)(self.base, k_lora)
@@ -100,10 +110,14 @@ class Trainable:
 
     def trunk(self, params: dict, base: Any) -> Any:
         """The trunk parameters a forward takes (the adapters beside the frozen ``base``)."""
+        if self.head_only:
+            return base
         return params["trunk"] if self.lora is None else lora_lib.merge(base, params["trunk"])
 
     def merged(self, params: dict) -> Any:
         """The trunk as plain parameters of the family (adapters folded in)."""
+        if self.head_only:
+            return self.base
         if self.lora is None:
             return params["trunk"]
         return lora_lib.merged_kernels(self.base, params["trunk"], self.lora.scale)
@@ -170,14 +184,16 @@ def train(
     s: TrainSettings,
     lora: lora_lib.LoRA | None = None,
     log: Callable[[str], None] | None = None,
+    head_only: bool = False,
 ) -> tuple[Any, np.ndarray, list[dict]]:
     """Train a reward model; returns ``(trunk parameters (adapters merged), score [D], history)``,
     ``history`` one dict per epoch (``loss``/``accuracy`` on the training minibatches, ``eval_loss``/
-    ``eval_accuracy`` on ``eval_pairs`` after the epoch). ``log`` gets one line per epoch."""
-    t = Trainable(model, base, lora)
+    ``eval_accuracy`` on ``eval_pairs`` after the epoch). ``log`` gets one line per epoch.
+    ``head_only``: the trunk stays ``base`` and only the score head is trained (a linear probe)."""
+    t = Trainable(model, base, lora, head_only)
     k_init, k_perm = jax.random.split(jax.random.key(s.seed))
     params = t.init(k_init)
-    frozen = base if lora is not None else None  # full fine-tuning: the trunk is in params, nothing frozen
+    frozen = base if t.frozen else None  # full fine-tuning: the trunk is in params, nothing frozen
     opt = optax.adamw(s.lr, weight_decay=s.weight_decay)
     opt_state = opt.init(params)
     epoch, evaluate = make_epoch(t, opt, s), make_evaluate(t, s.center_coef)
