@@ -123,7 +123,26 @@ class Trainable:
         return lora_lib.merged_kernels(self.base, params["trunk"], self.lora.scale)
 
 
+def last_hidden(model: Any, trunk: Any, tokens: Any, mask: Any, chunk: int = 64) -> Array:
+    """``[N, D]`` float32: the trunk's last hidden state at each right-padded row's last real token, ``chunk``
+    rows at a time by one jitted forward (the last chunk filled up with repeated rows, dropped)."""
+    fn = jax.jit(
+        lambda t, m: last_token(forward(model, trunk, t, m, logits=False).hidden.astype(jnp.float32), m)
+    )
+    n = int(tokens.shape[0])
+    c = min(chunk, n)
+    rows = np.arange(-(-n // c) * c) % n
+    parts = [
+        fn(jnp.asarray(tokens[rows[i : i + c]]), jnp.asarray(mask[rows[i : i + c]]))
+        for i in range(0, len(rows), c)
+    ]
+    return jnp.concatenate(parts)[:n]
+
+
 def _pair_scores(t: Trainable, params: dict, base: Any, batch: tuple) -> tuple[Array, Array]:
+    if t.head_only:  # the batch: the frozen trunk's last hidden states of chosen and rejected (last_hidden)
+        hc, hr = batch
+        return hc @ params["score"], hr @ params["score"]
     ct, cm, rt, rm = batch
     r = scores(t.apply_model(), t.trunk(params, base), params["score"], jnp.concatenate([ct, rt]),
                jnp.concatenate([cm, rm]))  # fmt: skip
@@ -189,7 +208,8 @@ def train(
     """Train a reward model; returns ``(trunk parameters (adapters merged), score [D], history)``,
     ``history`` one dict per epoch (``loss``/``accuracy`` on the training minibatches, ``eval_loss``/
     ``eval_accuracy`` on ``eval_pairs`` after the epoch). ``log`` gets one line per epoch.
-    ``head_only``: the trunk stays ``base`` and only the score head is trained (a linear probe)."""
+    ``head_only``: the trunk stays ``base`` and only the score head is trained (a linear probe), on the
+    trunk's last hidden states computed once (:func:`last_hidden`)."""
     t = Trainable(model, base, lora, head_only)
     k_init, k_perm = jax.random.split(jax.random.key(s.seed))
     params = t.init(k_init)
@@ -199,6 +219,8 @@ def train(
     epoch, evaluate = make_epoch(t, opt, s), make_evaluate(t, s.center_coef)
     data = tuple(jnp.asarray(x) for x in train_pairs[:4])
     held = tuple(jnp.asarray(x) for x in eval_pairs[:4])
+    if head_only:  # the trunk is frozen: its features once, then epochs of a linear model on them
+        data, held = (tuple(last_hidden(model, base, d[i], d[i + 1]) for i in (0, 2)) for d in (data, held))
     history = []
     for e, k in enumerate(jax.random.split(k_perm, s.epochs)):
         params, opt_state, loss, acc = epoch(params, opt_state, frozen, data, k)
