@@ -126,14 +126,15 @@ class Trainable:
 def last_hidden(model: Any, trunk: Any, tokens: Any, mask: Any, chunk: int = 64) -> Array:
     """``[N, D]`` float32: the trunk's last hidden state at each right-padded row's last real token, ``chunk``
     rows at a time by one jitted forward (the last chunk filled up with repeated rows, dropped)."""
+    # the trunk is an argument (a closed-over array would be a constant of the compiled program)
     fn = jax.jit(
-        lambda t, m: last_token(forward(model, trunk, t, m, logits=False).hidden.astype(jnp.float32), m)
+        lambda p, t, m: last_token(forward(model, p, t, m, logits=False).hidden.astype(jnp.float32), m)
     )
     n = int(tokens.shape[0])
     c = min(chunk, n)
     rows = np.arange(-(-n // c) * c) % n
     parts = [
-        fn(jnp.asarray(tokens[rows[i : i + c]]), jnp.asarray(mask[rows[i : i + c]]))
+        fn(trunk, jnp.asarray(tokens[rows[i : i + c]]), jnp.asarray(mask[rows[i : i + c]]))
         for i in range(0, len(rows), c)
     ]
     return jnp.concatenate(parts)[:n]
