@@ -7,7 +7,12 @@
 * ``recipe``: LoRA adapters on the policy (``lora.rank``) and the critic's own adapters on the frozen
   base (``model.value_model=auto`` -> ``lora``), the policy's and the critic's gradients clipped apart
   (``optim.critic_max_grad_norm``), the task reward normalised by its running mean and std
-  (``ppo.normalize_reward``), lr ``--recipe-lr``.
+  (``ppo.normalize_reward``), lr ``--recipe-lr``; and the controller set for it (``--kp``, ``--ki``,
+  ``--beta0``, ``--ctrl-estimator``): the exact KL observed (``ctrl.estimator=full``: the batch's k1 sum
+  of 8 sequences is noise of +-50%), no second integrator (``ki`` 0: the multiplicative update already
+  integrates the error in log beta; ``ki`` > 0 wound up to ``integral_max`` while the KL overshot early and
+  kept raising beta after the KL fell below the target), beta starting at the scale of the normalised
+  reward (1, not 0.1).
 
 ``python experiments/recipe_smollm2.py --iterations 40 --out runs/recipe_smollm2
 [--json experiments/results/recipe_smollm2.json]`` runs the two setups as two processes side by side
@@ -64,7 +69,10 @@ def config(setup: str, ns: argparse.Namespace) -> Any:
     if setup == "old":
         extra = {"model": {"value_model": "head"}, "optim": {"lr": 1e-4, "max_grad_norm": 1.0}}
     else:
+        ctrl = {"kp": ns.kp, "ki": ns.ki, "estimator": ns.ctrl_estimator}
         extra = {
+            "kl": {"beta": ns.beta0},
+            "ctrl": ctrl,
             "lora": {"rank": ns.rank},
             "optim": {"lr": ns.recipe_lr, "max_grad_norm": 1.0, "critic_max_grad_norm": 1.0},
             "ppo": {"normalize_reward": True},
@@ -183,13 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setup", choices=SETUPS, help="run this setup only, in this process")
     p.add_argument("--summary-only", action="store_true")
     p.add_argument("--model-path", default=default_gguf())
-    p.add_argument("--recipe-lr", type=float, default=1e-4, help="the recipe's lr (LoRA adapters)")
+    p.add_argument("--recipe-lr", type=float, default=1e-3, help="the recipe's lr (LoRA adapters)")
     p.add_argument("--rank", type=int, default=8, help="the recipe's LoRA rank")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--response-len", type=int, default=12)
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--data-limit", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kp", type=float, default=0.3, help="the recipe's PI gain (old: 0.2)")
+    p.add_argument("--ki", type=float, default=0.0, help="the recipe's second integrator (old: 0.02)")
+    p.add_argument("--beta0", type=float, default=1.0, help="the recipe's initial beta (old: 0.1)")
+    p.add_argument("--ctrl-estimator", default="full", help="what the recipe's controller observes (old: k1)")
     ns = p.parse_args(argv)
     if not ns.model_path:
         print(
