@@ -59,16 +59,19 @@ NLL_COEF = 0.5  # gold: minus this x (per-token NLL under the reference - NLL_FR
 NLL_FREE = 4.0  # nats/token the gold forgives (the reference's own samples: median ~3.5)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # sized from the pilot to run in <= 90 min on a 2-core CPU (see FINDINGS.md)
-    "cpu": {"iterations": 24, "batch": 16, "response_len": 24, "prompt_len": 40, "betas": "0.01,0.1,1,10",
-            "seeds": "0,1,2", "rm_prompts": 400, "rm_epochs": 8, "minibatches": 2},
-    # the full-size study for one GPU
+    # sized from the pilot to run in <= 90 min on a 2-core CPU: no critic (RLOO over groups of 4 responses
+    # to one prompt: the critic's forward and backward would double the update's cost), 18 iterations
+    "cpu": {"iterations": 18, "batch": 16, "response_len": 24, "prompt_len": 40, "betas": "0.01,0.1,1,10",
+            "seeds": "0,1,2", "rm_prompts": 300, "rm_epochs": 2, "minibatches": 2, "advantage": "rloo",
+            "group_size": 4},
+    # the full-size study for one GPU: the whole recipe (a LoRA critic, GAE), longer responses and runs
     "gpu": {"iterations": 150, "batch": 64, "response_len": 48, "prompt_len": 64,
-            "betas": "0.003,0.01,0.03,0.1,0.3,1,3,10", "seeds": "0,1,2,3,4", "rm_prompts": 400,
-            "rm_epochs": 8, "minibatches": 4},
-    # a few iterations of two betas and the controller, one seed: the pilot that sized the cpu preset
-    "pilot": {"iterations": 6, "batch": 16, "response_len": 24, "prompt_len": 40, "betas": "0.03,3",
-              "seeds": "0", "rm_prompts": 400, "rm_epochs": 8, "minibatches": 2},
+            "betas": "0.003,0.01,0.03,0.1,0.3,1,3,10", "seeds": "0,1,2,3,4", "rm_prompts": 2000,
+            "rm_epochs": 2, "minibatches": 4, "advantage": "gae", "group_size": 1},
+    # two iterations of two betas and the controller, one seed: the pilot that sized the cpu preset
+    "pilot": {"iterations": 3, "batch": 16, "response_len": 24, "prompt_len": 40, "betas": "0.03,3",
+              "seeds": "0", "rm_prompts": 100, "rm_epochs": 2, "minibatches": 2, "advantage": "rloo",
+              "group_size": 4},
 }  # fmt: skip
 
 KEYS = ("reward/task", "kl/exact_seq_sum", "kl/k1_seq_sum", "ctrl/beta", "ctrl/kl_observed_seq_sum",
@@ -161,19 +164,17 @@ def label_pairs(samples: list[dict[str, Any]], noise: float, seed: int) -> list[
 
 
 def pair_arrays(task: Any, pairs: list[dict[str, Any]], gold: bool) -> Any:
-    """:class:`klrl.rewards.pairs.Pairs` of prompt + response ids (right-padded); ``gold``: the noise-free
-    orientation (for the held-out accuracy against the gold)."""
+    """:class:`klrl.rewards.pairs.Pairs` of the responses' ids (right-padded; the proxy reads the response
+    alone, as the gold does); ``gold``: the noise-free orientation (for the held-out accuracy vs the gold)."""
     from klrl.rewards.pairs import Pairs
 
-    toks, masks = np.asarray(task.prompts.prompts), np.asarray(task.prompts.mask) > 0
     seqs = {"c": [], "r": []}
     for p in pairs:
         c, r = (
             (p["chosen"], p["rejected"]) if (p["gold_chosen"] or not gold) else (p["rejected"], p["chosen"])
         )
-        prompt = [int(x) for x in toks[p["prompt_idx"]][masks[p["prompt_idx"]]]]
-        seqs["c"].append(prompt + c["ids"])
-        seqs["r"].append(prompt + r["ids"])
+        seqs["c"].append(c["ids"])
+        seqs["r"].append(r["ids"])
     width = max(len(s) for v in seqs.values() for s in v)
     arr = {}
     for k, v in seqs.items():
@@ -185,37 +186,50 @@ def pair_arrays(task: Any, pairs: list[dict[str, Any]], gold: bool) -> Any:
     return Pairs(arr["c"][0], arr["c"][1], arr["r"][0], arr["r"][1], 0)
 
 
-def train_proxy(task: Any, pairs: list[dict[str, Any]], epochs: int, seed: int) -> dict[str, Any]:
-    """The proxy: a head-only Bradley-Terry model on the reference's trunk, trained on 80% of ``pairs``
-    (noisy labels), evaluated on the other 20% against the gold's own labels (and the noisy ones)."""
+def train_proxy(
+    task: Any, pairs: list[dict[str, Any]], ns: argparse.Namespace, epochs: int
+) -> dict[str, Any]:
+    """The proxy: a Bradley-Terry model on the reference's trunk (``--proxy lora``: with LoRA adapters of
+    rank 8, merged at the end; ``head``: the score head alone), trained on 80% of ``pairs`` (noisy labels),
+    evaluated on the other 20% against the gold's own labels (and the noisy ones)."""
+    from klrl.models import lora as lora_lib
     from klrl.rewards.pairs import split
     from klrl.rewards.train import TrainSettings, last_hidden, train
 
-    tr, ev = split(len(pairs), 0.2, seed)
+    tr, ev = split(len(pairs), 0.2, ns.seed)
     noisy, clean = pair_arrays(task, pairs, gold=False), pair_arrays(task, pairs, gold=True)
-    s = TrainSettings(epochs=epochs, lr=3e-3, batch_size=32, seed=seed)
+    head = ns.proxy == "head"
+    lora = None if head else lora_lib.LoRA(task.policy, 8, 16.0, lora_lib.parse_targets(""))
+    s = TrainSettings(epochs=epochs, lr=3e-3 if head else ns.proxy_lr, batch_size=16, seed=ns.seed)
     t0 = time.time()
-    _, score, history = train(task.policy, task.policy_params, noisy.take(tr), clean.take(ev), s,
-                              log=print, head_only=True)  # fmt: skip
+    trunk, score, history = train(task.policy, task.policy_params, noisy.take(tr), clean.take(ev), s, lora,
+                                  log=lambda m: print(m, flush=True), head_only=head)  # fmt: skip
     held = noisy.take(ev)
-    rc, rr = (np.asarray(last_hidden(task.policy, task.policy_params, t, m)) @ score
+    rc, rr = (np.asarray(last_hidden(task.policy, trunk, t, m)) @ score
               for t, m in ((held.chosen, held.chosen_mask), (held.rejected, held.rejected_mask)))  # fmt: skip
-    noisy_acc = {"accuracy": float(np.mean(rc > rr))}
     return {"score": score.tolist(), "heldout_accuracy_vs_gold": history[-1]["eval_accuracy"],
-            "heldout_accuracy_vs_noisy_labels": noisy_acc["accuracy"], "history": history,
+            "heldout_accuracy_vs_noisy_labels": float(np.mean(rc > rr)), "history": history,
             "pairs": {"train": len(tr), "heldout": len(ev)}, "seconds": round(time.time() - t0, 1),
-            "settings": dataclasses.asdict(s) | {"head_only": True}}  # fmt: skip
+            "kind": ns.proxy, "trunk": trunk,
+            "settings": {**dataclasses.asdict(s), "head_only": head, "rank": 0 if head else 8}}  # fmt: skip
 
 
-def with_proxy(task: Any, score: list[float]) -> Any:
-    """``task`` with its reward replaced by the proxy: ``score . h_last`` of the reference's trunk."""
+def with_proxy(task: Any, trunk: Any, score: list[float]) -> Any:
+    """``task`` with its reward replaced by the proxy: ``score . h_last`` of ``trunk``'s forward over the
+    response alone (:func:`klrl.rewards.train.scores`, the function the proxy was trained with)."""
     import jax.numpy as jnp
 
-    from klrl.models.heads import attach
-    from klrl.tasks.text import model_reward
+    from klrl.rewards.train import scores
+    from klrl.tasks.base import JaxReward
 
-    head = {"kernel": jnp.asarray(score, jnp.float32)[:, None], "bias": jnp.zeros((1,), jnp.float32)}
-    return dataclasses.replace(task, reward=model_reward(task.policy, attach(task.policy_params, head)))
+    model = task.policy
+
+    def proxy(env: Any, ro: Any) -> Any:
+        p = env["proxy_params"]
+        return scores(model, p["trunk"], p["score"], ro.response, ro.mask)
+
+    params = {"proxy_params": {"trunk": trunk, "score": jnp.asarray(score)}}
+    return dataclasses.replace(task, reward=JaxReward(proxy, params))
 
 
 # ---- PPO against the proxy -------------------------------------------------------------------------------
@@ -232,7 +246,8 @@ def base_config(ns: argparse.Namespace, preset: dict[str, Any]) -> Any:
         "sampling": {"response_len": preset["response_len"]},
         "kl": {"beta": 0.1, "exact_metric": True},
         "ctrl": {"estimator": "full"},  # one program: every member's (the fixed ones ignore it)
-        "ppo": {"epochs": 1, "minibatches": preset["minibatches"], "normalize_reward": True},
+        "ppo": {"epochs": 1, "minibatches": preset["minibatches"], "normalize_reward": True,
+                "advantage": preset["advantage"], "group_size": preset["group_size"]},
         "optim": {"lr": 1e-3, "max_grad_norm": 1.0, "critic_max_grad_norm": 1.0},
         "train": {"iterations": preset["iterations"], "batch_size": preset["batch"], "quiet": True,
                   "samples_every": 1, "samples_n": preset["batch"], "checkpoint_every": 0,
@@ -251,6 +266,31 @@ def members_of(ns: argparse.Namespace, base: Any, preset: dict[str, Any]) -> lis
     return [m.replace(train={"seed": s}) for m in [*fixed, adaptive] for s in seeds]
 
 
+def zero_reward(prompts: list, completions: list[str], **columns: Any) -> list[float]:
+    """The noise floor's reward: 0 for every response."""
+    return [0.0] * len(completions)
+
+
+def noise_floor(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> int:
+    """One run of the recipe at the preset's sizes and its smallest fixed beta, with a zero reward: the KL
+    that PPO's updates put between the policy and the reference on their own (the floor under any KL
+    target), per iteration, into ``res/noise_floor.json``."""
+    import klrl
+
+    beta = min(float(b) for b in preset["betas"].split(","))
+    cfg = base_config(ns, preset).replace(reward={"fn": f"{Path(__file__).resolve()}:zero_reward"},
+                                          kl={"beta": beta}, train={"samples_every": 0})  # fmt: skip
+    t0 = time.time()
+    r = klrl.run(cfg, write=False)
+    kl = [float(x) for x in r.metrics["kl/exact_seq_sum"]]
+    doc = {"beta": beta, "iterations": len(kl), "kl_exact_seq_sum": kl, "seconds": round(time.time() - t0, 1),
+           "kl_last_half_mean": float(np.mean(kl[len(kl) // 2 :])), "kl_max": float(np.max(kl)),
+           "command": "python experiments/llm_overopt.py --noise-floor --preset " + ns.preset}  # fmt: skip
+    (res / "noise_floor.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"noise floor (zero reward, beta {beta:g}): exact KL per iteration {[round(x, 3) for x in kl]}")
+    return 0
+
+
 def label(cfg: Any) -> str:
     if cfg.ctrl.kind == "fixed":
         return f"beta={cfg.kl.beta:g}"
@@ -262,7 +302,13 @@ def run_sweep(task: Any, members: list[Any], out: Path) -> tuple[list[Any], list
     import klrl
 
     stamps: list[float] = []
-    results = klrl.sweep(members, task=task, out_dir=out, on_step=lambda i, m: stamps.append(time.time()))
+
+    def on_step(i: int, m: dict[str, Any]) -> None:
+        stamps.append(time.time())
+        kl = np.asarray(m["kl/exact_seq_sum"])
+        print(f"iteration {i}: exact KL per member {np.round(kl, 2).tolist()}", flush=True)
+
+    results = klrl.sweep(members, task=task, out_dir=out, on_step=on_step)
     return list(results), [float(x) for x in np.diff(stamps)]
 
 
@@ -308,6 +354,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replay", metavar="DIR", default="", help="rebuild tables and figure from DIR's results")
     p.add_argument("--model-path", default=default_gguf())
     p.add_argument("--label-noise", type=float, default=0.2, help="probability a proxy pair's label flips")
+    p.add_argument(
+        "--proxy", choices=("lora", "head"), default="lora", help="the proxy's trunk: LoRA or frozen"
+    )
+    p.add_argument("--proxy-lr", type=float, default=3e-4, help="the LoRA proxy's learning rate")
     p.add_argument("--target", type=float, default=3.0, help="the PI controller's target, nats/sequence")
     p.add_argument("--beta0", type=float, default=1.0, help="the PI controller's initial beta")
     p.add_argument("--kp", type=float, default=0.3)
@@ -317,6 +367,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for key in ("betas", "seeds", "batch", "response_len", "prompt_len", "rm_prompts"):
         p.add_argument(f"--{key.replace('_', '-')}", default=None, help=f"override the preset's {key}")
     p.add_argument("--seed", type=int, default=0, help="the proxy's samples, labels and split")
+    p.add_argument("--noise-floor", action="store_true", help="only the zero-reward run (noise_floor.json)")
     return p.parse_args(argv)
 
 
@@ -328,7 +379,7 @@ def build_proxy(task: Any, preset: dict[str, Any], ns: argparse.Namespace, res: 
     for s in ref:
         s.update(gold_parts(s["completion"], s["ref_logprob"], s["length"]))
     pairs = label_pairs(ref, ns.label_noise, ns.seed)
-    proxy = train_proxy(task, pairs, preset["rm_epochs"], ns.seed)
+    proxy = train_proxy(task, pairs, ns, preset["rm_epochs"])
     dump_gz(res / "reference.jsonl.gz", ref, lines=True)
     agree = float(np.mean([p["gold_chosen"] for p in pairs]))
     g = np.array([s["gold"] for s in ref])
@@ -361,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             preset[key] = getattr(ns, key) if key in ("betas", "seeds") else int(getattr(ns, key))
     res = Path(ns.results)
     res.mkdir(parents=True, exist_ok=True)
+    if ns.noise_floor:
+        return noise_floor(ns, preset, res)
     t0, c0 = time.time(), time.process_time()
     from klrl.api import build_task
 
@@ -369,9 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     proxy = build_proxy(task, preset, ns, res)
     members = members_of(ns, base, preset)
     t1 = time.time()
-    results, steps = run_sweep(with_proxy(task, proxy["score"]), members, Path(ns.out))
+    trunk = proxy.pop("trunk")
+    out = Path(ns.out) / f"llm_overopt-{ns.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    results, steps = run_sweep(with_proxy(task, trunk, proxy["score"]), members, out)
     train_s = time.time() - t1
-    runs, samples = collect(Path(ns.out), members, results)
+    runs, samples = collect(out, members, results)
     sweep_dir = results[0].dir.parent if results and results[0].dir else None
     dump_gz(res / "metrics.json.gz", runs)
     dump_gz(res / "samples.jsonl.gz", samples, lines=True)
