@@ -33,14 +33,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
 
-from conftest import base_config, cli_args, lines, run_main  # noqa: E402  (jax_cache: a conftest fixture)
+from conftest import base_config, cli_args, lines, run_main, xla_flags  # noqa: E402  (jax_cache: a conftest fixture)
 
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
 def sub_env(jax_cache: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # the session's code generation, no forced devices
     env.update(
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(jax_cache),

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("sharded_ckpt_driver.py")
@@ -28,7 +29,7 @@ def _driver(case: str, d: Path, jax_cache: Path) -> dict:
         os.environ,
         PYTHONPATH=str(ROOT),
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=xla_flags(8),
         JAX_COMPILATION_CACHE_DIR=str(jax_cache),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )

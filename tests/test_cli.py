@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error
+from conftest import one_line_error, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
@@ -22,7 +22,7 @@ BAD = {
     "batch_not_divisible_by_devices": (
         ["--train.batch_size", "6", "--ppo.minibatches", "2"],
         "train.batch_size",
-        {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        {"XLA_FLAGS": xla_flags(4)},
     ),
     "minibatches_not_dividing": (
         ["--train.batch_size", "16", "--ppo.minibatches", "3"],
@@ -41,7 +41,7 @@ BAD = {
 
 def _start(args: list[str], cache: Path, extra_env: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # the session's code generation, no forced devices
     env.update({"KLRL_CACHE": str(cache), "JAX_PLATFORMS": "cpu", **extra_env})
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), *args, "--train.out_dir", str(cache / "runs")],

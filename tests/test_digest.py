@@ -16,15 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = json.loads((HERE / "data" / "digest.json").read_text())
 
 
 def _digests(cache: str, n_dev: int) -> dict:
-    env = dict(
-        os.environ, PYTHONPATH=str(HERE.parent), XLA_FLAGS=f"--xla_force_host_platform_device_count={n_dev}"
-    )
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), XLA_FLAGS=xla_flags(n_dev))
     out = subprocess.run(
         [sys.executable, str(HERE / "digest_run.py"), cache],
         env=env,

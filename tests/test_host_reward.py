@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 from texttok import make_tokenizer
 
 from klrl.rewards import RewardFunctionError, RewardLoadError, load_reward_fn, make_host_reward, parse_specs
@@ -365,7 +366,7 @@ SCRIPT = textwrap.dedent(
 def sharded_results(rfile, tmp_path_factory):
     d = tmp_path_factory.mktemp("shard")
     (d / "script.py").write_text(SCRIPT)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, str(d / "script.py"), rfile, str(d / "out.json")],

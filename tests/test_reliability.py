@@ -36,7 +36,7 @@ from klrl.loop.reliability import decide_rollback, first_crossing, is_bad, is_go
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "run.py"
 
-from conftest import base_config, cli_args, lines, run_main  # noqa: E402  (jax_cache: a conftest fixture)
+from conftest import base_config, cli_args, lines, run_main, xla_flags  # noqa: E402  (jax_cache: a conftest fixture)
 
 # ---- the rollback decision, pure ---------------------------------------------------------------
 
@@ -401,7 +401,7 @@ DRIVER = ROOT / "tests" / "phase_driver.py"
 
 def _env(jax_cache, **extra):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # the session's code generation, no forced devices
     env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(jax_cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)  # fmt: skip
     return env

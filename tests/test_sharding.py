@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 1500  # wall seconds on a loaded shared machine; ~4 min of CPU on an idle one
@@ -61,7 +62,7 @@ def runs(tiny_cfg, tiny_task, tmp_path_factory):
     procs = {}
     try:
         for name, (args, n) in specs.items():
-            env = {**base, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+            env = {**base, "XLA_FLAGS": xla_flags(n)}
             procs[name] = subprocess.Popen(
                 [sys.executable, script, *args],
                 env=env,

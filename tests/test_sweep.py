@@ -28,6 +28,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from klrl.analysis.results import member_names
 from klrl.config import ConfigError, RunConfig
@@ -100,9 +101,7 @@ def _start(tmp, mode: str, members: list[RunConfig], n_devices: int) -> dict:
     (tmp / "members.json").write_text(json.dumps([m.to_dict() for m in members]))
     (tmp / "script.py").write_text(SCRIPT)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    if n_devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+    env["XLA_FLAGS"] = xla_flags(n_devices if n_devices > 1 else None)
     args = [mode, str(tmp / "members.json"), str(tmp / "out.npz"), str(tmp / "xla-cache")]
     proc = subprocess.Popen(
         [sys.executable, str(tmp / "script.py"), *args],

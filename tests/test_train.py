@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -213,7 +214,7 @@ def parity_run(request, tmp_path_factory):
     )
     (d / "cfg.json").write_text(json.dumps(cfg.to_dict()))
     (d / "parity.py").write_text(PARITY_SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
         [sys.executable, str(d / "parity.py"), str(d / "cfg.json"), str(d / "out.npz")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
