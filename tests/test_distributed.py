@@ -5,7 +5,8 @@ Three real processes, started together: the reference (1 process, 4 forced host 
 :func:`klrl.distributed.initialize` (process 0 with arguments, process 1 through the
 ``KLRL_*`` environment variables). Each runs ``klrl.run`` on the tiny config over all 4 global
 devices and dumps its beta trajectory and final parameters; then the three are started again to
-resume their run directories from the iteration-3 checkpoint up to iteration 5. Every process
+resume their run directories from the iteration-3 checkpoint up to iteration 5, and, in the same
+processes, to run the rollback job (a second configuration, its own run directories). Every process
 gets its own time limit and is killed at the end whatever happens.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 TIMEOUT = 300  # seconds for the three processes together (they compile in parallel on a shared machine)
 RTOL = 1e-4  # what the test demands; the measured difference is printed (run with -s)
@@ -32,7 +34,7 @@ DRIVER = textwrap.dedent(
     import numpy as np
     import klrl.distributed as D
 
-    n_proc, proc_id, port, cfg_path, run_dir, out_path = sys.argv[1:7]
+    n_proc, proc_id, port, runs = sys.argv[1:5]
     n_proc, proc_id = int(n_proc), int(proc_id)
     if n_proc > 1:
         if proc_id == 0:  # arguments ...
@@ -53,22 +55,24 @@ DRIVER = textwrap.dedent(
     import klrl
     from klrl.config import RunConfig
 
-    cfg = RunConfig.from_dict(json.load(open(cfg_path)))
     from klrl.loop.reliability import RunStopped
 
-    try:
-        if len(sys.argv) > 7:  # resume run_dir up to this many iterations
-            cfg = cfg.replace(train={"iterations": int(sys.argv[7])})
-            result = klrl.run(cfg, resume=run_dir)
-        else:
-            result = klrl.run(cfg, run_dir=run_dir)
-    except RunStopped as e:  # e.g. out of rollbacks: the run so far is the result
-        result = e.result
-    out = {"beta": result.metrics["ctrl/beta"], "final_beta": D.to_host(result.state.ctrl.beta)}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(D.to_host(result.state.params)):
-        out["param/" + jax.tree_util.keystr(path)] = leaf
-    np.savez(out_path, **out)
-    print("written by", proc_id, sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else None)
+    # runs: [[cfg_path, run_dir, out_path, resume_iterations or null], ...], one after another
+    for cfg_path, run_dir, out_path, resume_iterations in json.loads(runs):
+        cfg = RunConfig.from_dict(json.load(open(cfg_path)))
+        try:
+            if resume_iterations is not None:  # resume run_dir up to this many iterations
+                cfg = cfg.replace(train={"iterations": resume_iterations})
+                result = klrl.run(cfg, resume=run_dir)
+            else:
+                result = klrl.run(cfg, run_dir=run_dir)
+        except RunStopped as e:  # e.g. out of rollbacks: the run so far is the result
+            result = e.result
+        out = {"beta": result.metrics["ctrl/beta"], "final_beta": D.to_host(result.state.ctrl.beta)}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(D.to_host(result.state.params)):
+            out["param/" + jax.tree_util.keystr(path)] = leaf
+        np.savez(out_path, **out)
+        print("written by", proc_id, sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else None)
     """
 )
 
@@ -79,57 +83,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(d: Path, resume_iterations: int | None = None, job: str = "") -> dict[str, dict]:
-    """Run the 1-process reference and the 2-process job together (each ``klrl.run`` of
-    ``cfg{job}.json`` on its own run directory, or resuming it up to ``resume_iterations``); collect
-    their dumps; kill whatever is left."""
+def _launch(d: Path, runs: list[tuple[str, int | None]]) -> list[dict[str, dict]]:
+    """Start the 1-process reference and the 2-process job together; each process does ``runs`` in
+    turn, a run being (``job``, ``resume_iterations``): ``klrl.run`` of ``cfg{job}.json`` on its own run
+    directory, or resuming it up to ``resume_iterations``. Collect their dumps (one dict per run);
+    kill whatever is left."""
     base = dict(os.environ, JAX_PLATFORMS="cpu", KLRL_TESTS_DIR=str(Path(__file__).resolve().parent))
-    for k in ("XLA_FLAGS", "KLRL_COORDINATOR", "KLRL_NUM_PROCESSES", "KLRL_PROCESS_ID"):
+    for k in ("KLRL_COORDINATOR", "KLRL_NUM_PROCESSES", "KLRL_PROCESS_ID"):
         base.pop(k, None)
     port = _free_port()
-    specs = {  # name -> (n_proc, proc_id, run_dir, extra env)
-        "single": (1, 0, d / f"run{job}-single", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
-        "p0": (2, 0, d / f"run{job}-multi", {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
-        "p1": (2, 1, d / f"run{job}-multi", {
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    specs = {  # name -> (n_proc, proc_id, run_dir suffix, extra env)
+        "single": (1, 0, "single", {"XLA_FLAGS": xla_flags(4)}),
+        "p0": (2, 0, "multi", {"XLA_FLAGS": xla_flags(2)}),
+        "p1": (2, 1, "multi", {
+            "XLA_FLAGS": xla_flags(2),
             "KLRL_COORDINATOR": f"localhost:{port}", "KLRL_NUM_PROCESSES": "2", "KLRL_PROCESS_ID": "1",
         }),
     }  # fmt: skip
-    tag = job + ("" if resume_iterations is None else f"-resumed{resume_iterations}")
+    tags = [job + ("" if it is None else f"-resumed{it}") for job, it in runs]
+    what = ", ".join(t or "fresh" for t in tags)
     procs: dict[str, subprocess.Popen] = {}
-    outputs: dict[str, tuple[int, str, Path]] = {}
+    outputs: dict[str, tuple[int, str]] = {}
     try:
-        for name, (n, i, run_dir, extra) in specs.items():
-            out = d / f"{name}{tag}.npz"
-            args = [str(n), str(i), str(port), str(d / f"cfg{job}.json"), str(run_dir), str(out)]
-            if resume_iterations is not None:
-                args.append(str(resume_iterations))
+        for name, (n, i, suffix, extra) in specs.items():
+            todo = [
+                [str(d / f"cfg{job}.json"), str(d / f"run{job}-{suffix}"), str(d / f"{name}{tag}.npz"), it]
+                for (job, it), tag in zip(runs, tags, strict=True)
+            ]
             procs[name] = subprocess.Popen(
-                [sys.executable, str(d / "driver.py"), *args], env={**base, **extra},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [sys.executable, str(d / "driver.py"), str(n), str(i), str(port), json.dumps(todo)],
+                env={**base, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip
         import time
 
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + TIMEOUT * len(runs)
         for name, p in procs.items():
             try:
                 text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{name}{tag} did not finish in {TIMEOUT} s")
-            outputs[name] = (p.returncode, text, d / f"{name}{tag}.npz")
+                pytest.fail(f"{name} ({what}) did not finish in {TIMEOUT * len(runs)} s")
+            outputs[name] = (p.returncode, text)
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    for name, (rc, text, _) in outputs.items():
-        assert rc == 0, f"{name}{tag} exited {rc}:\n{text[-4000:]}"
-    return {name: dict(np.load(path)) for name, (_, _, path) in outputs.items()}
+    for name, (rc, text) in outputs.items():
+        assert rc == 0, f"{name} ({what}) exited {rc}:\n{text[-4000:]}"
+    return [{name: dict(np.load(d / f"{name}{tag}.npz")) for name in outputs} for tag in tags]
 
 
 @pytest.fixture(scope="module")
-def jobs(tiny_cfg, tiny_task, tmp_path_factory):
-    """3 iterations from scratch, then the same run directories resumed up to 5 iterations."""
+def launches(tiny_cfg, tiny_task, tmp_path_factory):
+    """Two launches of the three processes: 3 iterations from scratch; then the same run directories
+    resumed up to 5 iterations, and the rollback job (its own configuration and run directories)."""
     d = tmp_path_factory.mktemp("distributed")
     cfg = tiny_cfg.replace(
         train={"devices": 0},  # all 4 global devices on the data axis
@@ -137,13 +144,29 @@ def jobs(tiny_cfg, tiny_task, tmp_path_factory):
         kl={"beta": 0.1},
     )
     (d / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    # A run whose rollback metric crosses at once (the exact KL, ~1e-8 at iteration 0: rounding; the k1
+    # estimate there is rounding of either sign): it rolls back to the initial state until
+    # ``max_rollbacks`` is spent, on 1 process and on 2.
+    rb = tiny_cfg.replace(
+        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/exact_seq_sum",
+               "rollback_threshold": 1.5, "max_rollbacks": 2},
+        kl={"beta": 0.001},
+    )  # fmt: skip
+    (d / "cfg-rb.json").write_text(json.dumps(rb.to_dict()))
     (d / "driver.py").write_text(DRIVER)
-    fresh = _launch(d)
+    [fresh] = _launch(d, [("", None)])
     (d / "run-multi-after-3").mkdir()  # what process 0 had written before the resume
     for name in ("metrics.jsonl", "events.jsonl"):
         if (d / "run-multi" / name).exists():
             (d / "run-multi-after-3" / name).write_bytes((d / "run-multi" / name).read_bytes())
-    resumed = _launch(d, resume_iterations=5)
+    resumed, rollback = _launch(d, [("", 5), ("-rb", None)])
+    return fresh, resumed, rollback, d
+
+
+@pytest.fixture(scope="module")
+def jobs(launches):
+    """3 iterations from scratch, then the same run directories resumed up to 5 iterations."""
+    fresh, resumed, _, d = launches
     return fresh, resumed, d
 
 
@@ -209,19 +232,10 @@ def test_only_process_zero_writes(jobs) -> None:
 
 
 @pytest.fixture(scope="module")
-def rollback_jobs(tiny_cfg, tiny_task, tmp_path_factory):
-    """A run whose rollback metric crosses at once (the exact KL, ~1e-8 at iteration 0: rounding; the k1
-    estimate there is rounding of either sign): it rolls back to the initial state until ``max_rollbacks``
-    is spent, on 1 process and on 2."""
-    d = tmp_path_factory.mktemp("distributed-rollback")
-    cfg = tiny_cfg.replace(
-        train={"devices": 0, "iterations": 4, "checkpoint_every": 2, "rollback_metric": "kl/exact_seq_sum",
-               "rollback_threshold": 1.5, "max_rollbacks": 2},
-        kl={"beta": 0.001},
-    )  # fmt: skip
-    (d / "cfg-rb.json").write_text(json.dumps(cfg.to_dict()))
-    (d / "driver.py").write_text(DRIVER)
-    return _launch(d, job="-rb"), d
+def rollback_jobs(launches):
+    """The rollback job (``cfg-rb.json`` in :func:`launches`) on 1 process and on 2."""
+    _, _, rollback, d = launches
+    return rollback, d
 
 
 def test_two_processes_roll_back_as_one(rollback_jobs) -> None:
