@@ -181,3 +181,19 @@ def test_smallest_study_runs_end_to_end(tmp_path):
             )
     assert (res / "claims.md").is_file() and (res / "llm_overopt.png").is_file()
     assert not list((tmp_path / "runs").rglob("checkpoints"))
+
+
+@pytest.mark.parametrize("preset", sorted(llm_overopt.PRESETS))
+def test_every_preset_makes_valid_members(preset):
+    """Each preset's members validate as one sweep (the GPU preset included, which this machine cannot run):
+    its fixed betas and the controller, once per seed, differing only in sweepable fields."""
+    from klrl.config.sweep import check_members
+
+    ns = llm_overopt.parse(["--preset", preset, "--model-path", str(GGUF)])
+    p = llm_overopt.PRESETS[preset]
+    members = llm_overopt.members_of(ns, llm_overopt.base_config(ns, p), p)
+    seeds, betas = p["seeds"].split(","), p["betas"].split(",")
+    assert len(members) == (len(betas) + 1) * len(seeds)
+    assert [m.ctrl.kind for m in members[:: len(seeds)]] == ["fixed"] * len(betas) + ["pi"]
+    assert all(m.train.batch_size % m.ppo.group_size == 0 for m in members)
+    check_members(members)
