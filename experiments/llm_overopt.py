@@ -143,23 +143,24 @@ def sample_reference(task: Any, n_prompts: int, per_prompt: int, response_len: i
     return out
 
 
-def label_pairs(samples: list[dict[str, Any]], noise: float, seed: int) -> list[dict[str, Any]]:
-    """One pair per prompt (its first two draws): ``chosen`` the higher gold, the label flipped with
-    probability ``noise``; ``gold_chosen`` whether the noisy label agrees with the gold. Ties dropped."""
+def label_pairs(
+    samples: list[dict[str, Any]], noise: float, seed: int, per_sample: int = 2
+) -> list[dict[str, Any]]:
+    """Each sample paired with ``per_sample`` others drawn at random (the gold reads the response alone, so
+    a pair need not share its prompt): ``chosen`` the higher gold, the label flipped with probability
+    ``noise``; ``gold_chosen`` whether the noisy label agrees with the gold. Pairs of equal gold dropped."""
     rng = np.random.default_rng(seed)
-    by = {}
-    for s in samples:
-        by.setdefault(s["prompt_idx"], []).append(s)
+    gold = [gold_parts(x["completion"], x["ref_logprob"], x["length"])["gold"] for x in samples]
     pairs = []
-    for i in sorted(by):
-        a, b = by[i][:2]
-        ga, gb = (gold_parts(x["completion"], x["ref_logprob"], x["length"])["gold"] for x in (a, b))
-        if ga == gb:
-            continue
-        hi, lo = (a, b) if ga > gb else (b, a)
-        flip = bool(rng.random() < noise)
-        pairs.append({"prompt_idx": i, "chosen": lo if flip else hi, "rejected": hi if flip else lo,
-                      "gold_chosen": not flip, "gold_gap": abs(ga - gb)})  # fmt: skip
+    for i in range(len(samples)):
+        for j in rng.choice(len(samples) - 1, size=min(per_sample, len(samples) - 1), replace=False):
+            j = int(j) + (j >= i)  # any other sample
+            if gold[i] == gold[j]:
+                continue
+            hi, lo = (i, j) if gold[i] > gold[j] else (j, i)
+            flip = bool(rng.random() < noise)
+            pairs.append({"chosen": samples[lo if flip else hi], "rejected": samples[hi if flip else lo],
+                          "gold_chosen": not flip, "gold_gap": abs(gold[i] - gold[j])})  # fmt: skip
     return pairs
 
 
@@ -187,29 +188,31 @@ def pair_arrays(task: Any, pairs: list[dict[str, Any]], gold: bool) -> Any:
 
 
 def train_proxy(
-    task: Any, pairs: list[dict[str, Any]], ns: argparse.Namespace, epochs: int
+    task: Any, samples: list[dict[str, Any]], ns: argparse.Namespace, epochs: int
 ) -> dict[str, Any]:
     """The proxy: a Bradley-Terry model on the reference's trunk (``--proxy lora``: with LoRA adapters of
-    rank 8, merged at the end; ``head``: the score head alone), trained on 80% of ``pairs`` (noisy labels),
-    evaluated on the other 20% against the gold's own labels (and the noisy ones)."""
+    rank 8, merged at the end; ``head``: the score head alone), trained on noisy pairs of 80% of the
+    ``samples``, evaluated on pairs of the other 20% against the gold's own labels (and noisy ones)."""
     from klrl.models import lora as lora_lib
     from klrl.rewards.pairs import split
     from klrl.rewards.train import TrainSettings, last_hidden, train
 
-    tr, ev = split(len(pairs), 0.2, ns.seed)
-    noisy, clean = pair_arrays(task, pairs, gold=False), pair_arrays(task, pairs, gold=True)
+    tr, ev = (label_pairs([samples[i] for i in idx], ns.label_noise, ns.seed + k)
+              for k, idx in enumerate(split(len(samples), 0.2, ns.seed)))  # fmt: skip
+    noisy, clean = pair_arrays(task, tr, gold=False), pair_arrays(task, ev, gold=True)
+    held = pair_arrays(task, ev, gold=False)
     head = ns.proxy == "head"
     lora = None if head else lora_lib.LoRA(task.policy, 8, 16.0, lora_lib.parse_targets(""))
     s = TrainSettings(epochs=epochs, lr=3e-3 if head else ns.proxy_lr, batch_size=16, seed=ns.seed)
     t0 = time.time()
-    trunk, score, history = train(task.policy, task.policy_params, noisy.take(tr), clean.take(ev), s, lora,
+    trunk, score, history = train(task.policy, task.policy_params, noisy, clean, s, lora,
                                   log=lambda m: print(m, flush=True), head_only=head)  # fmt: skip
-    held = noisy.take(ev)
     rc, rr = (np.asarray(last_hidden(task.policy, trunk, t, m)) @ score
               for t, m in ((held.chosen, held.chosen_mask), (held.rejected, held.rejected_mask)))  # fmt: skip
     return {"score": score.tolist(), "heldout_accuracy_vs_gold": history[-1]["eval_accuracy"],
             "heldout_accuracy_vs_noisy_labels": float(np.mean(rc > rr)), "history": history,
             "pairs": {"train": len(tr), "heldout": len(ev)}, "seconds": round(time.time() - t0, 1),
+            "label_agreement_with_gold": float(np.mean([p["gold_chosen"] for p in tr])),
             "kind": ns.proxy, "trunk": trunk,
             "settings": {**dataclasses.asdict(s), "head_only": head, "rank": 0 if head else 8}}  # fmt: skip
 
@@ -355,8 +358,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-path", default=default_gguf())
     p.add_argument("--label-noise", type=float, default=0.2, help="probability a proxy pair's label flips")
     p.add_argument(
-        "--proxy", choices=("lora", "head"), default="lora", help="the proxy's trunk: LoRA or frozen"
+        "--proxy", choices=("lora", "head"), default="head", help="the proxy's trunk: LoRA or frozen"
     )
+    p.add_argument("--reference", default="", help="reuse this reference.jsonl.gz (same preset and seed)")
+    p.add_argument("--reference-seconds", type=float, default=0.0, help="the sampling time it took")
     p.add_argument("--proxy-lr", type=float, default=3e-4, help="the LoRA proxy's learning rate")
     p.add_argument("--target", type=float, default=3.0, help="the PI controller's target, nats/sequence")
     p.add_argument("--beta0", type=float, default=1.0, help="the PI controller's initial beta")
@@ -374,20 +379,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def build_proxy(task: Any, preset: dict[str, Any], ns: argparse.Namespace, res: Path) -> dict[str, Any]:
     """Steps 1-2 (module docstring): the reference's samples, their pairs, the proxy; stored in ``res``."""
     t0 = time.time()
-    ref = sample_reference(task, preset["rm_prompts"], 2, preset["response_len"], ns.seed)
-    t_sample = time.time() - t0
+    if ns.reference:  # the samples of an earlier run with the same settings (its sampling time recorded)
+        ref = load_gz(Path(ns.reference), lines=True)
+        t_sample = float(ns.reference_seconds)
+    else:
+        ref = sample_reference(task, preset["rm_prompts"], 2, preset["response_len"], ns.seed)
+        t_sample = time.time() - t0
     for s in ref:
         s.update(gold_parts(s["completion"], s["ref_logprob"], s["length"]))
-    pairs = label_pairs(ref, ns.label_noise, ns.seed)
-    proxy = train_proxy(task, pairs, ns, preset["rm_epochs"])
+    proxy = train_proxy(task, ref, ns, preset["rm_epochs"])
     dump_gz(res / "reference.jsonl.gz", ref, lines=True)
-    agree = float(np.mean([p["gold_chosen"] for p in pairs]))
+    agree = proxy["label_agreement_with_gold"]
     g = np.array([s["gold"] for s in ref])
-    proxy.update(sample_seconds=round(t_sample, 1), n_samples=len(ref), n_pairs=len(pairs),
-                 label_agreement_with_gold=agree, label_noise=ns.label_noise,
+    proxy.update(sample_seconds=round(t_sample, 1), n_samples=len(ref), label_noise=ns.label_noise,
                  reference_gold={"mean": float(g.mean()), "std": float(g.std())},
                  reference_nll_median=float(np.median([s["nll"] for s in ref])))  # fmt: skip
-    print(f"proxy: {len(pairs)} pairs ({agree:.2f} of labels agree with the gold); held-out accuracy vs "
+    print(f"proxy: {proxy['pairs']} pairs ({agree:.2f} of labels agree with the gold); held-out accuracy vs "
           f"gold {proxy['heldout_accuracy_vs_gold']:.3f}; {t_sample:.0f} s sampling, "
           f"{proxy['seconds']:.0f} s training")  # fmt: skip
     return proxy

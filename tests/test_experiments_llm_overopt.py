@@ -47,18 +47,16 @@ def _sample(i: int, draw: int, text: str) -> dict:
 
 
 def test_pairs_take_the_higher_gold_and_flip_at_the_noise_rate():
-    samples = []
-    for i in range(2000):
-        a, b = ("great", "awful") if i % 2 else ("awful", "great")
-        samples += [_sample(i, 0, a), _sample(i, 1, b)]
-    samples += [_sample(5000, 0, "same"), _sample(5000, 1, "same")]  # a tie: dropped
-    clean = llm_overopt.label_pairs(samples, 0.0, 0)
-    assert len(clean) == 2000 and all(p["chosen"]["completion"] == "great" for p in clean)
+    samples = [_sample(i, 0, "great" if i % 2 else "awful") for i in range(2000)]
+    clean = llm_overopt.label_pairs(samples, 0.0, 0, per_sample=2)
+    assert 1000 < len(clean) < 3000  # about half the draws pair "great" with "awful"; ties are dropped
+    assert all(p["chosen"]["completion"] == "great" and p["rejected"]["completion"] == "awful" for p in clean)
+    assert all(p["chosen"] is not p["rejected"] for p in clean)
     flipped = llm_overopt.label_pairs(samples, 1.0, 0)
     assert all(p["chosen"]["completion"] == "awful" and not p["gold_chosen"] for p in flipped)
     noisy = llm_overopt.label_pairs(samples, 0.3, 1)
     rate = np.mean([p["chosen"]["completion"] == "awful" for p in noisy])
-    assert abs(rate - 0.3) < 4 * math.sqrt(0.3 * 0.7 / 2000)
+    assert abs(rate - 0.3) < 4 * math.sqrt(0.3 * 0.7 / len(noisy))
     assert all(p["gold_chosen"] == (p["chosen"]["completion"] == "great") for p in noisy)
 
 
