@@ -11,20 +11,23 @@ The study, in three steps, one process:
    reference model (``NLL_COEF`` x the response's per-token negative log-likelihood under SmolLM2 above
    ``NLL_FREE`` nats). It rewards saying something positive in fluent, non-repetitive English.
 2. **Proxy**: a Bradley-Terry reward model trained with :func:`klrl.rewards.train.train` (what
-   ``klrl reward-model`` runs; here ``head_only``: a linear probe of the frozen reference's last hidden
-   state) on pairs of the reference's own samples (two responses per prompt), the preferred one chosen by
-   the gold with each label flipped with probability ``--label-noise``. Its held-out accuracy is measured
-   against the *noise-free* gold labels. Why it can be fooled: the reference's samples hardly repeat
-   themselves or break down, so the pairs carry almost no signal against repetition or disfluency, and a
-   linear read-out of one hidden state can be pushed by text the gold dislikes (repeated or negated
-   praise). Because its trunk is the frozen reference, the train step reads it from the reference's
-   forward (no extra trunk forward: :attr:`klrl.step.parts.Context.reward_on_reference`).
-3. **PPO against the proxy**: fixed beta at ``--betas`` and one PI controller (``--target`` nats/sequence
-   of the exact KL), times ``--seeds``, as **one compiled sweep** (``klrl.sweep``) with klrl's recipe for
-   pretrained models: LoRA adapters on the policy and a LoRA critic on the shared frozen base
-   (``model.value_model=auto``), the policy's and the critic's gradients clipped apart, the task reward
-   normalised by its running std (``ppo.normalize_reward``). Every training response is kept
-   (``samples.jsonl``: text, proxy reward, the reference's log-probability), so the gold of every
+   ``klrl reward-model`` runs) on pairs of the reference's own samples (two responses to each of the first
+   ``rm_prompts`` prompts; each sample paired with two others, the preferred one chosen by the gold, each
+   label flipped with probability ``--label-noise``), reading the response alone as the gold does.
+   ``--proxy head`` (the default: ``head_only``, a linear probe of the frozen reference's last hidden
+   state) or ``lora`` (rank-8 adapters; at the cpu preset's 480 training samples it scored 0.50 held out).
+   Its held-out accuracy is measured on pairs of held-out *samples* against the noise-free gold. Why it
+   can be fooled: a few hundred noisy labels teach it a direction in the reference's hidden states that
+   only correlates with the gold (held-out accuracy ~0.6), and the reference's samples hardly repeat
+   themselves or break down, so nothing in its data pushes back on repetition or disfluency.
+3. **PPO against the proxy**: fixed beta at the preset's betas and one PI controller (``--target``
+   nats/sequence of the exact KL, gains ``--kp``/``--ki``, from ``--beta0``), times its seeds, as **one
+   compiled sweep** (``klrl.sweep``) with klrl's recipe for pretrained models: LoRA adapters (rank 8,
+   lr 1e-3) on the shared frozen base, the task reward normalised by its running std
+   (``ppo.normalize_reward``); the gpu preset adds the LoRA critic (GAE, the policy's and the critic's
+   gradients clipped apart), the cpu preset replaces it by RLOO over groups of 4 responses to a prompt
+   (the critic's forward and backward would double the cost of an update). Every training response is
+   kept (``samples.jsonl``: text, proxy reward, the reference's log-probability), so the gold of every
    iteration is computed afterwards from the text.
 
 Results (``--results``, committed; no checkpoints): ``study.json`` (configs, proxy, timing),
