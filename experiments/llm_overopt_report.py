@@ -126,6 +126,8 @@ def beta_claims(runs: list[dict], series: list[dict]) -> list[dict[str, Any]]:
            claim(f"beta={b_hi:g}: proxy end - start", q(delta(s(hi, "proxy"), n)), "flat"),
            claim(f"beta={b_hi:g}: gold end - start", q(delta(s(hi, "gold"), n)), "flat"),
            claim(f"beta={b_lo:g}: KL at the end", q(np.nanmean(s(lo, "kl")[:, w], 1)), ">0", "nats/seq"),
+           claim(f"KL at the end: beta={b_hi:g} - beta={b_lo:g}",
+                 q(np.nanmean(s(hi, "kl")[:, w], 1) - np.nanmean(s(lo, "kl")[:, w], 1)), "<0", "nats/seq"),
            claim(f"beta={b_lo:g}: proxy end - start", q(delta(s(lo, "proxy"), n)), ">0"),
            claim(f"beta={b_lo:g}: gold end - start", q(delta(s(lo, "gold"), n)), "<0")]  # fmt: skip
     g = s(lo, "gold")

@@ -129,6 +129,8 @@ def test_report_claims_on_known_numbers_and_replay(tmp_path, capsys):
     assert x["mean"] == pytest.approx(kl.mean())
     assert x["hi"] - x["mean"] == pytest.approx(t2 * kl.std(ddof=1) / math.sqrt(3))
     assert x["verdict"] == "holds"
+    order = c["KL at the end: beta=10 - beta=0.01"]
+    assert order["mean"] == pytest.approx(0.05 - kl.mean()) and order["verdict"] == "holds"
     # proxy +0.1/iteration: end window mean 10 * 0.1 = 1.0 above iteration 0, for every seed
     assert c["beta=0.01: proxy end - start"]["mean"] == pytest.approx(1.0)
     assert c["beta=0.01: proxy end - start"]["verdict"] == "holds"
