@@ -240,8 +240,9 @@ def with_proxy(task: Any, trunk: Any, score: list[float]) -> Any:
 
 # ---- PPO against the proxy -------------------------------------------------------------------------------
 def base_config(ns: argparse.Namespace, preset: dict[str, Any]) -> Any:
-    """The run config every member shares: klrl's recipe for ``model.path`` (LoRA policy, LoRA critic,
-    separate gradient clips, the task reward normalised), every response kept in ``samples.jsonl``."""
+    """The run config every member shares: klrl's recipe for ``model.path`` (LoRA policy; with the preset's
+    ``gae`` a LoRA critic (``value_model=auto``) whose gradients are clipped apart; the task reward
+    normalised), k1 per token in the reward, every response kept in ``samples.jsonl``."""
     import klrl
 
     return klrl.RunConfig.from_dict({
