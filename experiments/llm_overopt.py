@@ -179,14 +179,9 @@ def pair_arrays(task: Any, pairs: list[dict[str, Any]], gold: bool) -> Any:
         )
         seqs["c"].append(c["ids"])
         seqs["r"].append(r["ids"])
-    width = max(len(s) for v in seqs.values() for s in v)
-    arr = {}
-    for k, v in seqs.items():
-        t = np.full((len(v), width), task.tokenizer.pad_id, np.int32)
-        m = np.zeros((len(v), width), np.float32)
-        for j, s in enumerate(v):
-            t[j, : len(s)], m[j, : len(s)] = s, 1.0
-        arr[k] = (t, m)
+    from llm_beta import pad_ids  # right-padded ids and mask (the pad id is masked out)
+
+    arr = {k: pad_ids(v) for k, v in seqs.items()}
     return Pairs(arr["c"][0], arr["c"][1], arr["r"][0], arr["r"][1], 0)
 
 
