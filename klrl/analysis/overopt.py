@@ -18,6 +18,7 @@ from math import comb
 from typing import Any
 
 import numpy as np
+from scipy.stats import norm, t
 
 LEVEL = 0.95
 
@@ -86,8 +87,6 @@ def tost(x: Any, margin: float, level: float = LEVEL) -> dict[str, float]:
     ``p = max(P[T >= (m + margin) / se], P[T <= (m - margin) / se])``, ``T ~ t_{n-1}``, ``se = s / sqrt(n)``;
     equivalence is shown at ``level`` when ``p < 1 - level``, i.e. when the ``1 - 2 (1 - level)``
     (90% for 95%) t-interval lies inside the margin. Returns ``{mean, lo90, hi90, p, equivalent, n}``."""
-    from scipy.stats import t
-
     x = np.asarray(x, float).ravel()
     x = x[np.isfinite(x)]
     if margin <= 0:
@@ -107,8 +106,6 @@ def tost(x: Any, margin: float, level: float = LEVEL) -> dict[str, float]:
 def wilson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
     """The Wilson score interval of a proportion ``k / n``:
     ``(p + z^2/2n -+ z sqrt(p (1-p) / n + z^2 / 4n^2)) / (1 + z^2 / n)``, ``z`` the normal quantile."""
-    from scipy.stats import norm
-
     if n <= 0 or not 0 <= k <= n:
         raise ValueError(f"wilson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
     z = norm.ppf((1 + level) / 2)
