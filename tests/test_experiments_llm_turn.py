@@ -1,0 +1,69 @@
+"""experiments/llm_turn.py: the gold by hand, the proxies' pairs against their rate, best-of-n against
+brute force over subsets, and every preset's arms as valid sweeps."""
+
+from __future__ import annotations
+
+import math
+import sys
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf"
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import llm_turn  # noqa: E402
+
+
+def test_gold_by_hand():
+    g = llm_turn.gold_parts("A great day", judge_nll=2.0, free=3.0)  # below free: no fluency cost
+    assert g == pytest.approx({"gold": 1 / math.sqrt(3), "sentiment": 1 / math.sqrt(3), "repeated": 0.0,
+                               "judge_nll": 2.0})  # fmt: skip
+    g = llm_turn.gold_parts("not great great", judge_nll=7.0, free=3.0)
+    assert g["gold"] == pytest.approx(-2 / math.sqrt(3) - 1 / 3 - llm_turn.NLL_COEF * 4.0)
+
+
+def test_pairs_take_the_higher_gold_and_flip_at_the_noise_rate():
+    samples = [{"gold": float(i % 2), "i": i} for i in range(400)]
+    clean = llm_turn.label_pairs(samples, 500, 0.0, 0)
+    assert len(clean) == 500
+    assert all(p["chosen"]["gold"] == 1.0 and p["rejected"]["gold"] == 0.0 for p in clean)
+    noisy = llm_turn.label_pairs(samples, 2000, 0.3, 1)
+    rate = np.mean([not p["gold_chosen"] for p in noisy])
+    assert abs(rate - 0.3) < 4 * math.sqrt(0.3 * 0.7 / 2000)
+    assert all(p["gold_chosen"] == (p["chosen"]["gold"] == 1.0) for p in noisy)
+
+
+def test_best_of_n_is_the_mean_over_subsets_of_the_proxys_pick():
+    rng = np.random.default_rng(0)
+    k, prompts = 4, 3
+    held = [{"prompt_idx": p, "draw": d, "gold": float(rng.normal()), "judge_nll": float(rng.normal())}
+            for d in range(k) for p in range(prompts)]  # fmt: skip
+    proxy = rng.normal(size=len(held))
+    out = llm_turn.best_of_n(held, {"s": proxy}, k)
+    assert out["n"] == [1, 2, 4] and out["prompts"] == prompts
+    assert out["kl"] == pytest.approx([0.0, math.log(2) - 0.5, math.log(4) - 0.75])
+    for i, n in enumerate(out["n"]):
+        per = []
+        for p in range(prompts):
+            idx = [j for j, s in enumerate(held) if s["prompt_idx"] == p]
+            per.append(np.mean([held[max(c, key=lambda j: proxy[j])]["gold"] for c in combinations(idx, n)]))
+        assert out["s/gold"][i] == pytest.approx(np.mean(per))
+
+
+@pytest.mark.parametrize("preset", sorted(llm_turn.PRESETS))
+def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
+    from klrl.config.sweep import check_members
+
+    ns = llm_turn.parse(["--preset", preset, "--model-path", str(GGUF), "--out", str(tmp_path)])
+    p = llm_turn.preset_of(ns)
+    arms = llm_turn.arms(llm_turn.base_config(ns, p), p)
+    assert {"turn", "frozen"} <= set(arms)
+    for members in arms.values():
+        check_members(members)
+    assert all(m.lora.rank == 8 and m.data.eval_fraction > 0 for ms in arms.values() for m in ms)
+    frozen_lr = {m.optim.lr for m in arms["frozen"]}
+    assert frozen_lr == {p["frozen_lr"]} and p["frozen_lr"] < p["turn_lr"]
