@@ -134,7 +134,7 @@ def test_architecture_without_a_registered_family(tmp_path):
     path = _rewrite(tmp_path, lambda t: t, arch="mamba")
     # the supported ones are the architectures of the registered families' GGUF readings
     with pytest.raises(
-        CheckpointFormatError, match=r"general.architecture 'mamba' is not supported \(llama, qwen2\)"
+        CheckpointFormatError, match=r"general.architecture 'mamba' is not supported \(gemma3, llama, qwen2\)"
     ):
         from_pretrained(path)
 

@@ -7,6 +7,10 @@ library (no transformers, no torch).
 * :func:`byte_level_bpe`: a GPT-2-style byte-level BPE rebuilt from a vocabulary and merges as a
   GGUF stores them, the way transformers' GGUF loader builds it
   (``integrations/gguf/gguf_tokenizer_mapping.byte_level_tokenizer``).
+* :func:`gemma_bpe`: Gemma's SentencePiece vocabulary as a GGUF stores it (``tokenizer.ggml.model =
+  llama``, no merges), rebuilt as transformers' GGUF loader does (``gemma_tokenizer``): BPE with byte
+  fallback over ``GemmaTokenizer``'s normalizer, pre-tokenizer and decoder, merges recovered from the
+  vocabulary in its file order.
 * Chat templates are rendered with jinja2's sandbox configured as transformers does
   (``utils/chat_template_utils._cached_compile_jinja_template``: ``trim_blocks``, ``lstrip_blocks``,
   ``loopcontrols``, a ``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``).
@@ -24,7 +28,7 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Tok
 
 # end-of-turn tokens of common chat formats: stop ids whenever the vocabulary has them as specials
@@ -234,18 +238,63 @@ def byte_level_bpe(
             ]
         )
     tok.decoder = decoders.ByteLevel()
+    _gguf_added_tokens(tok, tokens, token_types, lambda t: set(t) <= alphabet, lambda t: t in vocab)
+    return tok
+
+
+def _gguf_added_tokens(tok: _Tok, tokens: Sequence[str], token_types: Sequence[int], control_ok, user_ok):
+    """GGUF control tokens (type 3) as special added tokens, user-defined ones (type 4) as plain
+    added tokens (llama.cpp matches both whole in text), those ``control_ok`` / ``user_ok`` keep
+    (transformers' ``add_gguf_special_tokens``)."""
     control = [
         AddedToken(t, normalized=False, special=True)
         for t, ty in zip(tokens, token_types, strict=False)
-        if ty == 3 and set(t) <= alphabet
+        if ty == 3 and control_ok(t)
     ]
     if control:
         tok.add_special_tokens(control)
     user = [
         AddedToken(t, normalized=False, special=False)
         for t, ty in zip(tokens, token_types, strict=False)
-        if ty == 4 and t in vocab
+        if ty == 4 and user_ok(t)
     ]
     if user:
         tok.add_tokens(user)
+
+
+def _merges_in_file_order(vocab: dict[str, int], order: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split ``(l, r)`` of a token with both halves in ``vocab``, ordered by the token's
+    ``order`` (its last position in the file), then longer left halves first (transformers'
+    ``generate_merges`` with the scores ``-position``)."""
+    found = []
+    for token, pos in order.items():
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in vocab and right in vocab:
+                found.append((pos, -i, left, right))
+    found.sort()
+    return [(left, right) for _, _, left, right in found]
+
+
+def gemma_bpe(tokens: Sequence[str], token_types: Sequence[int] = (), unk: str | None = "<unk>") -> _Tok:
+    """Gemma's SentencePiece vocabulary from a GGUF (module docstring): tokens of two or more
+    blanks are respelled with ``\u2581`` (the file stores them as real spaces), the merges are
+    every split of a token into two tokens, in the order of the tokens in the file."""
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_merges_in_file_order(vocab, vocab),
+        fuse_unk=True,
+        unk_token=unk or "<unk>",
+        dropout=None,
+        byte_fallback=True,
+    )
+    tok = _Tok(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    _gguf_added_tokens(tok, tokens, token_types, lambda t: True, lambda t: t in vocab)
     return tok

@@ -19,30 +19,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from klrl.data.hf_tokenizer import HFTokenizer, byte_level_bpe, make_tokenizer
+from klrl.models.gguf_file import read_gguf
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.registry import GGUFReading, gguf_architectures, gguf_family
 
 
-def _field(reader, key, default=None, *, path=None, required=False):
-    f = reader.fields.get(key)
-    if f is None:
+def _field(fields: dict, key, default=None, *, path=None, required=False):
+    if key not in fields:
         if required:
             raise CheckpointFormatError(f"{path}: missing metadata field {key!r}")
         return default
-    return f.contents()
+    return fields[key]
 
 
-def read_tokenizer(reader, path) -> HFTokenizer:
-    """The byte-level BPE a GGUF's ``tokenizer.ggml.*`` metadata describes."""
-    kind = _field(reader, "tokenizer.ggml.model", path=path, required=True)
-    if kind != "gpt2":
-        raise CheckpointFormatError(
-            f"{path}: tokenizer.ggml.model {kind!r} is not supported (gpt2 byte-level BPE)"
-        )
-    tokens = _field(reader, "tokenizer.ggml.tokens", path=path, required=True)
-    merges = _field(reader, "tokenizer.ggml.merges", path=path, required=True)
-    types = _field(reader, "tokenizer.ggml.token_type", ()) or ()
-    tok = byte_level_bpe(tokens, merges, types, _field(reader, "tokenizer.ggml.pre"))
+def read_tokenizer(fields, path, reading: GGUFReading | None = None) -> HFTokenizer:
+    """The tokenizer a GGUF's ``tokenizer.ggml.*`` metadata describes: byte-level BPE (``gpt2``), or
+    a SentencePiece vocabulary (``llama``) where the family's ``reading`` builds one."""
+    kind = _field(fields, "tokenizer.ggml.model", path=path, required=True)
+    spm = reading.spm_tokenizer if reading is not None else None
+    if kind != "gpt2" and not (kind == "llama" and spm is not None):
+        known = "gpt2 byte-level BPE" + (", llama SentencePiece" if spm is not None else "")
+        raise CheckpointFormatError(f"{path}: tokenizer.ggml.model {kind!r} is not supported ({known})")
+    tokens = _field(fields, "tokenizer.ggml.tokens", path=path, required=True)
+    types = _field(fields, "tokenizer.ggml.token_type", ()) or ()
+    if kind == "gpt2":
+        merges = _field(fields, "tokenizer.ggml.merges", path=path, required=True)
+        tok = byte_level_bpe(tokens, merges, types, _field(fields, "tokenizer.ggml.pre"))
+    else:
+        unk = _field(fields, "tokenizer.ggml.unknown_token_id")
+        unk = tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
+        tok = spm(tokens, types, unk)
     special = {}
     for name, key in (
         ("bos_token", "bos"),
@@ -50,19 +56,20 @@ def read_tokenizer(reader, path) -> HFTokenizer:
         ("unk_token", "unknown"),
         ("pad_token", "padding"),
     ):
-        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        i = _field(fields, f"tokenizer.ggml.{key}_token_id")
         if i is not None and not 0 <= int(i) < len(tokens):
             raise CheckpointFormatError(
                 f"{path}: tokenizer.ggml.{key}_token_id {i} is outside the vocabulary"
             )
         special[name] = tokens[int(i)] if i is not None else None
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    return make_tokenizer(tok, special, _field(reader, "tokenizer.chat_template"), add_bos=add_bos)
+    # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say otherwise
+    add_bos = bool(_field(fields, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    return make_tokenizer(tok, special, _field(fields, "tokenizer.chat_template"), add_bos=add_bos)
 
 
-def _family(reader, path) -> tuple[str, type, GGUFReading]:
+def _family(fields, path) -> tuple[str, type, GGUFReading]:
     """The file's architecture, and the class and reading of the family registered for it."""
-    arch = _field(reader, "general.architecture", path=path, required=True)
+    arch = _field(fields, "general.architecture", path=path, required=True)
     found = gguf_family(arch)
     if found is None:
         known = ", ".join(gguf_architectures())
@@ -94,13 +101,13 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: no such file")
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
+        fields, listed = read_gguf(path)
+    except (OSError, ValueError) as e:
         raise CheckpointFormatError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0]})") from None
-    tensors = {t.name: t for t in reader.tensors}
-    shapes = {n: tuple(int(x) for x in t.shape[::-1]) for n, t in tensors.items()}
-    arch, cls, reading = _family(reader, path)
-    field = lambda k, default=None, **kw: _field(reader, f"{arch}.{k}", default, path=path, **kw)
+    tensors = {t.name: t for t in listed}
+    shapes = {n: t.shape for n, t in tensors.items()}
+    arch, cls, reading = _family(fields, path)
+    field = lambda k, default=None, **kw: _field(fields, f"{arch}.{k}", default, path=path, **kw)
     try:
         cfg = reading.config(arch, field, shapes, path)
         model = cls(cfg, dtype)
@@ -111,9 +118,9 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     expected = model.hf_shapes()
     names = {h: reading.tensor_name(h) for h in expected}
     _check_tensors(path, names, expected, shapes)
-    _check_quant_types(gguf, reader.tensors, path)
-    tokenizer = read_tokenizer(reader, path)
-    reader.fields.clear()  # the metadata's Python objects (~100 MB for a 49k vocabulary) are done with
+    _check_quant_types(gguf, listed, path)
+    tokenizer = read_tokenizer(fields, path, reading)
+    fields.clear()  # the metadata's Python objects (the vocabulary) are done with
     eos = tokenizer.stop_ids[0] if tokenizer.stop_ids else None
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_id}
     cfg = dataclasses.replace(cfg, tokens=tuple((k, v) for k, v in ids.items() if v is not None))

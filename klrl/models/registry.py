@@ -48,6 +48,9 @@ class GGUFReading(NamedTuple):
     config: Callable[..., Any]
     tensor_name: Callable[[str], str]  # HF tensor name -> GGUF tensor name
     convert: Callable[[Any, str, Any], Any] | None = None  # (config, HF name, float32 array) -> array
+    # (tokens, token types, unk token) -> tokenizers.Tokenizer of a SentencePiece vocabulary
+    # (tokenizer.ggml.model "llama"); None: the family reads byte-level BPE ("gpt2") files only
+    spm_tokenizer: Callable[..., Any] | None = None
 
 
 def register_family(
