@@ -16,6 +16,7 @@ import pytest
 from klrl.models.base import forward
 from klrl.models.generate import generate_ids, left_pad
 from klrl.models.gguf import load_gguf
+from klrl.models.gguf_file import read_gguf
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.llama_gguf import gguf_name, unpermute
 from klrl.models.pretrained import from_pretrained
@@ -63,6 +64,46 @@ def test_tiny_gguf_tokenizer_matches_transformers():
     assert 254 in tok.stop_ids and tok.vocab_size == 256
     chat = tok.apply_chat_template([{"role": "user", "content": "abc"}])
     assert chat == "<|im_start|>user\nabc<|im_end|>\n"
+
+
+def test_gguf_file_reader_agrees_with_the_gguf_library(tmp_path):
+    """klrl's memory-mapped reader against ``gguf.GGUFReader``: every metadata value and every
+    tensor's type, shape, dtype and bytes (the data ``gguf.quants.dequantize`` reads), on the tiny file
+    and on one written here with quantised tensors and metadata of every kind."""
+    import gguf
+
+    path = tmp_path / "kinds.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("a.u32", 7)
+    w.add_float32("a.f32", 1e-6)
+    w.add_bool("a.bool", True)
+    w.add_int64("a.i64", -3)
+    w.add_string("a.str", "naïve ▁▁ 東京")
+    w.add_array("a.strs", ["", "  ", "<pad>", "\n"])
+    w.add_array("a.ints", [1, -2, 3])
+    w.add_array("a.floats", [0.5, -1000.0])
+    rng = np.random.default_rng(0)
+    for q in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+        a = rng.normal(size=(4, 64)).astype(np.float32)
+        w.add_tensor(f"t.{q.name}", gguf.quants.quantize(a, q), raw_dtype=q)
+    w.add_tensor("t.f16", rng.normal(size=(3, 5)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for f in (TINY, path):
+        fields, tensors = read_gguf(f)
+        ref = gguf.GGUFReader(str(f))
+        keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+        assert list(fields) == keys
+        for k in keys:
+            assert fields[k] == ref.fields[k].contents(), k
+        assert [t.name for t in tensors] == [t.name for t in ref.tensors]
+        for a, b in zip(tensors, ref.tensors, strict=True):
+            assert (a.tensor_type, a.shape) == (b.tensor_type, tuple(int(x) for x in b.shape[::-1]))
+            assert (a.data.dtype, a.data.shape) == (b.data.dtype, b.data.shape)
+            np.testing.assert_array_equal(a.data, b.data)
+    assert [t.tensor_type.name for t in tensors] == ["Q8_0", "Q4_0", "F16"]
 
 
 def _rewrite(tmp_path, change, arch="llama"):
