@@ -229,3 +229,38 @@ def test_the_shipped_gguf_is_found_without_importing_its_package() -> None:
     got = found[want.resolve()]
     assert got.family == "llama GGUF" and got.readable
     assert 130e6 < got.parameters < 140e6  # SmolLM2-135M
+
+
+FAKE_CHUNKED = """
+from pathlib import Path
+HERE = Path(__file__).parent
+OUT = HERE / "out" / "whole.gguf"
+calls = []
+def default_output_path():
+    return OUT
+def chunk_paths():
+    return [HERE / "part0", HERE / "part1"]
+def assemble(output_path=None, overwrite=False):
+    calls.append(output_path)
+    Path(output_path).parent.mkdir(exist_ok=True)
+    Path(output_path).write_bytes(b"".join(p.read_bytes() for p in chunk_paths()))
+    return Path(output_path)
+"""
+
+
+def test_a_chunked_package_is_assembled_once_and_again_when_cut(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "fake_chunked_gguf"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(FAKE_CHUNKED)
+    half = TINY_GGUF.read_bytes()
+    (pkg / "part0").write_bytes(half[:1000])
+    (pkg / "part1").write_bytes(half[1000:])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_chunked_gguf as fake
+
+    path = catalog.assembled_gguf("fake_chunked_gguf")
+    assert path == fake.OUT and path.read_bytes() == half and len(fake.calls) == 1
+    assert catalog.assembled_gguf("fake_chunked_gguf") == path and len(fake.calls) == 1  # whole: kept
+    path.write_bytes(half[:500])  # an interrupted assembly
+    assert catalog.assembled_gguf("fake_chunked_gguf").read_bytes() == half and len(fake.calls) == 2
+    assert catalog.assembled_gguf("no_such_package_here") is None

