@@ -75,7 +75,8 @@ def check(model: Any, kind: str) -> None:
         raise ValueError(f"model.ref_quant: must be one of {', '.join(KINDS)} (got {kind!r})")
     if kind != "none" and _linears(model) is None:
         raise ValueError(
-            f"model.ref_quant: {kind} supports the llama, gpt2 and gpt families, not {type(model).__name__}"
+            f"model.ref_quant: {kind} supports the llama, gemma3, gpt2 and gpt families, "
+            f"not {type(model).__name__}"
         )
 
 
