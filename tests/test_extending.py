@@ -175,7 +175,8 @@ def test_model_family_recipe(tmp_path):
     shutil.copytree(DATA / "tiny_gpt2", d)
     c = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**c, "model_type": "tinyfam"}))
-    with pytest.raises(CheckpointFormatError, match=r"model_type 'tinyfam' is not supported \(gpt2, llama,"):
+    unsupported = r"model_type 'tinyfam' is not supported \(gemma3_text, gpt2, llama,"
+    with pytest.raises(CheckpointFormatError, match=unsupported):
         from_pretrained(d)
 
     @register_family("tinyfam", hf=("tinyfam",), hf_config=config_from_hf)

@@ -56,6 +56,15 @@ def test_tiny_fp32_logits_match_transformers(tiny):
     assert (c.sliding_window, c.query_pre_attn_scalar, c.final_logit_softcapping) == (4, 24.0, 30.0)
 
 
+def test_tiny_bf16_compute_is_close_and_params_stay_fp32(tiny):
+    model, params, g = tiny
+    bf16 = Gemma3(model.config, jnp.bfloat16)
+    assert all(a.dtype == np.float32 for a in jax.tree.leaves(params))
+    m = g["mask"]
+    err = np.abs(tiny_logits(bf16, params, g)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max()
+    assert err < 0.05
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -24,7 +24,7 @@ B, T = 8, 48
 def _families():
     gpt = GPT(ModelConfig(n_layers=3, d_model=32, n_heads=4), vocab_size=64, max_len=T)
     out = [("gpt", gpt, gpt.init(jax.random.key(0)))]
-    for name in ("tiny_llama", "tiny_qwen2", "tiny_gpt2"):
+    for name in ("tiny_llama", "tiny_qwen2", "tiny_gpt2", "tiny_gemma3"):
         out.append((name, *load_hf(DATA / name)))
     return out
 
