@@ -24,12 +24,20 @@ HAVE_TF = (
 
 
 def rel_error(model, params) -> float:
+    """Relative max error against transformers' logits of ``forward`` (``[B, T, T]`` mask) and of
+    ``apply`` with transformers' ``[B, T]`` ``attention_mask`` and ``position_ids`` (one program)."""
     g = np.load(DATA / "tiny_gpt2" / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(
-        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    both = jax.jit(
+        lambda p, t, k, pos: (
+            forward(model, p, t, k).logits,
+            model.apply(p, t, pos, k.astype(jnp.int32)).logits,
+        )
     )
-    m = g["mask"]
-    return float(np.abs(np.asarray(out)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max())
+    outs = both(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"], jnp.asarray(g["positions"], jnp.int32)
+    )
+    m, scale = g["mask"], np.abs(g["logits"][g["mask"]]).max()
+    return max(float(np.abs(np.asarray(o)[m] - g["logits"][m]).max() / scale) for o in outs)
 
 
 def test_fp32_logits_match_transformers_golden():
