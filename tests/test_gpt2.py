@@ -3,7 +3,6 @@ importable), KV-cache decoding against teacher forcing, hub-style tensor names, 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_hf
 from safetensors.numpy import load_file, save_file
 
 from klrl.models.base import causal_mask, forward, positions_from_mask
@@ -18,9 +18,6 @@ from klrl.models.gpt2 import GPT2, config_from_hf, config_to_hf
 from klrl.models.hf import load_hf
 
 DATA = Path(__file__).parent / "data"
-HAVE_TF = (
-    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
-)
 
 
 def rel_error(model, params) -> float:
@@ -96,7 +93,7 @@ def test_config_mapping():
     assert GPT2(c).max_len == 32
 
 
-@pytest.mark.skipif(not HAVE_TF, reason="transformers + torch not importable")
+@needs_hf  # (CI: fails, never skips, without the [hf] extra)
 def test_live_against_transformers():
     import torch
     import transformers

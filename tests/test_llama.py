@@ -3,7 +3,6 @@ transformers is importable), KV-cache decoding against teacher forcing, config m
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_hf
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.base import CausalLM, causal_mask, forward, positions_from_mask, spec_for
@@ -18,9 +18,6 @@ from klrl.models.hf import load_hf
 from klrl.models.llama import Llama, LlamaConfig, config_from_hf, config_to_hf, inv_frequencies
 
 DATA = Path(__file__).parent / "data"
-HAVE_TF = (
-    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
-)
 
 
 def golden_error(name: str, dtype=jnp.float32) -> float:
@@ -158,7 +155,7 @@ def test_partition_rules_cover_every_matrix():
     assert flat["['params']['layers']['down_proj']['kernel']"] == P(None, "tensor", "fsdp")
 
 
-@pytest.mark.skipif(not HAVE_TF, reason="transformers + torch not importable")
+@needs_hf  # (CI: fails, never skips, without the [hf] extra)
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
 def test_live_against_transformers(name):
     import torch
