@@ -19,6 +19,8 @@ variables, set here before JAX starts):
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -67,6 +69,25 @@ def tiny_config(cache_dir: str = ""):
         train={"batch_size": 16, "iterations": 3, "devices": 1, "quiet": True},
         ppo={"minibatches": 2, "epochs": 2},
     )
+
+
+# ---- the optional [hf] extra: torch, transformers, peft (the parity tests' references) -----------
+
+IN_CI = os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+HF_PACKAGES = ("torch", "transformers", "peft")
+HAVE_HF = all(importlib.util.find_spec(p) is not None for p in HF_PACKAGES)
+# skip a test that needs the [hf] extra where it is not installed, except in CI (CI=true), which installs
+# it (.ci/run, the README's test command): there the test runs and fails on the import, never skips
+needs_hf = pytest.mark.skipif(
+    not HAVE_HF and not IN_CI, reason="torch, transformers, peft: pip install -e '.[hf]'"
+)
+
+
+def hf_import(name: str):
+    """``import name`` (torch, transformers or peft): a skip where it is missing, a failure in CI."""
+    if IN_CI:
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"{name}: pip install -e '.[hf]'")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,6 +4,7 @@ RUN_DIR/config.json`` reproduces the run (``metrics.jsonl`` byte for byte; wall-
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -174,19 +175,15 @@ def test_exported_model_files_follow_the_umask(gpt_run, tiny_gguf_run, tmp_path,
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA run (rank 2, alpha 6: scale 3; adapters on q, v and up only) of the text task on
-    tests/data/tiny_llama (with the tiny GGUF's tokenizer beside it: same 256 ids), one iteration,
-    checkpointed."""
-    import shutil
+    tests/data/tiny_gguf/tiny.gguf (a float32 GGUF), one iteration, checkpointed."""
     import warnings
 
     import klrl
     from klrl.config import RunConfig
     from klrl.data.prompts import PromptTruncationWarning
-    from klrl.models import from_pretrained
 
     tmp = tmp_path_factory.mktemp("lora-run")
-    base = Path(shutil.copytree(DATA / "tiny_llama", tmp / "tiny_llama"))
-    from_pretrained(GGUF)[2].save(base)
+    base = GGUF
     cfg = RunConfig.from_dict(
         {
             "model": {"path": str(base)},
@@ -221,6 +218,7 @@ def test_export_lora_run_merged_and_as_peft_adapter(lora_run, tmp_path, capsys):
     status, stdout, err = _klrl(["export", str(result.dir), str(out)], capsys)
     assert status == 0, err
     assert "HF directory" in stdout and "rank 2, alpha 6" in stdout and stdout.count("\n") == 1, stdout
+    assert "the float base in base/tiny/" in stdout  # a .gguf base: --base is the default
     adapters = detach(jax.device_get(result.state.params["policy"]))[0]
     assert all(np.abs(b).max() > 0 for b in jax.tree.leaves(adapters))  # trained: B moved off zero
     model, base, _ = from_pretrained(base_dir)
@@ -246,6 +244,71 @@ def test_export_lora_run_merged_and_as_peft_adapter(lora_run, tmp_path, capsys):
     assert (lm.rank, lm.alpha) == (2, 6.0)
     assert sorted(lora.check(lm, base)) == ["layers/q_proj", "layers/up_proj", "layers/v_proj"]
     _equal_trees(back, adapters)
+    # the float base beside it, named by the adapter (absolute: peft does not resolve a relative path
+    # against the adapter's directory), is the .gguf's model and tokenizer
+    doc = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (
+        doc["base_model_name_or_path"] == str((out / "base" / "tiny").absolute()) and doc["revision"] is None
+    )
+    base_model, base_back, base_tok = from_pretrained(out / "base" / "tiny")
+    assert base_model == model and base_tok.vocab_size == from_pretrained(base_dir)[2].vocab_size
+    _equal_trees(base_back, base)
+    _peft_parity(out, want, tokens, mask)
+
+
+def _peft_parity(out: Path, want, tokens, mask) -> None:
+    """peft's AutoPeftModelForCausalLM loads OUT/adapter on the base its config names, offline, and
+    its logits are klrl's LoRA policy's (``want``) to 1e-4; AutoTokenizer loads the base's tokenizer."""
+    from conftest import hf_import
+
+    torch, peft, tf = hf_import("torch"), hf_import("peft"), hf_import("transformers")
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(
+        out / "adapter", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    m = np.asarray(mask)
+    with torch.no_grad():
+        got = pm(
+            input_ids=torch.tensor(np.asarray(tokens)),
+            attention_mask=torch.tensor(m.astype(np.int64)),
+            position_ids=torch.tensor(np.maximum(np.cumsum(m, axis=1) - 1, 0)),
+        ).logits.numpy()
+    assert np.abs(got - np.asarray(want.logits))[m].max() < 1e-4
+    base_dir = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert tf.AutoTokenizer.from_pretrained(base_dir)("ab")["input_ids"]
+
+
+def test_export_lora_base_reference(lora_run, tiny_gguf_run, tmp_path, capsys):
+    """What a LoRA export's adapter names as its base when no base is written: a .gguf with --no-base
+    (and a note saying how to get a loadable one), an HF directory by its absolute path, an HF
+    directory in the Hugging Face cache by its Hub id and revision; --base on a full fine-tune is
+    refused. (The run's config.json is edited: the checkpoint holds only the adapters.)"""
+    import shutil
+
+    from klrl.models import from_pretrained, save_pretrained
+
+    result, base_dir = lora_run
+    status, stdout, err = _klrl(["export", str(result.dir), str(tmp_path / "g"), "--no-base"], capsys)
+    assert status == 0 and "note: adapter/ names the .gguf base, which peft cannot load" in stdout, err
+    assert stdout.count("\n") == 1 and not (tmp_path / "g" / "base").exists()
+    doc = json.loads((tmp_path / "g" / "adapter" / "adapter_config.json").read_text())
+    assert doc["base_model_name_or_path"] == str(Path(base_dir).absolute())
+    hf = save_pretrained(*from_pretrained(base_dir), tmp_path / "models--org--tiny-hf" / "snapshots" / "0abc")
+    for model_dir, name, revision in (
+        (shutil.copytree(hf, tmp_path / "tiny-hf"), str(tmp_path / "tiny-hf"), None),
+        (hf, "org/tiny-hf", "0abc"),
+    ):
+        d = Path(shutil.copytree(result.dir, tmp_path / f"run-{revision}"))
+        run_cfg = json.loads((d / "config.json").read_text())
+        run_cfg["model"]["path"] = str(model_dir)
+        (d / "config.json").write_text(json.dumps(run_cfg))
+        out = tmp_path / f"out-{revision}"
+        status, stdout, err = _klrl(["export", str(d), str(out)], capsys)
+        assert status == 0 and f"names the base {name}" in stdout, err
+        doc = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert (doc["base_model_name_or_path"], doc["revision"]) == (name, revision)
+        assert not (out / "base").exists()
+    status, _, err = _klrl(["export", str(tiny_gguf_run.dir), str(tmp_path / "full"), "--base"], capsys)
+    assert status == 2 and "--base: the run is not a LoRA run" in err and err.count("\n") == 1, err
 
 
 def test_export_lora_run_of_klrls_gpt_is_one_line(gpt_run, tmp_path, capsys):

@@ -175,3 +175,19 @@ def test_matmul_flops_matches_traced_forward(tie: bool) -> None:
     tokens, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
     jaxpr = jax.make_jaxpr(lambda p: forward(model, p, tokens, mask).logits)(params).jaxpr
     assert _dot_flops(jaxpr) == matmul_flops(cfg, VOCAB, tokens=b * t, context=t)
+
+
+def test_apply_takes_a_padding_mask_and_refuses_other_shapes():
+    """klrl's GPT, like the pretrained families: a ``[B, T]`` padding mask is made causal inside
+    (the same logits as the ``[B, T, T]`` mask); another shape is one ``ValueError`` naming both."""
+    model = GPT(ModelConfig(n_layers=1, d_model=16, n_heads=2), VOCAB, S_LEN)
+    params = model.init(jax.random.PRNGKey(0))
+    tokens, prompt_mask = _batch()
+    key_mask = jnp.concatenate([prompt_mask, jnp.ones((3, R_LEN))], axis=1)
+    pos = positions_from_mask(key_mask)
+    both = jax.jit(lambda p, t, pos, k: (model.apply(p, t, pos, causal_mask(k)), model.apply(p, t, pos, k)))
+    want, got = (o.logits for o in both(params, tokens, pos, key_mask))
+    real = np.asarray(key_mask) > 0
+    np.testing.assert_array_equal(np.asarray(got)[real], np.asarray(want)[real])
+    with pytest.raises(ValueError, match=r"^mask: shape \(3, 8\), expected \[B, T\] = \(3, 9\)"):
+        model.apply(params, tokens, pos, key_mask[:, 1:])

@@ -3,7 +3,6 @@ importable), KV-cache decoding against teacher forcing, hub-style tensor names, 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_hf
 from safetensors.numpy import load_file, save_file
 
 from klrl.models.base import causal_mask, forward, positions_from_mask
@@ -18,18 +18,23 @@ from klrl.models.gpt2 import GPT2, config_from_hf, config_to_hf
 from klrl.models.hf import load_hf
 
 DATA = Path(__file__).parent / "data"
-HAVE_TF = (
-    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
-)
 
 
 def rel_error(model, params) -> float:
+    """Relative max error against transformers' logits of ``forward`` (``[B, T, T]`` mask) and of
+    ``apply`` with transformers' ``[B, T]`` ``attention_mask`` and ``position_ids`` (one program)."""
     g = np.load(DATA / "tiny_gpt2" / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k).logits)(
-        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    both = jax.jit(
+        lambda p, t, k, pos: (
+            forward(model, p, t, k).logits,
+            model.apply(p, t, pos, k.astype(jnp.int32)).logits,
+        )
     )
-    m = g["mask"]
-    return float(np.abs(np.asarray(out)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max())
+    outs = both(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"], jnp.asarray(g["positions"], jnp.int32)
+    )
+    m, scale = g["mask"], np.abs(g["logits"][g["mask"]]).max()
+    return max(float(np.abs(np.asarray(o)[m] - g["logits"][m]).max() / scale) for o in outs)
 
 
 def test_fp32_logits_match_transformers_golden():
@@ -88,7 +93,7 @@ def test_config_mapping():
     assert GPT2(c).max_len == 32
 
 
-@pytest.mark.skipif(not HAVE_TF, reason="transformers + torch not importable")
+@needs_hf  # (CI: fails, never skips, without the [hf] extra)
 def test_live_against_transformers():
     import torch
     import transformers

@@ -4,7 +4,6 @@ sequence-classification checkpoint, and bad directories failing with one line.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_hf
 from safetensors.numpy import load_file, save_file
 
 from klrl.data.hf_tokenizer import byte_level_bpe, make_tokenizer
@@ -24,9 +24,6 @@ from klrl.registry import FAMILIES
 
 DATA = Path(__file__).parent / "data"
 CHECKPOINTS = ["tiny_llama", "tiny_qwen2", "tiny_gpt2"]  # one tiny directory per model type
-HAVE_TF = (
-    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
-)
 
 
 def logits(model, params, name="tiny_llama"):
@@ -85,7 +82,7 @@ def test_save_pretrained_round_trip(tmp_path, name):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == list(tok.stop_ids)
 
 
-@pytest.mark.skipif(not HAVE_TF, reason="transformers + torch not importable")
+@needs_hf  # (CI: fails, never skips, without the [hf] extra)
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_export_loads_in_transformers_with_same_logits(tmp_path, name):
     import torch

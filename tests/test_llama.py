@@ -3,7 +3,6 @@ transformers is importable), KV-cache decoding against teacher forcing, config m
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_hf
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.base import CausalLM, causal_mask, forward, positions_from_mask, spec_for
@@ -18,20 +18,22 @@ from klrl.models.hf import load_hf
 from klrl.models.llama import Llama, LlamaConfig, config_from_hf, config_to_hf, inv_frequencies
 
 DATA = Path(__file__).parent / "data"
-HAVE_TF = (
-    importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
-)
 
 
 def golden_error(name: str, dtype=jnp.float32) -> float:
-    """max |klrl - transformers| over real positions, relative to the logits' max |value|."""
+    """max |klrl - transformers| over real positions, relative to the logits' max |value|, of both
+    klrl's ``forward`` (``[B, T, T]`` causal mask) and ``apply`` with transformers' own inputs: the
+    ``[B, T]`` padding mask (``attention_mask``) and ``position_ids`` (one program: one compile)."""
     model, params = load_hf(DATA / name, dtype=dtype)
     g = np.load(DATA / name / "golden.npz")
-    out = jax.jit(lambda p, t, k: forward(model, p, t, k))(
-        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"]
+    both = jax.jit(
+        lambda p, t, k, pos: (forward(model, p, t, k), model.apply(p, t, pos, k.astype(jnp.int32)))
     )
-    m = g["mask"]
-    return float(np.abs(np.asarray(out.logits)[m] - g["logits"][m]).max() / np.abs(g["logits"][m]).max())
+    outs = both(
+        params, jnp.asarray(g["tokens"], jnp.int32), g["mask"], jnp.asarray(g["positions"], jnp.int32)
+    )
+    m, scale = g["mask"], np.abs(g["logits"][g["mask"]]).max()
+    return max(float(np.abs(np.asarray(o.logits)[m] - g["logits"][m]).max() / scale) for o in outs)
 
 
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
@@ -153,7 +155,7 @@ def test_partition_rules_cover_every_matrix():
     assert flat["['params']['layers']['down_proj']['kernel']"] == P(None, "tensor", "fsdp")
 
 
-@pytest.mark.skipif(not HAVE_TF, reason="transformers + torch not importable")
+@needs_hf  # (CI: fails, never skips, without the [hf] extra)
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
 def test_live_against_transformers(name):
     import torch
@@ -177,3 +179,20 @@ def test_llama_is_hashable_for_jit():
     g = np.load(DATA / "tiny_llama" / "golden.npz")
     out = f(params, jnp.asarray(g["tokens"], jnp.int32), jnp.asarray(g["mask"]))
     assert out.shape == (3, 10, 256) and hash(Llama(model.config)) == hash(Llama(model.config))
+
+
+def test_apply_refuses_other_mask_shapes_in_one_line():
+    model, params = load_hf(DATA / "tiny_llama")
+    tokens = jnp.ones((2, 5), jnp.int32)
+    pos = positions_from_mask(jnp.ones((2, 5)))
+    for bad in (jnp.ones((5,), bool), jnp.ones((2, 4), bool), jnp.ones((2, 5, 4), bool), jnp.ones((1, 5, 5))):
+        with pytest.raises(ValueError, match=r"^mask: shape .*expected \[B, T\] = \(2, 5\)") as e:
+            model.apply(params, tokens, pos, bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^positions: shape \(5,\), expected \[B, T\]"):
+        model.apply(params, tokens, pos[0], jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match=r"^tokens: shape \(5,\), expected \[B, T\]"):
+        model.apply(params, tokens[0], pos, jnp.ones((2, 5)))
+    cache = model.init_cache(2, 8)  # with a cache a [B, T] mask is ambiguous (which slots?): refused
+    with pytest.raises(ValueError, match=r"with a cache: \[B, T, S\]"):
+        model.apply(params, tokens, pos, jnp.ones((2, 5)), cache, 0)

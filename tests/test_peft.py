@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import hf_import
 from safetensors.numpy import load_file, save_file
 
 from klrl.models import lora
@@ -112,9 +113,9 @@ def test_save_adapter_writes_pefts_tensors_and_config(name, tmp_path):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_peft_loads_klrls_adapter(name, tmp_path):
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    tf = pytest.importorskip("transformers")
+    torch = hf_import("torch")
+    peft = hf_import("peft")
+    tf = hf_import("transformers")
     model, params = base(name)
     lm, adapters = load_adapter(DATA / "peft" / name, model, params)
     out = save_adapter(tmp_path / "a", lm, adapters, base_name=name)
@@ -331,9 +332,9 @@ def test_a_reward_adapter_round_trips_and_scores_as_transformers(name, tmp_path)
     mine = np.asarray(ScalarHead(model.hidden_size).apply(head2, hidden))[
         :, -1
     ]  # left-padded: the last token
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    tf = pytest.importorskip("transformers")
+    torch = hf_import("torch")
+    peft = hf_import("peft")
+    tf = hf_import("transformers")
     hf = tf.AutoModelForSequenceClassification.from_pretrained(
         DATA / name, num_labels=1, attn_implementation="eager", dtype=torch.float32
     )

@@ -61,7 +61,7 @@ def test_readme_test_command_is_what_ci_runs():
     """``.ci/run`` runs exactly the README's test command (its steps, in order; pip's -q and CI's
     upgrade of pip aside), and the README's main command is the one the task fixes."""
     readme = README.read_text()
-    (command,) = [ln for ln in readme.splitlines() if "pip install -e '.[test]'" in ln]
+    (command,) = [ln for ln in readme.splitlines() if "pip install -e '.[test,hf]'" in ln]
     steps = [s.strip() for s in command.split("&&")][2:]  # after the venv's creation and activation
     ci = [ln.split("#")[0].strip() for ln in (ROOT / ".ci/run").read_text().splitlines()]
     ci_steps = [

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import one_line_error
+from conftest import hf_import, one_line_error
 
 from klrl.cli import main as klrl_main
 from klrl.config import ModelConfig, RunConfig
@@ -142,8 +142,8 @@ def test_directory_is_read_by_klrl_reward_path(trained):
 
 
 def test_transformers_loads_the_directory_and_scores_alike(trained):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = hf_import("torch")
+    transformers = hf_import("transformers")
     out, ev = trained["out"], trained["eval"]
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -174,8 +174,8 @@ def test_a_pad_that_is_the_end_token_is_replaced_for_transformers(trained, tmp_p
     """A tokenizer that pads with its end token (SmolLM2): transformers' classifier would read the token
     before it; the directory names another pad (BOS here) in config.json and tokenizer_config.json, so
     transformers' scores of a right-padded batch are klrl's again."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = hf_import("torch")
+    transformers = hf_import("transformers")
     tok = trained["tok"]
     end = tok.stop_ids[0]
     special = {**tok.special, "pad_token": tok.decode([end], skip_special_tokens=False)}

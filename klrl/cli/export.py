@@ -14,11 +14,18 @@ step directory that holds no finished save is skipped, and the line printed says
   ``W + (alpha / r) A B``, :func:`klrl.models.lora.merged_kernels`, PEFT's ``merge_and_unload``; with
   ``model.ref_quant`` the run's base was the quantised one, the export's is the float one, as QLoRA merges
   are), and the adapters alone in PEFT's format in ``OUT_DIR/adapter/``
-  (:func:`klrl.models.peft.save_adapter`: ``adapter_config.json`` with ``base_model_name_or_path`` =
-  ``model.path``, ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` and
-  :func:`klrl.models.peft.load_adapter` (``model.adapter``) load on that base. The rank is the
-  adapters'; alpha is ``lora.alpha`` (``model.adapter``'s ``lora_alpha`` when the run started from a
-  PEFT adapter: its rank and alpha are the run's).
+  (:func:`klrl.models.peft.save_adapter`: ``adapter_config.json``, ``adapter_model.safetensors``), which
+  ``peft.PeftModel.from_pretrained`` and :func:`klrl.models.peft.load_adapter` (``model.adapter``) load
+  on that base. The rank is the adapters'; alpha is ``lora.alpha`` (``model.adapter``'s ``lora_alpha``
+  when the run started from a PEFT adapter: its rank and alpha are the run's). Its
+  ``base_model_name_or_path`` is what peft's ``AutoPeftModelForCausalLM.from_pretrained(OUT_DIR/adapter)``
+  loads the base from (as given: a relative path would be read against the working directory, not the
+  adapter's): with ``--base`` (the default when ``model.path`` is a ``.gguf``, which transformers does
+  not load as a model directory) the float base (dequantised) is written as an HF directory in
+  ``OUT_DIR/base/NAME/`` (``NAME``: the model's name without its GGUF quantisation tag) and its absolute
+  path is recorded; else, for an HF directory ``model.path``, its Hub id and revision when it is a
+  snapshot in the Hugging Face cache, or its absolute path (:func:`klrl.models.peft.base_reference`).
+  ``--no-base`` on a ``.gguf`` run records the ``.gguf``'s path, and the printed line says so.
 * **A run of klrl's own GPT** (the synthetic testbed tasks): not a transformers architecture, so
   ``model.safetensors`` holds the policy's parameters (float32; its value head dropped) under
   their flax paths (``wte/embedding``, ...) and ``config.json`` says what they are: ``{"format": "klrl-gpt",
@@ -60,6 +67,7 @@ from klrl.tasks.text import check_model_paths
 FORMAT = "klrl-gpt"
 SAFETENSORS = "model.safetensors"
 ADAPTER = "adapter"  # a LoRA run's adapters in PEFT's format, inside OUT_DIR
+BASE = "base"  # a LoRA run's float base (--base), inside OUT_DIR: BASE/<model name>/
 
 
 class ExportError(ValueError):
@@ -152,27 +160,50 @@ def _lora_of(cfg, model: Any, adapters: Any) -> lora.LoRA:
     return lora.LoRA(model, ranks.pop(), alpha, cfg.lora.targets)
 
 
-def _write_hf(cfg, params: Any, out: Path) -> str:
-
+def _write_hf(cfg, params: Any, out: Path, final: Path, base: bool | None) -> str:
+    """The HF export of a pretrained-model run into ``out`` (renamed ``final`` when complete); a LoRA
+    run's adapters in ``ADAPTER/`` and, with ``base`` (default: the run's model is a ``.gguf``, which
+    PEFT cannot load), the float base in ``BASE/<name>/``, which the adapter records as its base."""
     check_model_paths(cfg)  # the architecture and the tokenizer come from model.path
-    model, base, tok = from_pretrained(cfg.model.path, tokenizer=True)
+    model, base_params, tok = from_pretrained(cfg.model.path, tokenizer=True)
     if cfg.lora.rank <= 0:
+        if base:
+            raise ExportError(
+                "--base: the run is not a LoRA run (lora.rank 0): its export is the whole policy already"
+            )
         save_pretrained(model, params, tok, out)
         where = f"architecture and tokenizer of {cfg.model.path}"
         return f"HF directory (transformers-loadable) of the policy, {where}"
     lm = _lora_of(cfg, model, params)
-    save_pretrained(model, lora.merged_kernels(base, params, lm.scale), tok, out)
-    peft.save_adapter(out / ADAPTER, lm, params, base_name=cfg.model.path)
+    save_pretrained(model, lora.merged_kernels(base_params, params, lm.scale), tok, out)
+    gguf = not Path(cfg.model.path).is_dir()
+    name, revision = peft.base_reference(cfg.model.path)
+    if base or (base is None and gguf):
+        rel = Path(BASE) / peft.base_dir_name(cfg.model.path)
+        save_pretrained(model, base_params, tok, out / rel)
+        name, revision = str(final / rel), None
+        names = f"; the float base in {rel}/, which {ADAPTER}/adapter_config.json names"
+    elif gguf:
+        names = (
+            f"; note: {ADAPTER}/ names the .gguf base, which peft cannot load: export with --base to write "
+            "the float base beside it"
+        )
+    else:
+        names = f"; {ADAPTER}/adapter_config.json names the base {name}"
+    peft.save_adapter(out / ADAPTER, lm, params, base_name=name, revision=revision)
     return (
         f"HF directory (transformers-loadable) of the policy, its LoRA adapters (rank {lm.rank}, alpha "
         f"{lm.alpha:g}) merged into the base {cfg.model.path}, and the adapters alone in PEFT's format in "
-        f"{ADAPTER}/"
+        f"{ADAPTER}/{names}"
     )
 
 
-def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> str:
+def export(
+    run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, base: bool | None = None
+) -> str:
     """Write ``run_dir``'s policy at checkpoint ``step`` (default: the latest) to ``out_dir``
-    (module docstring); returns a one-line statement of what was written."""
+    (module docstring; ``base``: ``--base``/``--no-base``, None: the default); returns a one-line
+    statement of what was written."""
 
     d, out = Path(run_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -188,8 +219,10 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None) ->
             )
         params, step = _policy_params(root, member, step)
         tmp.mkdir(parents=True)
+        if base and not cfg.model.path:
+            raise ExportError("--base: a run of klrl's GPT has no pretrained base to write")
         if cfg.model.path:
-            what = _write_hf(cfg, params, tmp)
+            what = _write_hf(cfg, params, tmp, Path(os.path.abspath(out)), base)
         else:
             what = _write_gpt(cfg, params, step, d, root, tmp)
         if out.exists():
@@ -222,7 +255,7 @@ def load_gpt(out_dir: str | Path) -> tuple[dict, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """``klrl export RUN_DIR OUT_DIR [--step N]``."""
+    """``klrl export RUN_DIR OUT_DIR [--step N] [--base | --no-base]``."""
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str):  # one line, exit 2
@@ -234,9 +267,19 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--step", type=int, default=None, help="the checkpoint (iteration) to export (default: the latest)"
     )
+    p.add_argument(
+        "--base",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"a LoRA run: also write the float base as an HF directory in OUT_DIR/{BASE}/NAME/ and record "
+        "its absolute path as the adapter's base_model_name_or_path, so that peft's "
+        "AutoPeftModelForCausalLM.from_pretrained(OUT_DIR/adapter) loads it (default: yes when model.path "
+        "is a .gguf, which peft cannot load; an HF directory is recorded by its absolute path, one in the "
+        "Hugging Face cache by its Hub id)",
+    )
     ns = p.parse_args(argv)
     try:
-        print(export(ns.run_dir, ns.out_dir, ns.step))
+        print(export(ns.run_dir, ns.out_dir, ns.step, base=ns.base))
     except ExportError as e:
         fail(str(e))
     return 0

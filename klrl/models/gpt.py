@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from klrl.config import ModelConfig
-from klrl.models.base import LMOutput, PartitionRules, causal_mask, positions_from_mask
+from klrl.models.base import LMOutput, PartitionRules, attention_mask, causal_mask, positions_from_mask
 from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
 from klrl.models.sharding import split_rows
@@ -90,8 +90,11 @@ class GPTModule(nn.Module):
         """``mask [B, T, S]``: query t may attend key s (causality and padding folded in).
 
         Without a cache S = T. With a cache the T new tokens are written at slot ``index``.
+        A ``[B, T]`` padding mask (no cache) is made causal
+        (:func:`klrl.models.base.attention_mask`).
         """
         cfg = self.cfg
+        mask = attention_mask(tokens, positions, mask, cache is not None)  # shapes checked
         dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
         wte = nn.Embed(self.vocab_size, cfg.d_model, name="wte")
         wpe = nn.Embed(self.max_len, cfg.d_model, name="wpe")

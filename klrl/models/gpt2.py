@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput, lm_head
+from klrl.models.base import LMOutput, attention_mask, lm_head
 from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
 from klrl.models.sharding import split_rows
@@ -132,6 +132,7 @@ class GPT2Module(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, mask, cache=None, index=None, logits=True):
         c = self.c
+        mask = attention_mask(tokens, positions, mask, cache is not None)  # shapes checked; [B, T] ok
         wte = nn.Embed(c.vocab_size, c.n_embd, dtype=self.dtype, embedding_init=_INIT, name="wte")
         wpe = nn.Embed(c.n_positions, c.n_embd, dtype=self.dtype, embedding_init=_INIT, name="wpe")
         x = split_rows(wte(tokens) + wpe(positions))

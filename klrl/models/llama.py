@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput, lm_head
+from klrl.models.base import LMOutput, attention_mask, lm_head
 from klrl.models.llama_gguf import READING
 from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's config API)
     LlamaConfig,
@@ -132,6 +132,7 @@ class LlamaModule(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, mask, cache=None, index=None, logits=True):
         c = self.c
+        mask = attention_mask(tokens, positions, mask, cache is not None)  # shapes checked; [B, T] ok
         embed = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, embedding_init=_INIT, name="embed_tokens"
         )

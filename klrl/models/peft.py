@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,42 @@ def _targets_of(lay: Layout, adapted: list[str]) -> list[str]:
     return sorted(lay.targets[m] for m in adapted)
 
 
-def adapter_config(model: lora.LoRA, adapted: list[str], base_name: str) -> dict:
+def hub_snapshot(path: str | Path) -> tuple[str, str] | None:
+    """``(repo id, revision)`` of a directory inside a Hugging Face cache snapshot
+    (``.../models--ORG--NAME/snapshots/REVISION``, what ``huggingface_hub.snapshot_download`` returns),
+    else ``None``."""
+    parts = Path(os.path.abspath(path)).parts
+    for i, p in enumerate(parts[:-2]):
+        if p.startswith("models--") and parts[i + 1] == "snapshots" and len(p) > len("models--"):
+            return "/".join(p.split("--")[1:]), parts[i + 2]
+    return None
+
+
+def base_reference(model_path: str | Path) -> tuple[str, str | None]:
+    """What an adapter's ``base_model_name_or_path`` (and ``revision``) records for the base
+    ``model_path`` so that PEFT can load it (``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)``
+    passes it to ``AutoModelForCausalLM.from_pretrained`` as it is, resolved against the working
+    directory, never the adapter's): the Hub id and revision of an HF directory in the Hugging Face
+    cache; else the absolute path (an HF directory loads from it; a ``.gguf`` file does not:
+    ``klrl export --base`` writes the float base as an HF directory and records that instead)."""
+    p = Path(model_path)
+    found = hub_snapshot(p) if p.is_dir() else None
+    return found if found is not None else (os.path.abspath(p), None)
+
+
+def base_dir_name(model_path: str | Path) -> str:
+    """The directory name of a base written beside an adapter (``klrl export --base``): the model's
+    name, its GGUF extension and quantisation tag dropped (``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
+    ``SmolLM2-135M-Instruct``; a Hub snapshot: the repo's name), so :func:`same_base` still takes
+    the adapter for one of ``model_path``."""
+    found = hub_snapshot(model_path) if Path(model_path).is_dir() else None
+    name = found[0].split("/")[-1] if found else Path(os.path.abspath(model_path)).name
+    name = re.sub(r"\.gguf$", "", name, flags=re.I)
+    name = re.sub(r"[._-](?:I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.I)
+    return re.sub(r"-GGUF$", "", name, flags=re.I) or "model"
+
+
+def adapter_config(model: lora.LoRA, adapted: list[str], base_name: str, revision: str | None = None) -> dict:
     """The ``adapter_config.json`` of ``model``'s adapters on the modules ``adapted`` (klrl names): PEFT's
     ``LoraConfig`` fields for plain LoRA at their defaults, except the adapter's own."""
     lay = layout(model, "save_adapter")
@@ -145,7 +181,7 @@ def adapter_config(model: lora.LoRA, adapted: list[str], base_name: str) -> dict
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_name,
-        "revision": None,
+        "revision": revision,
         "inference_mode": True,
         "r": int(model.rank),
         "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
@@ -169,12 +205,19 @@ def adapter_config(model: lora.LoRA, adapted: list[str], base_name: str) -> dict
 
 
 def save_adapter(
-    out_dir: str | Path, model: lora.LoRA, adapters: Any, base_name: str, score: Any = None
+    out_dir: str | Path,
+    model: lora.LoRA,
+    adapters: Any,
+    base_name: str,
+    score: Any = None,
+    *,
+    revision: str | None = None,
 ) -> Path:
     """Write ``adapters`` (klrl's layout: ``params/<stack>/<module>/kernel_lora_{a,b}``, ``[L, in, r]`` and
     ``[L, r, out]``; any other leaf, e.g. a value head, is no part of an adapter and is left out) as a PEFT
     directory ``out_dir``: ``adapter_config.json`` (``r = model.rank``, ``lora_alpha = model.alpha``,
-    ``base_model_name_or_path = base_name``) and ``adapter_model.safetensors`` (float32; per layer ``i``:
+    ``base_model_name_or_path = base_name``, ``revision``: :func:`base_reference` gives both for a
+    model path) and ``adapter_model.safetensors`` (float32; per layer ``i``:
     ``lora_A.weight = A[i]^T``, ``lora_B.weight = B[i]^T``). ``PeftModel.from_pretrained`` loads it.
     With ``score`` (a reward model's scalar head ``{'kernel': [D, 1], 'bias': [1]}``, bias 0): a
     ``SEQ_CLS`` adapter with the head as ``modules_to_save`` ``score`` (:func:`load_reward_adapter`)."""
@@ -197,7 +240,7 @@ def save_adapter(
             name = f"{PREFIX}{lay.prefix}.{i}.{lay.modules[mod]}"
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
-    doc = adapter_config(model, sorted(stack), base_name)
+    doc = adapter_config(model, sorted(stack), base_name, revision)
     if score is not None:
         if np.any(np.asarray(score["bias"])):
             raise ValueError(

@@ -301,12 +301,15 @@ def save_policy(task: Task, state: Any, out_dir: str | Path, cfg: RunConfig | No
     """The final policy (value head dropped) as an HF directory (:func:`klrl.models.save_pretrained`).
     With LoRA adapters (``cfg.lora.rank`` > 0; ``state.params['policy']`` holds them) the adapters are
     folded into the float base (:func:`klrl.models.lora.merged_kernels`, PEFT's ``merge_and_unload``)
-    and also written alone in PEFT's format in ``out_dir/adapter`` (:func:`klrl.models.peft.save_adapter`)."""
+    and also written alone in PEFT's format in ``out_dir/adapter`` (:func:`klrl.models.peft.save_adapter`;
+    its base recorded by :func:`klrl.models.peft.base_reference`: a ``.gguf`` base is not one peft
+    loads, ``klrl export RUN_DIR OUT_DIR`` writes the float base beside the adapter)."""
     trunk = detach(jax.device_get(state.params["policy"]))[0]
     if cfg is None or cfg.lora.rank <= 0:
         return save_pretrained(task.policy, trunk, task.tokenizer, out_dir)
     model = lora_lib.LoRA(task.policy, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     merged = lora_lib.merged_kernels(jax.device_get(task.policy_params), trunk, model.scale)
     out = save_pretrained(task.policy, merged, task.tokenizer, out_dir)
-    peft.save_adapter(Path(out) / "adapter", model, trunk, base_name=cfg.model.path)
+    name, revision = peft.base_reference(cfg.model.path)  # a Hub id, else the absolute path
+    peft.save_adapter(Path(out) / "adapter", model, trunk, base_name=name, revision=revision)
     return out
