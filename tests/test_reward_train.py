@@ -407,3 +407,24 @@ def test_the_causal_lm_loader_names_the_reward_model_call(trained):
         from_pretrained(trained["out"])
     msg = str(e.value)
     assert "klrl.load_reward_model(" in msg and "--model.reward_path" in msg and "\n" not in msg
+
+
+def test_ppo_notes_a_reward_model_trained_on_another_text_format(trained, tmp_path):
+    """The text task adds one note (logged once the run's checks pass) when ``model.reward_path``'s
+    ``reward_model.json`` records another text format than the run's ``data`` / ``sampling`` fields."""
+    import shutil
+
+    from klrl.rewards.model import format_mismatch
+    from klrl.tasks.text import make_text_task
+
+    rm = tmp_path / "rm"
+    shutil.copytree(trained["out"], rm)
+    fmt = {"chat_template": True, "prompt_len": 64, "truncate": "left", "response_len": 16, "use_eos": True}
+    (rm / "reward_model.json").write_text(json.dumps({"text_format": {**fmt, "end_token": "<|im_end|>"}}))
+    cfg = RunConfig.from_dict({"model": {"path": str(GGUF), "reward_path": str(rm)}, "task": {"name": "text"},
+                               "data": {"limit": 2}, "sampling": {"response_len": 8}})  # fmt: skip
+    notes = [n for n in make_text_task(cfg).info.get("notes", []) if "reward_path" in n]
+    assert len(notes) == 1 and "sampling.response_len 16 (this run: 8)" in notes[0], notes
+    assert "data.prompt_len" not in notes[0]
+    assert format_mismatch(rm, cfg.data, cfg.sampling.__class__(response_len=16)) is None
+    assert format_mismatch(trained["out"], cfg.data, cfg.sampling) is None  # nothing recorded

@@ -100,3 +100,31 @@ def load_reward_model(path: str | Path, *, dtype: Any = jnp.float32) -> RewardMo
         raise CheckpointFormatError(str(e)) from None
     data, sampling = recorded_format(p)
     return RewardModel(model, params, score[0], tok, data, sampling, str(p))
+
+
+def format_mismatch(path: str | Path, data: DataConfig, sampling: SamplingConfig) -> str | None:
+    """One line when the reward model in ``path`` was trained (``reward_model.json``'s ``text_format``)
+    on another text format than a PPO run with ``data`` and ``sampling`` shows it; None when they agree
+    or nothing is recorded (a directory klrl reward-model did not write)."""
+    f = Path(path) / RESULT
+    try:
+        fmt = json.loads(f.read_text()).get("text_format") if f.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(fmt, dict):
+        return None
+    run = {**dataclasses.asdict(data), **dataclasses.asdict(sampling)}
+    names = {"chat_template": "data", "prompt_len": "data", "truncate": "data", "response_len": "sampling",
+             "use_eos": "sampling"}  # fmt: skip
+    differ = [
+        f"{sec}.{k} {fmt[k]!r} (this run: {run[k]!r})"
+        for k, sec in names.items()
+        if k in fmt and fmt[k] != run[k]
+    ]
+    if not differ:
+        return None
+    return (
+        f"warning: model.reward_path {path} was trained on another text format than this run shows it: "
+        + ", ".join(differ)
+        + "; retrain it with these flags (or --config of this run), or set them here (docs/reward-model.md)"
+    )
