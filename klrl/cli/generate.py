@@ -69,6 +69,15 @@ from klrl.tasks.text import is_sequence_classifier
 
 
 # ---- flags -----------------------------------------------------------------------------------------
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where there is none to show (None, '', a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, "", argparse.SUPPRESS) or action.nargs == 0:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2
         fail(f"{self.prog}: {message}")
@@ -76,8 +85,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser(cmd: str) -> argparse.ArgumentParser:
     what = {"generate": "sample completions of prompts", "eval": "sample and score: rewards, exact KL, judge"}
-    p = _Parser(prog=f"klrl {cmd}", allow_abbrev=False, description=what[cmd],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = _Parser(prog=f"klrl {cmd}", allow_abbrev=False, description=what[cmd], formatter_class=HelpFormatter)
     a = p.add_argument
     a(
         "source",

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 from klrl.cli.args import fail, load_config_file
+from klrl.cli.generate import HelpFormatter
 from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
 from klrl.models import lora as lora_lib
@@ -101,8 +102,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     what = "train a Bradley-Terry reward model (trunk + score head) on preference pairs, on PPO's text"
-    p = _Parser(prog="klrl reward-model", allow_abbrev=False, description=what,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = _Parser(prog="klrl reward-model", allow_abbrev=False, description=what, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--model.path", dest="model_path", default=None, metavar="PATH",
       help="the base causal LM (default: --config's model.path)")  # fmt: skip
@@ -116,12 +116,19 @@ def parser() -> argparse.ArgumentParser:
         cls = DataConfig if sec == "data" else SamplingConfig
         default = cls.__dataclass_fields__[f].default
         extra = ("--chat-template",) if name == "data.chat_template" else ()
-        g.add_argument(f"--{name}", *extra, dest=name.replace(".", "_"), default=None,
+        if extra:
+            g.add_argument(
+                *extra, dest=name.replace(".", "_"), default=None, type=_bool, help=argparse.SUPPRESS
+            )
+        g.add_argument(f"--{name}", dest=name.replace(".", "_"), default=None,
                        type=_bool if kind == "bool" else int if kind == "int" else str,
                        metavar=kind.upper(), help=f"PPO's {name} (default {default!r})")  # fmt: skip
     g = p.add_argument_group("rm", "the reward model's training")
     for f, kind, default, hlp in SETTINGS:
-        g.add_argument(f"--rm.{f}", "--" + f.replace("_", "-"), dest=f, type=kind, default=default, help=hlp)
+        g.add_argument(
+            f"--rm.{f}", dest=f, type=kind, default=default, metavar=kind.__name__.upper(), help=hlp
+        )
+        g.add_argument("--" + f.replace("_", "-"), dest=f, type=kind, default=default, help=argparse.SUPPRESS)
     g.add_argument("--rm.head_only", dest="head_only", type=_bool, default=False, metavar="BOOL",
                    help="train the score head alone on the frozen trunk (a linear probe)")  # fmt: skip
     g.add_argument("--head-only", dest="head_only", action="store_const", const=True, help=argparse.SUPPRESS)
