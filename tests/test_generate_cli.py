@@ -134,6 +134,7 @@ def test_exact_kl_matches_numpy_on_a_hand_built_case():
         (["eval", str(GGUF), "--prompts", "P", "--reward.fn", "nonesuch"], ["--reward.fn", "nonesuch"]),
         (["eval", str(GGUF), "--prompts", "P", "--ref", "nope/x.gguf"], ["--ref", "nope/x.gguf"]),
         (["eval", str(GGUF), "--prompts", "P", "--reward-model", str(GGUF)], ["--reward-model"]),
+        (["eval", str(GGUF), "--prompts", "P", "--judge", "nope/x.gguf"], ["--judge", "nope/x.gguf"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, words, prompt_file, capsys):

@@ -60,6 +60,7 @@ from klrl.config.schema import closest
 from klrl.data.chat import PromptDataError
 from klrl.data.prompts import PromptPool, build_pool, read_records, resolve_path
 from klrl.models.base import forward
+from klrl.models.catalog import resolve_model_path
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import from_pretrained
 from klrl.models.rollout import generate, response_slice, sequence
@@ -274,11 +275,13 @@ def _nll(model, params, prompt, pmask, response, mask):
     return -jnp.sum(token_logprobs(logits, response) * mask, axis=-1)
 
 
-def judge_nll(path: str, records: list[Any], texts: list[str], data: DataConfig, batch: int):
-    """``(nll [M], tokens [M])``: ``path``'s negative log-likelihood of each completion after its prompt
-    (the judge's tokenizer and chat template, PPO's prompt pipeline), summed over the completion's tokens."""
+def load_judge(path: str, records: list[Any], data: DataConfig) -> tuple[Any, Any, Any, PromptPool]:
+    """``(model, params, tokenizer, prompt pool)`` of the judge ``path``: ``records``' prompts through PPO's
+    prompt pipeline with the judge's tokenizer and chat template."""
     try:
-        model, params, tok = from_pretrained(path)
+        model, params, tok = from_pretrained(resolve_model_path(path, "--judge"))
+    except ConfigError as e:
+        fail(str(e))
     except (CheckpointFormatError, OSError, ValueError) as e:
         fail(f"--judge: {e}")
     if tok is None:
@@ -287,6 +290,13 @@ def judge_nll(path: str, records: list[Any], texts: list[str], data: DataConfig,
         pool = build_pool(records, tok, data, source="--judge prompts")
     except PromptDataError as e:
         fail(f"--judge: {e}")
+    return model, params, tok, pool
+
+
+def judge_nll(judge: tuple, idx: np.ndarray, texts: list[str], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(nll [M], tokens [M])``: the judge's (:func:`load_judge`) negative log-likelihood of each
+    completion after its prompt (row ``idx[m]`` of its pool), summed over the completion's tokens."""
+    model, params, tok, pool = judge
     ids = [tok.encode(t) for t in texts]
     r = max(1, max(map(len, ids)))
     resp, mask = np.full((len(ids), r), tok.pad_id, np.int32), np.zeros((len(ids), r), np.float32)
@@ -294,14 +304,15 @@ def judge_nll(path: str, records: list[Any], texts: list[str], data: DataConfig,
         resp[i, : len(x)], mask[i, : len(x)] = x, 1.0
     nll = np.zeros(len(ids), np.float32)
     for rows, k in _chunks(len(ids), batch):
-        v = _nll(model, params, jnp.asarray(pool.tokens[rows]), jnp.asarray(pool.mask[rows]),
+        v = _nll(model, params, jnp.asarray(pool.tokens[idx[rows]]), jnp.asarray(pool.mask[idx[rows]]),
                  jnp.asarray(resp[rows]), jnp.asarray(mask[rows]))  # fmt: skip
         nll[rows[:k]] = np.asarray(v)[:k]
     return nll, mask.sum(axis=1)
 
 
-def rewards(ns: argparse.Namespace, src: Source, pool: PromptPool, idx, response, mask, texts) -> tuple:
-    """``(rewards [M] or None, what)``: ``--reward.fn``, ``--reward-model``, or the run's own reward."""
+def prepare_reward(ns: argparse.Namespace, src: Source, pool: PromptPool) -> tuple[Any, str]:
+    """``(score(idx, response, mask, texts) -> [M] or None, what)``: ``--reward.fn``, ``--reward-model``,
+    or the run's own reward; loaded (and checked) before anything is sampled."""
     spec, weights, rm = ns.reward_fn, ns.reward_weights, ns.reward_model
     if not (spec or rm) and src.cfg is not None:  # the run's own reward
         if src.cfg.reward.fn:
@@ -310,21 +321,34 @@ def rewards(ns: argparse.Namespace, src: Source, pool: PromptPool, idx, response
             rm = src.cfg.model.reward_path
     if rm:
         try:
-            model = load_reward_model(rm)
-            return model.score([pool.prompts[i] for i in idx], texts, ns.batch_size), f"reward model {rm}"
+            model = load_reward_model(resolve_model_path(rm, "--reward-model"))
+        except ConfigError as e:
+            fail(str(e))
         except (CheckpointFormatError, OSError, ValueError) as e:
             fail(f"--reward-model: {e}")
+
+        def by_model(idx, response, mask, texts):
+            try:
+                return model.score([pool.prompts[i] for i in idx], texts, ns.batch_size)
+            except ValueError as e:
+                fail(f"--reward-model: {e}")
+
+        return by_model, f"reward model {rm}"
     if not spec:
-        return None, "no reward (give --reward.fn or --reward-model)"
+        return (lambda *_: None), "no reward (give --reward.fn or --reward-model)"
     try:
         specs, w = parse_specs(spec, weights)
         host = make_host_reward(specs, w, src.tok, pool.prompts, pool.columns)
     except RewardLoadError as e:
         fail(f"--reward.fn: {e}")
-    scores, _, error = host.score_numpy(idx, response, mask)
-    if (error != 0).any():
-        fail(f"--reward.fn: {host.errors[0] if host.errors else 'a reward function failed'}")
-    return scores, f"reward.fn {spec}"
+
+    def by_fns(idx, response, mask, texts):
+        scores, _, error = host.score_numpy(idx, response, mask)
+        if (error != 0).any():
+            fail(f"--reward.fn: {host.errors[0] if host.errors else 'a reward function failed'}")
+        return scores
+
+    return by_fns, f"reward.fn {spec}"
 
 
 # ---- the commands ----------------------------------------------------------------------------------
@@ -387,16 +411,16 @@ def eval_main(argv: list[str]) -> int:
             ref = load_reference(src)
         except SourceError as e:
             fail(str(e))
+    score, what = prepare_reward(ns, src, pool)
+    judge = load_judge(ns.judge, [{data.field: p} for p in pool.prompts], data) if ns.judge else None
     print(f"{src.what}; {len(pool)} prompts x {ns.n}, temperature {ns.temperature:g}, seed {ns.seed}")
     idx, resp, mask = sample(src, pool, ns.n, ns.max_new_tokens, ns.temperature, ns.seed, ns.batch_size)
     texts, tokens, stopped = decode(src.tok, resp, mask)
-    reward, what = rewards(ns, src, pool, idx, resp, mask, texts)
+    reward = score(idx, resp, mask, texts)
     kl = exact_kl(src, ref, pool, idx, resp, mask, ns.batch_size) if ref is not None else None
     nll = ntok = None
-    if ns.judge:
-        nll, ntok = judge_nll(
-            ns.judge, [{data.field: pool.prompts[i]} for i in idx], texts, data, ns.batch_size
-        )
+    if judge is not None:
+        nll, ntok = judge_nll(judge, idx, texts, ns.batch_size)
     rows = _rows(pool, idx, ns.n, texts, tokens, stopped)
     for m, row in enumerate(rows):
         row["reward"] = None if reward is None else float(reward[m])
