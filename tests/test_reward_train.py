@@ -428,3 +428,21 @@ def test_ppo_notes_a_reward_model_trained_on_another_text_format(trained, tmp_pa
     assert "data.prompt_len" not in notes[0]
     assert format_mismatch(rm, cfg.data, cfg.sampling.__class__(response_len=16)) is None
     assert format_mismatch(trained["out"], cfg.data, cfg.sampling) is None  # nothing recorded
+
+
+def test_config_of_the_ppo_run_gives_the_text_format_and_flags_override_it(tmp_path):
+    """``--config FILE`` (the PPO run's config) supplies data.*, sampling.* and model.path; a flag wins."""
+    from klrl.cli.reward_model import parse_args, text_configs
+
+    f = tmp_path / "ppo.yaml"
+    f.write_text(f"model: {{path: {GGUF}}}\ndata: {{prompt_len: 12, chat_template: false}}\n"
+                 "sampling: {response_len: 3, use_eos: false}\n")  # fmt: skip
+    ns = parse_args(["--config", str(f), "--pairs", "p", "--out", "o", "--sampling.response_len", "5"])
+    data, sampling = text_configs(ns)
+    assert (data.prompt_len, data.chat_template, sampling.response_len, sampling.use_eos) == (
+        12,
+        False,
+        5,
+        False,
+    )
+    assert ns.model_path == str(GGUF) and ns.deprecated == []
