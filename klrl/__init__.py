@@ -27,6 +27,7 @@ from klrl.config import (
 from klrl.io.samples import samples  # the function (reads samples.jsonl back)
 from klrl.models.gpt import GPT
 from klrl.models.rollout import Rollout, generate
+from klrl.rewards.model import RewardModel, load_reward_model
 from klrl.step.train import Phases, Train, TrainState, make_train
 
 __version__ = "0.1.0"
@@ -50,6 +51,7 @@ __all__ = [
     "OptimConfig",
     "PPOConfig",
     "Phases",
+    "RewardModel",
     "Rollout",
     "RunConfig",
     "RunResult",
@@ -62,6 +64,7 @@ __all__ = [
     "control",
     "generate",
     "kl",
+    "load_reward_model",
     "load_run",
     "load_sweep",
     "losses",

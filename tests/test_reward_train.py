@@ -224,13 +224,21 @@ def _pairs_file(tmp_path: Path, rows: list) -> Path:
 def test_command_writes_the_directory_and_its_numbers(tmp_path, capsys):
     f = _pairs_file(tmp_path, marker_pairs(12))
     out = tmp_path / "rm"
-    flags = "--epochs 2 --batch-size 4 --max-len 16 --eval-fraction 0.25 --lora.rank 2".split()
+    flags = "--rm.epochs 2 --rm.batch_size 4 --data.prompt_len 32 --sampling.response_len 12".split()
+    flags += "--eval-fraction 0.25 --lora.rank 2".split()  # an old spelling: still works, one warning line
     argv = ["reward-model", "--model.path", str(GGUF), "--pairs", str(f), "--out", str(out), *flags]
     assert klrl_main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith("epoch ") for line in lines) == 2 and "LoRA rank 2" in lines[0]
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert captured.err.strip() == "warning: --eval-fraction is deprecated; use --rm.eval_fraction"
+    assert lines[0].startswith("text format") and "chat template on" in lines[0], lines[0]
+    assert "data.prompt_len 32" in lines[0] and "sampling.response_len 12" in lines[0]
+    assert sum(line.startswith("epoch ") for line in lines) == 2 and "LoRA rank 2" in lines[1]
+    assert "klrl.load_reward_model(" in lines[-1]
     doc = json.loads((out / "reward_model.json").read_text())
     assert doc["pairs"] == {"total": 12, "train": 9, "heldout": 3, "truncated": 0}
+    assert doc["text_format"] == {"chat_template": True, "prompt_len": 32, "truncate": "left",
+                                  "response_len": 12, "use_eos": True, "end_token": "<|im_end|>"}  # fmt: skip
     assert 0 <= doc["heldout_accuracy"] <= 1 and len(doc["history"]) == 2
     assert doc["settings"]["lora_rank"] == 2
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -257,8 +265,11 @@ def test_command_writes_the_directory_and_its_numbers(tmp_path, capsys):
         ("model", ["--model.path", "nope"]),
         ("badmodel", ["--model.path"]),
         ("out", ["--out", "not an empty directory"]),
-        ("lr", ["--lr", "> 0"]),
+        ("lr", ["--rm.lr", "> 0"]),
         ("targets", ["--lora.targets", "zzz"]),
+        ("maxlen", ["--max-len", "--data.prompt_len", "--sampling.response_len"]),
+        ("typo", ["--rm.epoch", "did you mean --rm.epochs?"]),
+        ("len", ["data.prompt_len", ">= 1"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, words):
@@ -287,7 +298,13 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, words):
         (tmp_path / "rm").mkdir()
         (tmp_path / "rm" / "x").write_text("keep")
     elif case == "lr":
-        extra = ["--lr", "0"]
+        extra = ["--lr", "0"]  # the old spelling: the error names the new one
+    elif case == "maxlen":
+        extra = ["--max-len", "16"]
+    elif case == "typo":
+        extra = ["--rm.epoch", "3"]
+    elif case == "len":
+        extra = ["--data.prompt_len", "0"]
     elif case == "targets":
         extra = ["--lora.rank", "2", "--lora.targets", "zzz"]
     argv = ["reward-model", *[x for kv in args.items() for x in kv], *extra]
@@ -321,5 +338,111 @@ def test_head_only_trains_a_linear_probe_of_the_frozen_trunk(tmp_path, capsys):
     np.testing.assert_allclose(np.asarray(got), last.astype(np.float64) @ score, rtol=1e-4, atol=1e-4)
     f = _pairs_file(tmp_path, rows)
     argv = ["reward-model", "--model.path", str(GGUF), "--pairs", str(f), "--out", str(tmp_path / "o"),
-            "--head-only", "--lora.rank", "2"]  # fmt: skip
-    assert "--lora.rank: must be 0 with --head-only" in one_line_error(capsys, klrl_main, argv)
+            "--rm.head_only", "true", "--lora.rank", "2"]  # fmt: skip
+    assert "--lora.rank: must be 0 with --rm.head_only" in one_line_error(capsys, klrl_main, argv)
+
+
+# ---- one text format from the reward model to PPO -------------------------------------------------------
+def _ppo_reward_inputs(tok, prompt_file: Path, responses: list[str], P: int, R: int):
+    """What PPO's reward model reads for these prompts and sampled responses: the prompts through PPO's
+    own pool (:func:`klrl.data.prompts.load_prompts`, its defaults: the chat template), each response as
+    the sampler leaves it (its ids, the end token where it stopped, cut at R), and
+    ``sequence(prompt, prompt_mask, response, mask)`` as :func:`klrl.tasks.text.model_reward` builds it."""
+    from klrl.config import DataConfig
+    from klrl.data.prompts import load_prompts
+    from klrl.models.rollout import sequence
+
+    pool = load_prompts(DataConfig(path=str(prompt_file), prompt_len=P), tok).train
+    response = np.full((len(responses), R), tok.pad_id, np.int32)
+    mask = np.zeros((len(responses), R), np.float32)
+    for i, text in enumerate(responses):
+        ids = (tok.encode(text) + [tok.stop_ids[0]])[:R]  # sampled up to the stop token, or cut at R
+        response[i, : len(ids)], mask[i, : len(ids)] = ids, 1.0
+    tokens, key_mask = sequence(pool.tokens, pool.mask, response, mask)
+    ro = Rollout(pool.tokens, pool.mask, response, mask, None, None, None)
+    real = [np.asarray(t)[np.concatenate([pm, m]) > 0].tolist()
+            for t, pm, m in zip(np.asarray(tokens), pool.mask, mask, strict=True)]  # fmt: skip
+    assert np.asarray(key_mask).shape == (len(responses), P + R)
+    return ro, real
+
+
+def test_reward_trainer_and_ppo_see_the_same_token_ids_and_scores(trained, tmp_path):
+    """The token ids ``klrl reward-model`` trains on for a (prompt, response) are the real tokens PPO's
+    reward model reads for that prompt and completion (chat template, stop token, both truncations), and
+    ``klrl.load_reward_model(DIR).score`` equals PPO's ``--model.reward_path`` reward of the rollout.
+    The old default layout (raw ``prompt + response``, ``encode_pairs``) differs."""
+    import klrl
+    from klrl.config import DataConfig, SamplingConfig
+    from klrl.rewards.pairs import encode_as_ppo
+
+    tok, P, R = trained["tok"], 24, 5
+    prompts = ["ab cd", "ef " * 40, "gh"]  # the second one longer than P: cut inside the user content
+    responses = ["yes", "ij kl mn op", "kl"]  # the second one longer than R: cut, no stop token
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    ro, want = _ppo_reward_inputs(tok, f, responses, P, R)
+    rows = [{"prompt": p, "chosen": r, "rejected": r} for p, r in zip(prompts, responses, strict=True)]
+    pairs = encode_as_ppo(rows, tok, DataConfig(prompt_len=P), SamplingConfig(response_len=R))
+    got = [row[m > 0].tolist() for row, m in zip(pairs.chosen, pairs.chosen_mask, strict=True)]
+    assert got == want
+    assert want[0][-1] == tok.stop_ids[0] and want[1][-1] != tok.stop_ids[0]  # cut at R: no stop
+    assert pairs.truncated == 1 and pairs.chosen.shape == (3, P + R)
+    old = encode_pairs(rows, tok, P + R)
+    assert [row[m > 0].tolist() for row, m in zip(old.chosen, old.chosen_mask, strict=True)] != want
+    # the scores: PPO's reward of the rollout == klrl.load_reward_model(DIR).score(prompts, responses)
+    model, params = reward_model(RunConfig(model=ModelConfig(reward_path=str(trained["out"]))))
+    r = model_reward(model, params)
+    ppo = np.asarray(jax.jit(r.fn)(r.params, ro))
+    rm = klrl.load_reward_model(trained["out"])
+    assert (rm.data, rm.sampling) == (DataConfig(), SamplingConfig())  # none recorded: the defaults
+    rm = dataclasses.replace(rm, data=DataConfig(prompt_len=P), sampling=SamplingConfig(response_len=R))
+    np.testing.assert_allclose(rm.score(prompts, responses, batch_size=2), ppo, atol=1e-4)
+    assert [t[m > 0].tolist() for t, m in zip(*rm.encode(prompts, responses), strict=True)] == want
+
+
+def test_the_causal_lm_loader_names_the_reward_model_call(trained):
+    from klrl.models.hf import CheckpointFormatError
+
+    with pytest.raises(CheckpointFormatError) as e:
+        from_pretrained(trained["out"])
+    msg = str(e.value)
+    assert "klrl.load_reward_model(" in msg and "--model.reward_path" in msg and "\n" not in msg
+
+
+def test_ppo_notes_a_reward_model_trained_on_another_text_format(trained, tmp_path):
+    """The text task adds one note (logged once the run's checks pass) when ``model.reward_path``'s
+    ``reward_model.json`` records another text format than the run's ``data`` / ``sampling`` fields."""
+    import shutil
+
+    from klrl.rewards.model import format_mismatch
+    from klrl.tasks.text import make_text_task
+
+    rm = tmp_path / "rm"
+    shutil.copytree(trained["out"], rm)
+    fmt = {"chat_template": True, "prompt_len": 64, "truncate": "left", "response_len": 16, "use_eos": True}
+    (rm / "reward_model.json").write_text(json.dumps({"text_format": {**fmt, "end_token": "<|im_end|>"}}))
+    cfg = RunConfig.from_dict({"model": {"path": str(GGUF), "reward_path": str(rm)}, "task": {"name": "text"},
+                               "data": {"limit": 2}, "sampling": {"response_len": 8}})  # fmt: skip
+    notes = [n for n in make_text_task(cfg).info.get("notes", []) if "reward_path" in n]
+    assert len(notes) == 1 and "sampling.response_len 16 (this run: 8)" in notes[0], notes
+    assert "data.prompt_len" not in notes[0]
+    assert format_mismatch(rm, cfg.data, cfg.sampling.__class__(response_len=16)) is None
+    assert format_mismatch(trained["out"], cfg.data, cfg.sampling) is None  # nothing recorded
+
+
+def test_config_of_the_ppo_run_gives_the_text_format_and_flags_override_it(tmp_path):
+    """``--config FILE`` (the PPO run's config) supplies data.*, sampling.* and model.path; a flag wins."""
+    from klrl.cli.reward_model import parse_args, text_configs
+
+    f = tmp_path / "ppo.yaml"
+    f.write_text(f"model: {{path: {GGUF}}}\ndata: {{prompt_len: 12, chat_template: false}}\n"
+                 "sampling: {response_len: 3, use_eos: false}\n")  # fmt: skip
+    ns = parse_args(["--config", str(f), "--pairs", "p", "--out", "o", "--sampling.response_len", "5"])
+    data, sampling = text_configs(ns)
+    assert (data.prompt_len, data.chat_template, sampling.response_len, sampling.use_eos) == (
+        12,
+        False,
+        5,
+        False,
+    )
+    assert ns.model_path == str(GGUF) and ns.deprecated == []

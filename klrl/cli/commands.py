@@ -9,6 +9,8 @@
 * ``klrl report RUN_DIR``: write ``report.md`` for a run or sweep directory.
 * ``klrl export RUN_DIR OUT_DIR [--step N]``: a checkpoint's policy as a model directory
   (:mod:`klrl.cli.export`).
+* ``klrl generate SOURCE --prompts FILE``, ``klrl eval SOURCE --prompts FILE``: completions of a run,
+  a checkpoint, an export or a model; rewards, exact KL and a judge's perplexity (:mod:`klrl.cli.generate`).
 * ``klrl models``: the pretrained models klrl can see on this machine, with the path to pass as
   ``--model.path`` (:func:`klrl.models.catalog.find_models`).
 
@@ -48,6 +50,7 @@ from klrl.cli.args import (
     parse,
 )
 from klrl.cli.export import main as export_main
+from klrl.cli.generate import eval_main, generate_main
 from klrl.cli.launch import check_reward_fns, run_one, run_sweep
 from klrl.cli.reward_model import main as reward_model_main
 from klrl.config import ConfigError, RunConfig, config_warnings
@@ -62,7 +65,18 @@ from klrl.tasks.text import check_model_paths
 
 __all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
-COMMANDS = ("train", "sweep", "study", "resume", "report", "export", "models", "reward-model")
+COMMANDS = (
+    "train",
+    "sweep",
+    "study",
+    "resume",
+    "report",
+    "export",
+    "generate",
+    "eval",
+    "models",
+    "reward-model",
+)
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
@@ -346,7 +360,7 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 def _usage() -> str:
     return (
-        "usage: klrl {train,sweep,study,resume,report,export,models,reward-model} [flags]  "
+        "usage: klrl {train,sweep,study,resume,report,export,generate,eval,models,reward-model} [flags]  "
         "(klrl COMMAND --help lists the flags)\n\n"
         "  train    one training run:             klrl train --kl.beta 0.1 --train.iterations 50\n"
         "  sweep    a grid as one program:        klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1\n"
@@ -354,6 +368,8 @@ def _usage() -> str:
         "  resume   continue from a checkpoint:   klrl resume runs/NAME --train.iterations 200\n"
         "  report   write report.md for a run:    klrl report runs/NAME\n"
         "  export   a checkpoint's policy:        klrl export runs/NAME OUT_DIR [--step N]\n"
+        "  generate completions of a run or model: klrl generate runs/NAME --prompt 'Hi' [--n 4]\n"
+        "  eval     rewards, exact KL, judge NLL: klrl eval runs/NAME --prompts P.jsonl [--judge M]\n"
         "  models   pretrained models it can see: klrl models   (their paths, for --model.path)\n"
         "  reward-model  a Bradley-Terry reward model:\n"
         "           klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)\n"
@@ -391,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(rest)
     if cmd == "models":
         return models_main(rest)
+    if cmd == "generate":
+        return generate_main(rest)
+    if cmd == "eval":
+        return eval_main(rest)
     if cmd == "reward-model":
         return reward_model_main(rest)
     if cmd not in COMMANDS:

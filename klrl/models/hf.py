@@ -140,6 +140,14 @@ def load_hf(path: str | Path, *, dtype=jnp.float32, score: bool = False, put=Non
     model = family_from_config(cfg, dtype=dtype, where=str(path / "config.json"))
     files = TensorFiles(path)
     expected = dict(model.hf_shapes())
+    if not score and "score.weight" in files.where:
+        arch = ", ".join(map(str, cfg.get("architectures") or [])) or "a score head"
+        raise CheckpointFormatError(
+            f"{files.file_of('score.weight')}: a reward model ({arch}: tensor 'score.weight'), "
+            "not a causal LM; "
+            f"load it with klrl.load_reward_model({str(path)!r}) (.score(prompts, responses)), or pass it to "
+            "PPO as --model.reward_path"
+        )
     if score:
         model = type(model)(_tied(model.config), dtype)
         expected = dict(model.hf_shapes())

@@ -17,19 +17,32 @@ id; TRL appends EOS too), so the reward model is trained to read the position th
 right-padded to ``max_len``; a longer one loses the start of its prompt, then the end of its response
 (counted in :attr:`Pairs.truncated`).
 
+**PPO's text format** (:func:`encode_as_ppo`, what ``klrl reward-model`` trains on by default): each
+pair is laid out exactly as PPO's reward model reads a rollout. The prompt goes through PPO's own prompt
+pipeline (:func:`klrl.data.prompts.build_pool` with the run's ``data`` section: the chat template when
+``data.chat_template``, a long prompt cut inside its user content to ``data.prompt_len``); the response
+is encoded without special tokens, cut after its first stop id, ended with the tokenizer's end token
+when ``sampling.use_eos`` (as a sampled response ends at a stop id), and cut to
+``sampling.response_len`` tokens (a response PPO cut there has no stop token; neither has this one).
+The token ids are the real tokens of PPO's ``sequence(prompt, prompt_mask, response, mask)``, right-
+padded to ``data.prompt_len + sampling.response_len``. A row without a prompt is the response alone,
+encoded with the tokenizer's special tokens (a BOS), never wrapped in the template.
+
 Every problem (a missing, empty or foreign file, a missing column, a non-text or empty value) is a
 :class:`PairsError` whose message is one line naming the file and row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from klrl.config import DataConfig, SamplingConfig
 from klrl.data.chat import PromptDataError, one_line
-from klrl.data.prompts import read_records
+from klrl.data.prompts import build_pool, read_records
 from klrl.data.tokenizer import Tokenizer
 
 FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
@@ -185,3 +198,95 @@ def split(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarr
     k = min(max(1, round(eval_fraction * n)), n - 1)
     held = np.sort(np.random.default_rng(seed).permutation(n)[:k])
     return np.setdiff1d(np.arange(n), held), held
+
+
+# ---- PPO's text format ---------------------------------------------------------------------------------
+def ppo_prompt(rec: dict, side: str) -> tuple[Any, str]:
+    """``(prompt value, response text)`` of one side of a row, the prompt as PPO's ``data.field`` would
+    hold it (a string or a conversation; None without one): a conversational response's earlier
+    messages join the prompt (TRL's implicit prompt)."""
+    prompt, resp = rec.get("prompt"), rec[side]
+    if isinstance(resp, str):
+        return (prompt if prompt else None), resp
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}] if prompt else []
+    msgs = [dict(m) for m in [*(prompt or []), *resp[:-1]]]
+    return (msgs or None), resp[-1]["content"]
+
+
+def response_ids(ids: list[int], stops: tuple[int, ...], sampling: SamplingConfig) -> tuple[list[int], bool]:
+    """A response's ids as PPO samples them: cut after the first stop id and ended with ``stops[0]``
+    (``sampling.use_eos``), then cut to ``sampling.response_len``; ``(ids, cut)``."""
+    ids = list(ids)
+    if sampling.use_eos and stops:
+        at = next((k for k, t in enumerate(ids) if t in stops), None)
+        ids = ids[: at + 1] if at is not None else [*ids, stops[0]]
+    r = sampling.response_len
+    return ids[:r], len(ids) > r
+
+
+def text_format(tokenizer: Tokenizer, data: DataConfig, sampling: SamplingConfig) -> dict:
+    """The text format as ``reward_model.json`` records it (and :func:`format_line` prints it)."""
+    stops = tuple(int(i) for i in getattr(tokenizer, "stop_ids", ()) or ())
+    end = tokenizer.decode([stops[0]], skip_special_tokens=False) if stops and sampling.use_eos else None
+    return {
+        "chat_template": data.chat_template,
+        "prompt_len": data.prompt_len,
+        "truncate": data.truncate,
+        "response_len": sampling.response_len,
+        "use_eos": sampling.use_eos,
+        "end_token": end,
+    }
+
+
+def format_line(fmt: dict) -> str:
+    """One line saying which text a reward model reads (:func:`text_format`'s dict)."""
+    tpl = "on (the model's chat template around each prompt)" if fmt["chat_template"] else "off (raw prompts)"
+    end = (
+        f"responses end with {fmt['end_token']!r} unless cut"
+        if fmt["use_eos"] and fmt["end_token"] is not None
+        else "no end token added (sampling.use_eos false)"
+    )
+    return (
+        f"text format (as PPO shows it to --model.reward_path): chat template {tpl}; prompts cut to "
+        f"data.prompt_len {fmt['prompt_len']} tokens (truncate {fmt['truncate']}); responses cut to "
+        f"sampling.response_len {fmt['response_len']} tokens; {end}"
+    )
+
+
+def encode_as_ppo(
+    records: list[dict], tokenizer: Tokenizer, data: DataConfig, sampling: SamplingConfig, *, source: str = ""
+) -> Pairs:
+    """Tokenise checked rows (:func:`check_pairs`) in PPO's text format (module docstring) into
+    :class:`Pairs` of width ``data.prompt_len + sampling.response_len``."""
+    stops = tuple(int(i) for i in getattr(tokenizer, "stop_ids", ()) or ())
+    n, width = len(records), data.prompt_len + sampling.response_len
+    sides = [(i, s, *ppo_prompt(rec, s)) for i, rec in enumerate(records) for s in REQUIRED]
+    with_prompt = [k for k, x in enumerate(sides) if x[2] is not None]
+    cfg = dataclasses.replace(data, field="prompt")
+    pool = None
+    if with_prompt:
+        try:
+            pool = build_pool([{"prompt": sides[k][2]} for k in with_prompt], tokenizer, cfg,
+                              source=source or "<pairs>",
+                              where=[f"row {sides[k][0]}: {sides[k][1]}" for k in with_prompt])  # fmt: skip
+        except PromptDataError as e:
+            raise PairsError(str(e)) from None
+    row_of = {k: j for j, k in enumerate(with_prompt)}
+    toks = {s: np.full((n, width), tokenizer.pad_id, np.int32) for s in REQUIRED}
+    masks = {s: np.zeros((n, width), np.float32) for s in REQUIRED}
+    cut = np.zeros(n, bool)
+    for k, (i, side, _, resp) in enumerate(sides):
+        p_ids: list[int] = []
+        if k in row_of:
+            j = row_of[k]
+            p_ids = pool.tokens[j][pool.mask[j] > 0].tolist()
+            cut[i] |= bool(pool.truncated[j])
+        r_ids, c = response_ids(tokenizer.encode(resp, add_special_tokens=not p_ids), stops, sampling)
+        if not r_ids:
+            raise PairsError(f"{source} row {i}: {side}: the response encodes to no tokens".strip())
+        cut[i] |= c
+        ids = p_ids + r_ids
+        toks[side][i, : len(ids)] = ids
+        masks[side][i, : len(ids)] = 1.0
+    return Pairs(toks["chosen"], masks["chosen"], toks["rejected"], masks["rejected"], int(cut.sum()))
