@@ -47,6 +47,7 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
     """(config, history rows, summary) of one offline W&B run directory."""
     (path,) = run_dir.glob("run-*.wandb")
     config, history, summary = {}, [], {}
+    items = lambda xs: {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in xs}
     for r in _records(path):
         kind = r.WhichOneof("record_type")
         if kind == "run":
@@ -54,13 +55,9 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
         elif kind == "config":
             config.update({i.key: json.loads(i.value_json) for i in r.config.update})
         elif kind == "history":
-            history.append(
-                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            )
+            history.append(items(r.history.item))
         elif kind == "summary":
-            summary.update(
-                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update}
-            )
+            summary.update(items(r.summary.update))
     return config, history, summary
 
 
@@ -102,9 +99,8 @@ def test_wandb_offline_logs_config_rows_samples_and_summary(tiny_cfg, tiny_task,
     assert [h["iteration"] for h in history] == [0, 1, 2]
     for h, row in zip(history, rows, strict=True):
         for k, v in row.items():
-            assert (
-                h[k] == pytest.approx(v, rel=1e-6, abs=1e-12, nan_ok=True) if v != "nan" else h[k] != h[k]
-            ), k
+            want = float(v)  # (a non-finite value is "nan" in metrics.jsonl)
+            assert h[k] == pytest.approx(want, rel=1e-6, abs=1e-12, nan_ok=True), k
     assert [it for it, _ in rec.rows] == [0, 1, 2] and rec.stopped == 1
     assert rec.rows[1][1]["reward/task"] == rows[1]["reward/task"]
     tables = {h["iteration"]: h["samples/path"] for h in history if "samples/path" in h}
@@ -118,9 +114,8 @@ def test_wandb_offline_logs_config_rows_samples_and_summary(tiny_cfg, tiny_task,
     assert [g["completion"] for g in got] == [s["completion"] for s in want]
     assert [g["kl_seq_sum"] for g in got] == pytest.approx([s["kl_seq_sum"] for s in want])
     for k, se in json.loads((r.dir / "summary.json").read_text()).items():
-        assert summary[f"{k}/start"] == pytest.approx(se["start"]) and summary[f"{k}/end"] == pytest.approx(
-            se["end"]
-        )
+        assert summary[f"{k}/start"] == pytest.approx(se["start"])
+        assert summary[f"{k}/end"] == pytest.approx(se["end"])
     assert summary["iterations_done"] == 3
     assert (r.dir / "wandb_id").read_text().strip() == wdir.name.rsplit("-", 1)[1]  # a resume continues it
 

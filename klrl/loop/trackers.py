@@ -75,10 +75,7 @@ class WandbTracker(Hook):
             run.define_metric("*", step_metric="iteration")  # rows, iteration as the x axis
             self.runs.append(run)
         if mode != "disabled":
-            run = self.runs[0]
-            home = getattr(run.settings, "sync_dir", None) or where or os.environ.get("WANDB_DIR", ".")
-            tail = f"; `wandb sync {home}` uploads it" if mode == "offline" else f": {run.url}"
-            log(f"W&B: {len(self.runs)} {mode} run{'s' if len(self.runs) > 1 else ''}{tail}")
+            log(_where(self.runs, mode))
 
     def on_step(self, loop: Loop, row: Row) -> None:
         decoded = getattr(self.samples.log, "last", None)
@@ -104,6 +101,16 @@ class WandbTracker(Hook):
                                 "stop_error": loop.stop_error or loop.reward_stop or ""})  # fmt: skip
             run.finish(exit_code=1 if failed or loop.stop_error else 0)
         self.runs = []
+
+
+def _where(runs: list[Any], mode: str) -> str:
+    """The log line: where the W&B runs are (offline: the command that uploads them)."""
+    if mode != "offline":
+        return f"W&B: {', '.join(str(r.url) for r in runs)}"
+    dirs = [str(getattr(r.settings, "sync_dir", "")) for r in runs]
+    where = dirs[0] if len(dirs) == 1 else str(Path(dirs[0]).parent / "offline-run-*")
+    n = f"{len(runs)} offline runs" if len(runs) > 1 else "offline run"
+    return f"W&B: {n} in {where}; `wandb sync {where}` uploads"
 
 
 def _run_id(d: Path | None) -> str | None:
