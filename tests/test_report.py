@@ -91,3 +91,19 @@ def test_short_run_windows_are_sized_to_the_run(tmp_path):
     sweep = [synthetic(b, seed=i, n=6) for i, b in enumerate((0.01, 0.1))]
     text = klrl.write_report(sweep, out_dir=tmp_path / "sw", plots=False).read_text()
     assert "the last 2 iterations of each member" in text and "the first and the last 2 iterations." in text
+
+
+def test_config_block_leaves_out_the_gpt_fields_on_a_pretrained_model(tmp_path):
+    """report.md's config of a model.path run has no n_layers or d_model (the model's own config fixes
+    them) and says so; a testbed run keeps them."""
+    import dataclasses
+
+    r = synthetic(n=6)
+    text = klrl.write_report(r, out_dir=tmp_path / "gpt", plots=False).read_text()
+    assert '"n_layers": 2' in text and "Left out" not in text
+    cfg = r.config.replace(model={"path": "/m/SmolLM2.gguf"}, task={"name": "text"})
+    r = dataclasses.replace(r, config=cfg)
+    text = klrl.write_report(r, out_dir=tmp_path / "hf", plots=False).read_text()
+    config = text.split("## Config", 1)[1]
+    assert '"path": "/m/SmolLM2.gguf"' in config
+    assert '"n_layers"' not in config and '"d_model"' not in config and "Left out: model.n_layers" in config

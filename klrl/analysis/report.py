@@ -21,6 +21,7 @@ import numpy as np
 from klrl.analysis.aggregate import label, seed_groups, t_interval, tail_mean, unit_of
 from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
+from klrl.config.fields import GPT_ONLY
 from klrl.io.readers import config_diff, read_jsonl
 from klrl.io.samples import report_lines
 from klrl.registry import is_adaptive
@@ -174,10 +175,21 @@ def _run_events(d: Path | None) -> list[str]:
                                                       for e in rows])  # fmt: skip
 
 
-def _config_block(cfg_dict: dict[str, Any]) -> list[str]:
-    """One line per section: compact, and still valid JSON."""
+def _config_block(cfg_dict: dict[str, Any], note: str = "") -> list[str]:
+    """One line per section: compact, and still valid JSON (``note``: a line after it)."""
     body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in cfg_dict.items())
-    return ["```json", "{\n" + body + "\n}", "```"]
+    return ["```json", "{\n" + body + "\n}", "```", *([note] if note else [])]
+
+
+def _applying(cfg: Any) -> tuple[dict[str, Any], str]:
+    """The config as the report shows it: on a pretrained ``model.path`` without the built-in GPT's
+    fields (:data:`klrl.config.fields.GPT_ONLY`: the model's own config fixes its architecture)."""
+    d = cfg.to_dict()
+    if not cfg.model.path:
+        return d, ""
+    d["model"] = {k: v for k, v in d["model"].items() if k not in GPT_ONLY}
+    left = ", ".join(f"model.{k}" for k in GPT_ONLY)
+    return d, f"Left out: {left} (klrl's built-in GPT; model.path fixes the architecture)."
 
 
 def _keys(results: list[RunResult]) -> list[str]:
@@ -330,7 +342,7 @@ def write_report(
     lines += [
         "## Config" if not is_sweep else f"## Config ({first}; the Members table shows what differs)",
         "",
-        *_config_block(results[0].config.to_dict()),
+        *_config_block(*_applying(results[0].config)),
         "",
     ]
     lines += [f"_Written by klrl.analysis.report.write_report on {time.strftime('%Y-%m-%d %H:%M:%S')}._", ""]

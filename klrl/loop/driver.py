@@ -67,6 +67,7 @@ from klrl.loop.hostmem import release_freed_memory
 from klrl.loop.metrics import alias_map, learning_rates, member_row
 from klrl.loop.program import Program
 from klrl.loop.stops import skips_message
+from klrl.loop.trackers import WandbTracker
 from klrl.rewards.host import RewardFunctionError
 from klrl.step.samples import pop_samples
 
@@ -240,9 +241,7 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
     sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
     heldout, reward, samples = HeldOut(prog), RewardFailure(prog), Samples.of(loop)
     trackers: list[Hook] = []
-    if loop.configs[0].log.wandb and loop.main:  # (wandb imported there only)
-        from klrl.loop.trackers import WandbTracker
-
+    if loop.configs[0].log.wandb and loop.main:  # (wandb imported there, only then)
         trackers.append(WandbTracker(loop, samples, sink.aliases, log))
     return _Hooks(signals, ckpts, heldout, reward, rollback, samples, sink, progress, ReadyTimes(), trackers)
 
