@@ -125,11 +125,18 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
         return f"{name}: not a klrl flag; klrl's is --{target}{note}"
     if "." in bare:
         sec, fld = bare.split(".", 1)
+        shown = sec
+        if sec == "model" and fld.startswith("lora."):  # the --model.lora.FIELD spelling of lora.FIELD
+            sec, fld, shown = "lora", fld[len("lora.") :], "model.lora"
         if sec in SECTIONS:
             valid = [f.name for f in dataclasses.fields(SECTIONS[sec])]
             near = closest(fld, valid)
-            hint = f"; did you mean --{sec}.{near}?" if near else f" (valid: {', '.join(valid)})"
-            return f"{sec}.{fld}: unknown field{hint}"
+            if near is not None:
+                return f"{shown}.{fld}: unknown field; did you mean --{shown}.{near}?"
+            # another spelling, nearly the same (model.lora_rank); else the valid names say more
+            near = closest(bare, [f[2:] for f in flags if "." in f], cutoff=0.85)
+            hint = f"; did you mean --{near}?" if near else f" (valid: {', '.join(valid)})"
+            return f"{shown}.{fld}: unknown field{hint}"
         near = closest(bare, field_names())
         if near is None and closest(sec, SECTIONS):
             return f"{bare}: unknown section {sec!r}; did you mean {closest(sec, SECTIONS)}?"
@@ -141,6 +148,9 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
             f"{name}: unknown flag; config fields take their section: {' or '.join('--' + o for o in owners)}"
         )
     near = closest(name, flags) or closest(name.replace("_", "-"), flags)
+    if near is None:  # a field's name misspelt without its section (--rnak): the sections that have it
+        field = closest(bare.replace("-", "_"), {n.split(".", 1)[1] for n in field_names()})
+        near = " or ".join(f"--{n}" for n in field_names() if n.split(".", 1)[1] == field) or None
     return f"{name}: unknown flag" + (f"; did you mean {near}?" if near else "")
 
 
