@@ -52,6 +52,7 @@ from klrl.loop.hooks import (
     Checkpoints,
     HeldOut,
     Hook,
+    KLSignNote,
     Loop,
     MetricsSink,
     ProgressLine,
@@ -134,7 +135,7 @@ class _Hooks:
     sink: MetricsSink
     progress: ProgressLine
     ready: ReadyTimes
-    user: list[Hook]  # the trackers (log.wandb) and the user's hooks: after the built-in ones
+    user: list[Hook]  # the KL sign note, the trackers (log.wandb) and the user's hooks, in this order
 
     @property
     def row_order(self) -> list[Hook]:
@@ -241,6 +242,8 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
     sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
     heldout, reward, samples = HeldOut(prog), RewardFailure(prog), Samples.of(loop)
     trackers: list[Hook] = []
+    if loop.main and not tc.quiet:
+        trackers.append(KLSignNote(loop.configs[0].kl.estimator, log))
     if loop.configs[0].log.wandb and loop.main:  # (wandb imported there, only then)
         trackers.append(WandbTracker(loop, samples, sink.aliases, log))
     return _Hooks(signals, ckpts, heldout, reward, rollback, samples, sink, progress, ReadyTimes(), trackers)
