@@ -244,6 +244,8 @@ def build_program(
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
     adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
     train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)
+    if base.model.adapter and not tc.quiet and distributed.is_main():  # the initial policy's adapters
+        (log or partial(print, file=sys.stderr, flush=True))(peft.adapter_line(base.model.adapter))
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     # one gain and bias for every member (the env is shared): from the first member's seed
     env, norm_info = reward_norm_env(train, task.env, seed=tc.seed, resume=resume,
