@@ -155,6 +155,7 @@ def sweep(
     ``resume=SWEEP_DIR`` continues the sweep exactly (bit for bit against an uninterrupted one).
     The non-finite guard and the quality rollback apply per member (a rollback restores the whole
     sweep to a checkpoint good for the members that crossed; the others replay exactly).
+    A member on a pretrained ``model.path`` ends with its ``policy/`` as a run does.
     ``report(results)`` is called at the end of a written sweep. With several processes only
     process 0 writes. ``on_step(iteration, metrics)`` gets each iteration's ``{name: array over
     members}`` as it is recorded (e.g. for a live plot). The result is a list with
@@ -164,12 +165,16 @@ def sweep(
     """
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
-        results, stop_error, _ = _train(
+        results, stop_error, task = _train(
             list(members), True, task, out_dir, write, log, resume, guard, on_step, sweep_devices, {}, hooks
         )
         results = Sweep(results)
-        if results[0].dir is not None and distributed.is_main() and report is not None:
-            report(results)
+        if results[0].dir is not None and distributed.is_main():
+            for r in results:  # as a run's: each member's final policy (pretrained model.path)
+                if r.config.model.path and r.state is not None and r.dir is not None:
+                    save_policy(task, r.state, r.dir / "policy", adopt_adapter(r.config))
+            if report is not None:
+                report(results)
         if stop_error is not None:
             raise reliability.RunStopped(f"stopped: {stop_error}", results)
         return results
