@@ -80,10 +80,9 @@ def test_wandb_offline_logs_config_rows_samples_and_summary(tiny_cfg, tiny_task,
     same rows and the stop."""
     import klrl
 
-    for k in ("WANDB_API_KEY", "WANDB_MODE"):
+    for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: auto is offline
-    monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = tiny_cfg.replace(
         train={"iterations": 3, "samples_every": 2, "samples_n": 3, "out_dir": str(tmp_path), "name": "w"},
         log={"wandb": True, "wandb_project": "klrl-test"},

@@ -69,9 +69,10 @@ class WandbTracker(Hook):
             name = cfg.wandb_name or (d.name if d is not None else None)
             if cfg.wandb_name and loop.stacked and d is not None:
                 name = f"{cfg.wandb_name}/{d.name}"
+            # silent: wandb's own lines (a history and summary per run) left out; ours says where they are
             run = wandb.init(project=cfg.wandb_project, name=name, group=group, mode=mode, dir=where,
-                             config=c.to_dict(), reinit="create_new", resume="allow",
-                             id=_run_id(d))  # fmt: skip
+                             config=c.to_dict(), reinit="create_new", resume="allow", id=_run_id(d),
+                             settings=wandb.Settings(silent=True))  # fmt: skip
             run.define_metric("*", step_metric="iteration")  # rows, iteration as the x axis
             self.runs.append(run)
         if mode != "disabled":
