@@ -147,3 +147,13 @@ def test_wandb_mode_auto(monkeypatch, tmp_path):
     assert wandb_mode("auto") == "disabled"
     with pytest.raises(ConfigError, match=r"^log\.wandb_mode"):
         RunConfig().replace(log={"wandb_mode": "cloud"})
+
+
+def test_log_fields_are_one_value_per_sweep():
+    """``log.*`` is per-run bookkeeping: a sweep's members share it (one W&B setting for all of them)."""
+    from klrl.config.sweep import check_members
+
+    a = RunConfig().replace(log={"wandb": True})
+    check_members([a, a.replace(kl={"beta": 1.0})])
+    with pytest.raises(ConfigError, match=r"^log\.wandb_project: .*per-run bookkeeping"):
+        check_members([a, a.replace(log={"wandb_project": "other"})])
