@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,7 @@ def run(
     resume: str | Path | None = None,
     report: Callable[[RunResult], Any] | None = None,
     on_step: Callable[[int, dict[str, float]], Any] | None = None,
+    hooks: Sequence[Any] = (),
     **models: Any,
 ) -> RunResult:
     """Train ``cfg`` to the end and return its metrics, final state and run directory.
@@ -103,7 +104,10 @@ def run(
     (e.g. :func:`klrl.analysis.report.maybe_write_report`); ``models`` go to
     :func:`klrl.step.train.make_train` (``policy=``, ``policy_params=``, ...).
     ``on_step(iteration, metrics)`` is called with each iteration's metrics as they are recorded
-    (e.g. for a live plot; see :func:`klrl.loop.driver.drive`).
+    (e.g. for a live plot; see :func:`klrl.loop.driver.drive`). ``hooks``: objects with
+    ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`klrl.loop.hooks.Hook`: ``row.it``,
+    ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``), told after
+    the built-in hooks (metrics, checkpoints, samples, progress, trackers).
 
     SIGTERM/SIGINT finish the current iteration, checkpoint and return
     (``result.info['stopped']`` names the signal). :class:`klrl.loop.reliability.RunStopped` is raised
@@ -115,7 +119,7 @@ def run(
     # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
         (result,), stop_error, task = _train(
-            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models
+            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models, hooks
         )
         if result.dir is not None and distributed.is_main():
             if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
@@ -138,6 +142,7 @@ def sweep(
     resume: str | Path | None = None,
     report: Callable[[list[RunResult]], Any] | None = None,
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+    hooks: Sequence[Any] = (),
 ) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
@@ -150,26 +155,33 @@ def sweep(
     ``resume=SWEEP_DIR`` continues the sweep exactly (bit for bit against an uninterrupted one).
     The non-finite guard and the quality rollback apply per member (a rollback restores the whole
     sweep to a checkpoint good for the members that crossed; the others replay exactly).
+    A member on a pretrained ``model.path`` ends with its ``policy/`` as a run does.
     ``report(results)`` is called at the end of a written sweep. With several processes only
     process 0 writes. ``on_step(iteration, metrics)`` gets each iteration's ``{name: array over
     members}`` as it is recorded (e.g. for a live plot). The result is a list with
     ``.to_frame()`` (:func:`klrl.analysis.results.to_frame`). ``sweep_devices``: the device groups
-    the members are split over (the rest of the devices split each member's batch).
+    the members are split over (the rest of the devices split each member's batch). ``hooks``: as
+    :func:`run`'s (``row.members[j]``: member ``j``'s row).
     """
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
-        results, stop_error, _ = _train(
-            list(members), True, task, out_dir, write, log, resume, guard, on_step, sweep_devices, {}
+        results, stop_error, task = _train(
+            list(members), True, task, out_dir, write, log, resume, guard, on_step, sweep_devices, {}, hooks
         )
         results = Sweep(results)
-        if results[0].dir is not None and distributed.is_main() and report is not None:
-            report(results)
+        if results[0].dir is not None and distributed.is_main():
+            for r in results:  # as a run's: each member's final policy (pretrained model.path)
+                if r.config.model.path and r.state is not None and r.dir is not None:
+                    save_policy(task, r.state, r.dir / "policy", adopt_adapter(r.config))
+            if report is not None:
+                report(results)
         if stop_error is not None:
             raise reliability.RunStopped(f"stopped: {stop_error}", results)
         return results
 
 
-def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models):
+def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models,
+           hooks=()):  # fmt: skip
     """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. A Hub name in
     a ``model.*`` path is read from the local Hugging Face cache (``resolve_model_paths``)."""
     members = [resolve_model_paths(m) for m in members]
@@ -190,7 +202,7 @@ def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, 
         **models,
     )
     results, stop_error = drive(
-        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step
+        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step, hooks=hooks
     )
     return results, stop_error, task
 
@@ -237,6 +249,8 @@ def build_program(
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
     adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
     train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)
+    if base.model.adapter and not tc.quiet and distributed.is_main():  # the initial policy's adapters
+        (log or partial(print, file=sys.stderr, flush=True))(peft.adapter_line(base.model.adapter))
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     # one gain and bias for every member (the env is shared): from the first member's seed
     env, norm_info = reward_norm_env(train, task.env, seed=tc.seed, resume=resume,

@@ -25,6 +25,7 @@ anything is built. A failure is a :class:`ConfigError` naming the field or the p
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import jax
@@ -76,6 +77,15 @@ def check_config(
     if members[0].train.rollback_metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
     check_model_fields(members[0], stacked=stacked)
+    if members[0].log.wandb and not _installed("wandb"):  # before anything compiles
+        raise ConfigError("log.wandb: the wandb package is not installed (pip install 'klrl[wandb]')")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # (a module set to None in sys.modules, e.g. blocked)
+        return False
 
 
 def check_model_fields(cfg: RunConfig, *, stacked: bool = False) -> None:

@@ -309,3 +309,21 @@ def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path,
     with pytest.raises(RuntimeError, match="built"):
         klrl.run(cfg.replace(model={"path": "Org/Tiny"}), write=False)
     assert seen == [str(snap)]
+
+
+def test_each_sweep_member_on_a_model_path_saves_its_policy(tmp_path, monkeypatch):
+    """klrl.sweep writes ``policy/`` into every member's directory on a pretrained model.path, as
+    klrl.run does (the training itself stubbed: the members' results as the loop returns them)."""
+    from klrl.analysis.results import RunResult
+
+    cfg = klrl.RunConfig().replace(model={"path": str(tmp_path / "m.gguf")}, task={"name": "text"})
+    members = [cfg.replace(kl={"beta": b}) for b in (0.1, 1.0)]
+    dirs = [tmp_path / f"kl.beta={b}" for b in (0.1, 1.0)]
+    results = [RunResult(m, d, {}, f"state{j}") for j, (m, d) in enumerate(zip(members, dirs, strict=True))]
+    monkeypatch.setattr(klrl.api, "_train", lambda *a: (results, None, "the task"))
+    saved = []
+    monkeypatch.setattr(klrl.api, "save_policy", lambda task, s, out, c: saved.append((task, s, out, c)))
+    klrl.sweep(members, out_dir=tmp_path)
+    assert [(t, s, o) for t, s, o, _ in saved] == [("the task", "state0", dirs[0] / "policy"),
+                                                   ("the task", "state1", dirs[1] / "policy")]  # fmt: skip
+    assert [c.kl.beta for *_, c in saved] == [0.1, 1.0]

@@ -221,6 +221,11 @@ def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
     [
         (["--kl.betta", "1"], "kl.betta: unknown field; did you mean --kl.beta?"),
         (["--ctrl.targte", "1"], "did you mean --ctrl.target?"),
+        (["--model.lora.rnak", "8"], "model.lora.rnak: unknown field; did you mean --model.lora.rank?"),
+        (["--lora.rnak", "8"], "lora.rnak: unknown field; did you mean --lora.rank?"),
+        (["--model.lora_rank", "8"], "did you mean --model.lora.rank?"),
+        (["--model.lora.zzz", "8"], "model.lora.zzz: unknown field (valid: rank, alpha, targets, critic_"),
+        (["--rnak", "8"], "--rnak: unknown flag; did you mean --lora.rank?"),
         (["--kl_coef", "0.1"], "--kl_coef: not a klrl flag; klrl's is --kl.beta"),
         (["--init_kl_coef", "0.1"], "klrl's is --kl.beta"),
         (["--target_kl", "6"], "klrl's is --ctrl.target"),
@@ -387,3 +392,23 @@ def test_unusable_files_and_directories_before_anything_is_built(
     line = one_line_error(capsys, C.main, ["train", *argv, *out])
     assert line.startswith(want), line
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing created
+
+
+def test_help_per_command_and_the_gpt_fields_apart() -> None:
+    """``klrl report --help`` is its own (no training flag), ``klrl resume --help`` lists only what a
+    resume may change, and ``train``'s model section opens with fields every model reads: the built-in
+    GPT's own (n_layers, ...) sit under their own heading."""
+    from klrl.cli.commands import _command_parser
+
+    report = _command_parser("report").format_help()
+    assert len(report.splitlines()) < 15 and "--kl.beta" not in report and "RUN_DIR" in report
+    resume = _command_parser("resume").format_help()
+    assert "--train.iterations" in resume and "--log.wandb" in resume and "--kl.beta" not in resume
+    train = _command_parser("train").format_help()
+    model = train.split("\nmodel:\n", 1)[1].split("\n\n")[1]  # the flags after the section's description
+    assert model.lstrip().startswith("--model.value_model") and "--model.n_layers" not in model
+    gpt = train.split("\nmodel (klrl's built-in GPT only):\n", 1)[1].split("\n\n")[1]
+    assert gpt.lstrip().startswith("--model.n_layers") and "--model.tie_embeddings" in gpt
+    # hidden flags still parse (a report's own message names them; a resume checks them against the run)
+    ns = _command_parser("report").parse_args(["RUN", "--kl.beta", "1"])
+    assert getattr(ns, "kl.beta") == "1"

@@ -491,3 +491,22 @@ def test_signals_installed_while_the_loop_runs():
     assert logs == ["SIGTERM: stopping after this iteration and a checkpoint"]
     own = Signals(None, logs.append)  # without a guard's: its own
     assert isinstance(own.signals, StopSignals) and own.signals._log == logs.append
+
+
+def test_kl_sign_note_once_when_the_penalised_mean_is_negative_and_the_exact_kl_positive():
+    """k1's batch mean below zero (past float noise) while the exact KL is positive: one note naming the
+    iteration, the member, both values and the batch; never again, never for noise or agreement."""
+    lines: list[str] = []
+    note = H.KLSignNote("k1", lines.append)
+    loop = _loop([_cfg(batch_size=8), _cfg(batch_size=8)], stacked=True, dirs=[None, None])
+    k, e = "kl/reward_k1_seq_sum", "kl/exact_seq_sum"
+    note.on_step(loop, _row(loop, 0, [{k: -1e-7, e: 7e-8}, {k: 3.6e-7, e: 7e-8}]))  # iteration 0: noise
+    note.on_step(loop, _row(loop, 1, [{k: 0.2, e: 0.1}, {k: 0.3, e: 0.1}]))  # agree
+    note.on_step(loop, _row(loop, 2, [{k: 0.2, e: 0.1}, {k: -0.41, e: 0.12}]))
+    note.on_step(loop, _row(loop, 3, [{k: -0.5, e: 0.1}, {k: -0.5, e: 0.1}]))  # once only
+    assert len(lines) == 1
+    assert lines[0].startswith("note: iteration 2: member 01: the penalised KL estimate kl/reward_k1_seq_sum")
+    assert "batch mean -0.41 nats/seq while the exact KL is 0.12" in lines[0] and "at batch 8" in lines[0]
+    quiet = H.KLSignNote("k1", lines.append)
+    quiet.on_step(loop, _row(loop, 4, [{k: -0.5}, {k: -0.5}]))  # no exact KL (kl.exact_metric false)
+    assert len(lines) == 1

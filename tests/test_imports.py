@@ -38,7 +38,7 @@ ROOT_LAYERS = {"api": "api", "checks": "api", "registry": "registry", "distribut
 EXEMPT = {"klrl", "klrl.__main__"}  # the package root (the public API) and ``python -m klrl``
 
 # imports inside a function: optional dependencies, imported where they are needed (first-level names)
-OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython"}
+OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython", "wandb"}
 # the command line imports inside its functions, so that ``klrl --help`` does not import jax
 FAST_START = ("klrl/cli/",)
 # (file, imported module) -> why it is imported inside a function

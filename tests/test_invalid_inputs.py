@@ -53,6 +53,9 @@ FREE_STRINGS = {
     "data.eval_path",
     "reward.fn",  # (tested below: test_bad_reward_fn)
     "reward.weights",
+    "log.wandb_project",
+    "log.wandb_name",
+    "log.wandb_group",
 }
 CHOICES = [
     f"{s}.{f.name}" for s, f in FIELDS if type(f.default) is str and f"{s}.{f.name}" not in FREE_STRINGS

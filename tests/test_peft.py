@@ -349,3 +349,15 @@ def test_a_reward_adapter_round_trips_and_scores_as_transformers(name, tmp_path)
         ).hidden_states[-1]
     theirs = (hs[:, -1] @ pm.base_model.model.score.modules_to_save["default"].weight.T)[:, 0].numpy()
     np.testing.assert_allclose(mine, theirs, atol=ATOL, rtol=1e-4)
+
+
+def test_adapter_line_says_what_was_loaded():
+    """The log line of ``model.adapter`` (klrl.api.build_program prints it): path, r, lora_alpha, the
+    target modules and the number of tensors (the golden: 2 layers x 7 modules x A and B = 28)."""
+    from klrl.models.peft import adapter_line
+
+    d = DATA / "peft" / "tiny_llama"
+    line = adapter_line(d)
+    assert line.startswith(f"model.adapter: loaded {d} (r=4, lora_alpha=8, target_modules=")
+    assert "=down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj," in line
+    assert line.endswith(", 28 tensors)")

@@ -132,6 +132,9 @@ def test_check_resumable_rules():
     assert set(config_diff(a, b)) == {f"train.{k}" for k in knobs} <= RESUME_MUTABLE
     check_resumable(a, b)  # all allowed
     check_resumable(a.to_dict(), b)
+    tracked = a.replace(log={"wandb": True, "wandb_mode": "offline", "wandb_project": "p"})
+    check_resumable(a, tracked)  # the trackers may change
+    check_resumable({k: v for k, v in a.to_dict().items() if k != "log"}, tracked)  # a run from before log.*
     for change, field in [
         ({"model": {"d_model": 128}}, "model.d_model"),
         ({"train": {"batch_size": 32}}, "train.batch_size"),

@@ -72,3 +72,38 @@ def test_single_run_final_is_the_trailing_window_mean(tmp_path):
     assert by["reward/gold"][1] == "a.u." and by["kl/exact_seq_sum"][1] == "nats/sequence"
     assert float(by["reward/gold"][2]) == pytest.approx(np.mean(gold[:7]), rel=1e-3)
     assert float(by["reward/gold"][3]) == pytest.approx(np.mean(gold[-7:]), rel=1e-3)
+
+
+def test_short_run_windows_are_sized_to_the_run(tmp_path):
+    """A 3-iteration run's start is iteration 0 and its final iteration 2 (a window of 1, said in the
+    report), not the same mean over all three; 40 iterations: 10; a sweep: sized to its members."""
+    r = synthetic(n=3)
+    gold = r.metrics["reward/gold"]
+    assert gold[0] != gold[2]
+    text = klrl.write_report(r, out_dir=tmp_path / "short", plots=False).read_text()
+    by = {row[0]: row for row in table(text, "## Summary")[1]}
+    assert float(by["reward/gold"][2]) == pytest.approx(gold[0], rel=1e-3)
+    assert float(by["reward/gold"][3]) == pytest.approx(gold[2], rel=1e-3)
+    assert "the first and the last 1 iteration (the window" in text
+    assert [klrl.analysis.report.report_window(n) for n in (1, 3, 6, 29, 30, 500)] == [1, 1, 2, 9, 10, 10]
+    text = klrl.write_report(synthetic(n=40), out_dir=tmp_path / "long", plots=False).read_text()
+    assert "the first and the last 10 iterations" in text
+    sweep = [synthetic(b, seed=i, n=6) for i, b in enumerate((0.01, 0.1))]
+    text = klrl.write_report(sweep, out_dir=tmp_path / "sw", plots=False).read_text()
+    assert "the last 2 iterations of each member" in text and "the first and the last 2 iterations." in text
+
+
+def test_config_block_leaves_out_the_gpt_fields_on_a_pretrained_model(tmp_path):
+    """report.md's config of a model.path run has no n_layers or d_model (the model's own config fixes
+    them) and says so; a testbed run keeps them."""
+    import dataclasses
+
+    r = synthetic(n=6)
+    text = klrl.write_report(r, out_dir=tmp_path / "gpt", plots=False).read_text()
+    assert '"n_layers": 2' in text and "Left out" not in text
+    cfg = r.config.replace(model={"path": "/m/SmolLM2.gguf"}, task={"name": "text"})
+    r = dataclasses.replace(r, config=cfg)
+    text = klrl.write_report(r, out_dir=tmp_path / "hf", plots=False).read_text()
+    config = text.split("## Config", 1)[1]
+    assert '"path": "/m/SmolLM2.gguf"' in config
+    assert '"n_layers"' not in config and '"d_model"' not in config and "Left out: model.n_layers" in config

@@ -233,3 +233,22 @@ def test_report_lines_and_samples_read_a_run_and_a_sweep(tmp_path) -> None:
     ]
     with pytest.raises(ValueError, match="no run directory"):
         samples(type("R", (), {"dir": None})())
+
+
+def test_samples_without_pandas_says_it_is_a_list(tmp_path, monkeypatch) -> None:
+    """No pandas: klrl.samples warns (naming the extra) and returns the list; frame=False: no warning."""
+    import sys
+    import warnings
+
+    import klrl
+
+    w = SamplesWriter(tmp_path)
+    w.write(0, ["p"], ["c"], [1.0], kl_seq_sum=[0.5])
+    w.close()
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.warns(UserWarning, match=r"pandas is not installed \(pip install 'klrl\[viz\]'\)"):
+        rows = klrl.samples(tmp_path)
+    assert [(r["prompt"], r["completion"]) for r in rows] == [("p", "c")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert klrl.samples(tmp_path, frame=False) == rows

@@ -21,6 +21,7 @@ import numpy as np
 from klrl.analysis.aggregate import label, seed_groups, t_interval, tail_mean, unit_of
 from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
+from klrl.config.fields import GPT_ONLY
 from klrl.io.readers import config_diff, read_jsonl
 from klrl.io.samples import report_lines
 from klrl.registry import is_adaptive
@@ -30,7 +31,14 @@ from klrl.registry import is_adaptive
 
 
 REPORT_NAME = "report.md"
-WINDOW = 10  # iterations: start and final values are means over the first / last WINDOW iterations
+WINDOW = 10  # iterations: start and final values are means over the first / last (at most) WINDOW
+
+
+def report_window(n: int, cap: int = WINDOW) -> int:
+    """The start/final window of a run of ``n`` iterations: ``cap``, but at most a third of the run (at
+    least 1), so the start and final windows never overlap and a short run's start is not its end."""
+    return max(1, min(cap, n // 3))
+
 
 # start/end rows of the summary, in this order, where logged
 REPORT_KEYS = (
@@ -124,6 +132,10 @@ def _start_end(v: np.ndarray, w: int = WINDOW) -> tuple[float, float]:
     return tail_mean(v[:w], w), tail_mean(v, w)
 
 
+def _its(w: int) -> str:
+    return f"{w} iteration{'s' if w != 1 else ''}"
+
+
 def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
     esc = lambda s: _fmt(s).replace("|", "\\|")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -163,10 +175,21 @@ def _run_events(d: Path | None) -> list[str]:
                                                       for e in rows])  # fmt: skip
 
 
-def _config_block(cfg_dict: dict[str, Any]) -> list[str]:
-    """One line per section: compact, and still valid JSON."""
+def _config_block(cfg_dict: dict[str, Any], note: str = "") -> list[str]:
+    """One line per section: compact, and still valid JSON (``note``: a line after it)."""
     body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in cfg_dict.items())
-    return ["```json", "{\n" + body + "\n}", "```"]
+    return ["```json", "{\n" + body + "\n}", "```", *([note] if note else [])]
+
+
+def _applying(cfg: Any) -> tuple[dict[str, Any], str]:
+    """The config as the report shows it: on a pretrained ``model.path`` without the built-in GPT's
+    fields (:data:`klrl.config.fields.GPT_ONLY`: the model's own config fixes its architecture)."""
+    d = cfg.to_dict()
+    if not cfg.model.path:
+        return d, ""
+    d["model"] = {k: v for k, v in d["model"].items() if k not in GPT_ONLY}
+    left = ", ".join(f"model.{k}" for k in GPT_ONLY)
+    return d, f"Left out: {left} (klrl's built-in GPT; model.path fixes the architecture)."
 
 
 def _keys(results: list[RunResult]) -> list[str]:
@@ -196,7 +219,8 @@ def _single(r: RunResult, root: Path, w: int) -> list[str]:
     ]
     rows = [[k, unit_of(k), *_start_end(r.metrics[k], w)] for k in _keys([r])]
     lines += _table(["metric", "unit", "start", "final"], rows) if rows else ["No metrics logged."]
-    lines += ["", f"Start and final are means over the first and the last {w} iterations.", ""]
+    lines += ["", f"Start and final are means over the first and the last {_its(w)} (the window: at most "
+              f"{WINDOW}, at most a third of the run).", ""]  # fmt: skip
     lines += ["## Diagnosis timeline", "", *_timeline_table(r), ""]
     lines += report_lines(r.dir)
     ev = _run_events(r.dir)
@@ -252,7 +276,7 @@ def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
         *_settings_table(results, vary, keys, w),
         "",
         f"{n_set} settings: members whose configs differ only in `train.seed` (or the run's name). "
-        f"Cells are final values (means over the last {w} iterations of each member) as the mean over "
+        f"Cells are final values (means over the last {_its(w)} of each member) as the mean over "
         "seeds ± the half-width of its 95% Student-t interval (t with n - 1 degrees of freedom times the "
         "standard deviation over seeds over sqrt(n)); a mean alone where a setting has one seed.",
         "",
@@ -268,7 +292,7 @@ def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
             cells.append(f"{_fmt(s)} -> {_fmt(e)}")
         rows.append(cells)
     lines += _table(["member", *vary, "label", "final regime", *(f"{k} ({unit_of(k)})" for k in keys)], rows)
-    lines += ["", f"Metric cells are start -> final: means over the first and the last {w} iterations.", "",
+    lines += ["", f"Metric cells are start -> final: means over the first and the last {_its(w)}.", "",
               "## Diagnosis timeline", ""]  # fmt: skip
     for i, r in enumerate(results):
         name = r.dir.name if r.dir is not None else f"member {i:02d}"
@@ -287,7 +311,7 @@ def write_report(
     out_dir: str | Path | None = None,
     plots: bool = True,
     dpi: int = 90,
-    window: int = WINDOW,
+    window: int | None = None,
 ) -> Path:
     """Write ``report.md`` (and its PNG plots) for a run or a sweep; return its path.
 
@@ -295,11 +319,14 @@ def write_report(
     members), a :class:`RunResult`, or the list of results :func:`klrl.sweep` returned. The report
     goes into that directory (the sweep's root for a list of members) unless ``out_dir`` is given
     (needed for results of ``write=False``). Start and final values are means over the first and
-    the last ``window`` iterations; a sweep's Settings table aggregates them over seeds. Raises
+    the last ``window`` iterations (default: :func:`report_window` of the longest run, 10 from 30
+    iterations on; the report says which); a sweep's Settings table aggregates them over seeds. Raises
     :class:`ReportError` (a ``ValueError``) naming the path when the source cannot be read.
     """
     results, root, is_sweep = _resolve(source, out_dir)
     root.mkdir(parents=True, exist_ok=True)
+    if window is None:
+        window = report_window(max(_n_iter(r) for r in results))
     lines = _sweep(results, root, window) if is_sweep else _single(results[0], root, window)
     if plots and any(_n_iter(r) for r in results):
         # matplotlib costs about 1 s at import, and ``import klrl`` imports this module
@@ -315,7 +342,7 @@ def write_report(
     lines += [
         "## Config" if not is_sweep else f"## Config ({first}; the Members table shows what differs)",
         "",
-        *_config_block(results[0].config.to_dict()),
+        *_config_block(*_applying(results[0].config)),
         "",
     ]
     lines += [f"_Written by klrl.analysis.report.write_report on {time.strftime('%Y-%m-%d %H:%M:%S')}._", ""]

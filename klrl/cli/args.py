@@ -18,12 +18,14 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
 
 from klrl.config import SECTIONS, ConfigError, RunConfig, aliases, field_names
+from klrl.config.fields import GPT_ONLY
 from klrl.config.schema import ALIASES, closest, short
 from klrl.io.readers import RunDirError, read_json, read_text
 from klrl.tasks.pretrain import cache_root
@@ -54,31 +56,52 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(
-    description: str = "", extra: Any = None, prog: str | None = None, fields: bool = True
+    description: str = "",
+    extra: Any = None,
+    prog: str | None = None,
+    fields: bool = True,
+    shown: Callable[[str], bool] | None = None,
+    epilog: str | None = None,
 ) -> argparse.ArgumentParser:
     """The parser of a command: ``--config`` and a flag per config field (``fields``), the
-    command's own flags added by ``extra(parser)``."""
+    command's own flags added by ``extra(parser)``. ``shown(section.field)``: whether ``--help`` lists
+    a field (default: every one; the others are parsed all the same); ``shown`` rejecting every field
+    also hides ``--config``. klrl's built-in GPT's fields (:data:`GPT_ONLY`) get their own heading."""
     p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                allow_abbrev=False, prog=prog)  # fmt: skip
+                allow_abbrev=False, prog=prog, epilog=epilog)  # fmt: skip
     if not fields:
         return p
+    show = shown or (lambda name: True)
+    any_shown = any(show(n) for n in field_names())
     p.add_argument("--config", metavar="FILE", default=None,
                    help="a JSON or YAML file of {section: {field: value}} (a run's config.json works); "
-                        "the flags override it")  # fmt: skip
+                        "the flags override it" if any_shown else argparse.SUPPRESS)  # fmt: skip
     if extra is not None:
         extra(p)
     for name, cls in SECTIONS.items():
-        g = p.add_argument_group(name, (cls.__doc__ or "").strip().splitlines()[0])
+        names = [f.name for f in dataclasses.fields(cls)]
+        g = gpt = p  # a section with no field shown: no heading
+        if any(show(f"{name}.{f}") for f in names if name != "model" or f not in GPT_ONLY):
+            g = gpt = p.add_argument_group(
+                name, " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+            )
+        if name == "model" and any(show(f"model.{f}") for f in GPT_ONLY):
+            gpt = p.add_argument_group(f"{name} (klrl's built-in GPT only)", GPT_HELP)
         for f in dataclasses.fields(cls):
             spellings = (f"--{name}.{f.name}",) + ((f"--model.lora.{f.name}",) if name == "lora" else ())
-            g.add_argument(
+            help_ = f"{f.metadata.get('help', '')} (default: {f.default!r})"
+            (gpt if name == "model" and f.name in GPT_ONLY else g).add_argument(
                 *spellings,
                 dest=f"{name}.{f.name}",
                 default=argparse.SUPPRESS,
                 metavar=type(f.default).__name__.upper(),
-                help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
+                help=help_ if show(f"{name}.{f.name}") else argparse.SUPPRESS,
             )
     return p
+
+
+GPT_HELP = ("the testbed tasks' policy; ignored with --model.path, whose config.json or GGUF header fixes "
+            "the architecture")  # fmt: skip
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -102,11 +125,18 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
         return f"{name}: not a klrl flag; klrl's is --{target}{note}"
     if "." in bare:
         sec, fld = bare.split(".", 1)
+        shown = sec
+        if sec == "model" and fld.startswith("lora."):  # the --model.lora.FIELD spelling of lora.FIELD
+            sec, fld, shown = "lora", fld[len("lora.") :], "model.lora"
         if sec in SECTIONS:
             valid = [f.name for f in dataclasses.fields(SECTIONS[sec])]
             near = closest(fld, valid)
-            hint = f"; did you mean --{sec}.{near}?" if near else f" (valid: {', '.join(valid)})"
-            return f"{sec}.{fld}: unknown field{hint}"
+            if near is not None:
+                return f"{shown}.{fld}: unknown field; did you mean --{shown}.{near}?"
+            # another spelling, nearly the same (model.lora_rank); else the valid names say more
+            near = closest(bare, [f[2:] for f in flags if "." in f], cutoff=0.85)
+            hint = f"; did you mean --{near}?" if near else f" (valid: {', '.join(valid)})"
+            return f"{shown}.{fld}: unknown field{hint}"
         near = closest(bare, field_names())
         if near is None and closest(sec, SECTIONS):
             return f"{bare}: unknown section {sec!r}; did you mean {closest(sec, SECTIONS)}?"
@@ -118,6 +148,9 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
             f"{name}: unknown flag; config fields take their section: {' or '.join('--' + o for o in owners)}"
         )
     near = closest(name, flags) or closest(name.replace("_", "-"), flags)
+    if near is None:  # a field's name misspelt without its section (--rnak): the sections that have it
+        field = closest(bare.replace("-", "_"), {n.split(".", 1)[1] for n in field_names()})
+        near = " or ".join(f"--{n}" for n in field_names() if n.split(".", 1)[1] == field) or None
     return f"{name}: unknown flag" + (f"; did you mean {near}?" if near else "")
 
 

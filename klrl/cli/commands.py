@@ -58,6 +58,7 @@ from klrl.config.schema import closest
 from klrl.config.sweep import check_members, check_overrides, grid, parse_axis
 from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
 from klrl.io.readers import RunDirError, read_run
+from klrl.io.resume import RESUME_MUTABLE
 from klrl.models.catalog import MODEL_FIELDS, find_models, resolve_model_paths
 from klrl.tasks.base import builtin_task_shape
 from klrl.tasks.pretrain import cache_root
@@ -355,6 +356,15 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
         if cmd != "report":
             distributed_args(p)
 
+    if cmd == "report":  # reads the run's own config: no field is a flag of it (check_report_alone)
+        return build_parser("klrl report: write report.md and its plots for a run or sweep directory",
+                            extra=extra, prog=f"klrl {cmd}", shown=lambda name: False)  # fmt: skip
+    if cmd == "resume":  # only what a resume may change (klrl.io.resume.check_resumable)
+        shown = lambda name: name in RESUME_MUTABLE or name.startswith(("diag.", "log."))
+        return build_parser(f"klrl resume: continue a run or sweep from its newest checkpoint, bit for bit. "
+                            f"{DESCRIPTION}", extra=extra, prog=f"klrl {cmd}", shown=shown,
+                            epilog="Only the flags listed may change; every other config field is the run's "
+                            "own (its config.json).")  # fmt: skip
     return build_parser(f"klrl {cmd}: {DESCRIPTION}", extra=extra, prog=f"klrl {cmd}")
 
 

@@ -66,9 +66,15 @@ def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, f"must be one of {', '.join(choices)} (got {value!r})")
 
 
+# the fields of klrl's built-in GPT (the testbed tasks): a pretrained model.path has its own (config.json,
+# the GGUF header) and never reads these; the help groups them apart and report.md leaves them out
+GPT_ONLY = ("n_layers", "n_heads", "d_model", "mlp_ratio", "tie_embeddings")
+
+
 @section("model")
 class ModelConfig:
-    """GPT-2-style decoder: learned positions, pre-LayerNorm blocks, GELU MLP."""
+    """The policy, its critic and reference: a pretrained model.path, or klrl's built-in GPT-2-style decoder
+    (learned positions, pre-LayerNorm blocks, GELU MLP) for the testbed tasks."""
 
     n_layers: int = _f(2, "number of transformer blocks")
     n_heads: int = _f(4, "attention heads per block")
@@ -89,7 +95,7 @@ class ModelConfig:
         "(half the bytes; its forward runs in model.dtype from the rounded weights)",
     )
     path: str = _f(
-        "", "pretrained policy and reference: an HF model directory or a .gguf file ('' = klrl GPT above)"
+        "", "pretrained policy and reference: an HF model directory or a .gguf file ('' = the built-in GPT)"
     )
     value_path: str = _f(
         "", "model.value_model=separate with model.path: the value trunk's checkpoint ('' = model.path)"

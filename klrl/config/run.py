@@ -42,7 +42,8 @@ from klrl.registry import ADVANTAGES, TASKS, is_adaptive  # names are checked ag
 __all__ = [
     "FORMATS", "TRUNCATE", "KL_UNITS", "PLACEMENTS", "ConfigError", "ControllerConfig", "DataConfig",
     "DiagnosisConfig",
-    "KLConfig", "LoRAConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RunConfig",
+    "KLConfig", "LogConfig",
+    "LoRAConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RunConfig",
     "SamplingConfig",
     "TaskConfig", "TaskShape", "TrainConfig", "UnknownFieldError", "config_warnings", "field_names",
     "parse_mesh",
@@ -208,6 +209,29 @@ class DiagnosisConfig:
         _check(self.settle >= 0, "diag.settle", "must be >= 0")
 
 
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+@section("log")
+class LogConfig:
+    """Experiment trackers beside metrics.jsonl and TensorBoard (klrl.loop.trackers)."""
+
+    wandb: bool = _f(
+        False, "also log to Weights & Biases (pip install 'klrl[wandb]'): the config, every metrics row, "
+        "the samples as a table, the summary; a sweep: one W&B run per member",
+    )  # fmt: skip
+    wandb_project: str = _f("klrl", "W&B project")
+    wandb_name: str = _f("", "W&B run name ('' = the run directory's name; a sweep member's: its own)")
+    wandb_group: str = _f("", "W&B group ('' = none for a run; a sweep: the sweep directory's name)")
+    wandb_mode: str = _f(
+        "auto", "auto (online with WANDB_API_KEY or a `wandb login`, else offline; $WANDB_MODE wins), "
+        "online, offline (files under the run directory's wandb/, `wandb sync` uploads them) or disabled",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _choice(self.wandb_mode, "log.wandb_mode", WANDB_MODES)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a run needs. Cross-field rules are checked here."""
@@ -224,6 +248,7 @@ class RunConfig:
     diag: DiagnosisConfig = field(default_factory=DiagnosisConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -71,9 +71,9 @@ ALIASES = {
 }
 
 
-def closest(name: str, valid: Iterable[str]) -> str | None:
-    """The closest of ``valid`` to ``name`` (difflib), or ``None``."""
-    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+def closest(name: str, valid: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The closest of ``valid`` to ``name`` (difflib, similarity at least ``cutoff``), or ``None``."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=cutoff)
     return close[0] if close else None
 
 

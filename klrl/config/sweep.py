@@ -48,6 +48,7 @@ BOOKKEEPING = {
     *(("train", f) for f in ("name", "out_dir", "quiet", "log_every", "checkpoint_every", "keep_checkpoints",
                              "samples_every", "samples_n", "metric_aliases")),
     *(("diag", f.name) for f in dataclasses.fields(RunConfig().diag)),
+    *(("log", f.name) for f in dataclasses.fields(RunConfig().log)),
 }  # fmt: skip
 
 # the ctrl knobs each built-in controller kind reads (klrl.algo.control); every kind also reads

@@ -55,11 +55,12 @@ RESUME_MUTABLE = frozenset(
 def check_resumable(saved: RunConfig | dict[str, Any], cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` (naming the fields) if ``cfg`` may not continue a run of ``saved``.
 
-    Only :data:`RESUME_MUTABLE` fields and the diagnosis (``diag.*``: read after training, never by the
-    step) may change; a field missing from ``saved`` (added to klrl since the run was written) is its
-    default, which is the behaviour the run had. ``train.iterations`` may change only with the
-    constant learning-rate schedule: a decaying schedule's horizon is ``train.iterations``, so
-    changing it would change the updates already made (refused rather than silently re-timed).
+    Only :data:`RESUME_MUTABLE` fields, the diagnosis (``diag.*``: read after training, never by the
+    step) and the trackers (``log.*``) may change; a field missing from ``saved`` (added to klrl since
+    the run was written) is its default, which is the behaviour the run had. ``train.iterations`` may
+    change only with the constant learning-rate schedule: a decaying schedule's horizon is
+    ``train.iterations``, so changing it would change the updates already made (refused rather than
+    silently re-timed).
     """
     if isinstance(saved, dict):  # a field added since the run was written: its default (the old behaviour)
         defaults = RunConfig().to_dict()
@@ -68,7 +69,7 @@ def check_resumable(saved: RunConfig | dict[str, Any], cfg: RunConfig) -> None:
         }
         saved = {**defaults, **given}
     diff = config_diff(saved, cfg)
-    bad = [f for f in diff if f not in RESUME_MUTABLE and not f.startswith("diag.")]
+    bad = [f for f in diff if f not in RESUME_MUTABLE and not f.startswith(("diag.", "log."))]
     if bad:
         raise ConfigError(
             f"{', '.join(bad)}: differ from the run's config; a resume may change only "

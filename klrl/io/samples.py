@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,9 @@ def _run_dirs(source: Any) -> list[tuple[str, Path]]:
 def samples(source: Any, iteration: int | None = None, *, frame: bool = True) -> Any:
     """The samples of a run or sweep (a directory, a :class:`~klrl.analysis.results.RunResult` or a sweep's
     results): a pandas DataFrame with one row per sample (columns ``member``, ``iteration``,
-    ``prompt``, ``completion``, ``reward``, ``kl_seq_sum``, ...) or, without pandas or with
-    ``frame=False``, a list of dicts. ``iteration``: only that iteration's."""
+    ``prompt``, ``completion``, ``reward``, ``kl_seq_sum``, ...) or, with ``frame=False``, a list of
+    dicts; without pandas (``pip install 'klrl[viz]'``) the list, with a warning that says so.
+    ``iteration``: only that iteration's."""
     rows = []
     for name, d in _run_dirs(source):
         path = d / "samples.jsonl"
@@ -205,5 +207,7 @@ def samples(source: Any, iteration: int | None = None, *, frame: bool = True) ->
     try:
         import pandas as pd
     except ImportError:
+        warnings.warn("klrl.samples: pandas is not installed (pip install 'klrl[viz]'), so this is a list "
+                      "of dicts, not a DataFrame (frame=False asks for the list)", stacklevel=2)  # fmt: skip
         return rows
     return pd.DataFrame(rows)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from klrl.loop.hooks import (
     Checkpoints,
     HeldOut,
     Hook,
+    KLSignNote,
     Loop,
     MetricsSink,
     ProgressLine,
@@ -67,6 +68,7 @@ from klrl.loop.hostmem import release_freed_memory
 from klrl.loop.metrics import alias_map, learning_rates, member_row
 from klrl.loop.program import Program
 from klrl.loop.stops import skips_message
+from klrl.loop.trackers import WandbTracker
 from klrl.rewards.host import RewardFunctionError
 from klrl.step.samples import pop_samples
 
@@ -84,6 +86,7 @@ def drive(
     log: Callable[[str], None] | None = None,
     guard: reliability.RunGuard | None = None,
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
+    hooks: Sequence[Hook] = (),
 ) -> tuple[list[RunResult], str | None]:
     """Run ``prog`` to the end (or a stop); returns one :class:`RunResult` per member and the
     reason of a guard/rollback stop (None otherwise). See the module docstring. A failed host reward
@@ -95,14 +98,18 @@ def drive(
 
     ``on_step(iteration, metrics)`` (e.g. a live plot in a notebook) is called on the host after each
     row is recorded (one step late, as rows are), with the run's metrics (``{name: float}``) or, for
-    a sweep, ``{name: array over members}``; on process 0 only."""
+    a sweep, ``{name: array over members}``; on process 0 only. ``hooks``: the user's own objects with
+    ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`~klrl.loop.hooks.Hook`), told after the
+    built-in ones and the trackers, on every process."""
     log = log or _stderr
     restore_to = _restore_target(prog, write)
     if resume is not None:
         loop = _resumed(prog, resume, restore_to, log)
     else:
         loop = _new(prog, write, out_dir, guard)
+    user = list(hooks)
     hooks = _hooks(loop, resume, restore_to, guard, log, on_step)
+    hooks.user += user
     try:
         with hooks.signals:
             while _iteration(loop, hooks):
@@ -128,17 +135,18 @@ class _Hooks:
     sink: MetricsSink
     progress: ProgressLine
     ready: ReadyTimes
+    user: list[Hook]  # the KL sign note, the trackers (log.wandb) and the user's hooks, in this order
 
     @property
     def row_order(self) -> list[Hook]:
         """The hooks told of a recorded row, in this order (the samples' decoding before the sink's
         clock; the progress line last)."""
-        return [self.samples, self.rollback, self.sink, self.progress]
+        return [self.samples, self.rollback, self.sink, self.progress, *self.user]
 
     @property
     def stopping_order(self) -> list[Hook]:
         return [self.progress, self.samples, self.ckpts, self.rollback, self.sink, self.heldout, self.reward,
-                self.ready]  # fmt: skip
+                self.ready, *self.user]  # fmt: skip
 
 
 def _stderr(line: str) -> None:
@@ -232,8 +240,13 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
     loop.lrs = learning_rates(loop.state, n)  # (read before the first step donates the state)
     signals = Signals(guard.signals if guard is not None else None, log)
     sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
-    heldout, reward = HeldOut(prog), RewardFailure(prog)
-    return _Hooks(signals, ckpts, heldout, reward, rollback, Samples.of(loop), sink, progress, ReadyTimes())
+    heldout, reward, samples = HeldOut(prog), RewardFailure(prog), Samples.of(loop)
+    trackers: list[Hook] = []
+    if loop.main and not tc.quiet:
+        trackers.append(KLSignNote(loop.configs[0].kl.estimator, log))
+    if loop.configs[0].log.wandb and loop.main:  # (wandb imported there, only then)
+        trackers.append(WandbTracker(loop, samples, sink.aliases, log))
+    return _Hooks(signals, ckpts, heldout, reward, rollback, samples, sink, progress, ReadyTimes(), trackers)
 
 
 def _iteration(loop: Loop, hooks: _Hooks) -> bool:

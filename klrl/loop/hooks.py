@@ -12,6 +12,8 @@ everything else is a hook, each a small class with ``on_step(loop, row)`` (a row
 * :class:`ReadyTimes`: when each step's outputs became ready (a watcher thread, no host sync added);
 * :class:`Samples`: the decoded samples (:class:`klrl.step.samples.SampleLog`);
 * :class:`ProgressLine`: the tqdm bar or the plain progress lines;
+* :class:`KLSignNote`: one note when the penalised KL estimate's batch mean is negative and the exact
+  KL positive (k1's noise at a small batch);
 * :class:`QualityRollback`: the rollback metric's trace, its reference at iteration 0 and the rollback
   itself (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
 * :class:`HeldOut`: the held-out evaluation of the state before a step, merged into that row;
@@ -316,6 +318,36 @@ class ProgressLine(Hook):
 
     def on_stop(self, loop: Loop) -> None:
         self.progress.close()
+
+
+class KLSignNote(Hook):
+    """Once per run: a note when the KL estimate the reward penalises (``kl/reward_<est>_seq_sum``) has a
+    negative batch mean while the exact KL (``kl/exact_seq_sum``) is positive. k1 is unbiased but noisy
+    per sample, and a small batch's mean can be negative: said once, so the user knows it is not a bug.
+    Differences under :data:`FLOOR` nats/sequence are float noise (iteration 0: the sampler's log-probs
+    and the reference forward's differ in the last bits) and are not noted."""
+
+    FLOOR = 1e-3
+
+    def __init__(self, estimator: str, log: Callable[[str], None]):
+        self.key, self.estimator = f"kl/reward_{estimator}_seq_sum", estimator
+        self.log, self.done = log, False
+
+    def on_step(self, loop: Loop, row: Row) -> None:
+        for j, m in enumerate(row.members if not self.done else ()):
+            est, exact = m.get(self.key), m.get("kl/exact_seq_sum")
+            if est is None or exact is None or not (est < -self.FLOOR and exact > 0):
+                continue
+            d = loop.dirs[j]
+            who = f"{d.name if d is not None else f'member {j:02d}'}: " if loop.stacked else ""
+            b = loop.configs[j].train.batch_size
+            self.log(f"note: iteration {row.it}: {who}the penalised KL estimate {self.key} has batch mean "
+                     f"{est:.3g} nats/seq while the exact KL is {exact:.3g}: {self.estimator} is unbiased "
+                     f"but noisy per sample and at batch {b} its mean can be negative; a larger "
+                     "train.batch_size averages it out, k3 is never negative (docs/kl-control.md, "
+                     "Estimators)")  # fmt: skip
+            self.done = True
+            return
 
 
 class QualityRollback(Hook):

@@ -435,6 +435,19 @@ def adapter_options(path: str | Path) -> tuple[int, float]:
     return _check_options(_read_config(path), path / CONFIG)
 
 
+def adapter_line(path: str | Path) -> str:
+    """The log line of a loaded ``model.adapter``: its path, rank, alpha, target modules and tensors."""
+    path = Path(path)
+    doc = _read_config(path)
+    r, alpha = _check_options(doc, path / CONFIG)
+    targets = doc.get("target_modules")
+    targets = ",".join(sorted(targets)) if isinstance(targets, list) else str(targets or "all linear")
+    n = len(_open_weights(path)[2])
+    return (
+        f"model.adapter: loaded {path} (r={r}, lora_alpha={alpha:g}, target_modules={targets}, {n} tensors)"
+    )
+
+
 def load_reward_adapter(
     path: str | Path, base_model: Any, base_params: Any, *, base_name: str | None = None
 ) -> tuple[lora.LoRA, Any, Any]:

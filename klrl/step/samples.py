@@ -120,13 +120,16 @@ class SampleLog:
         self.prompt_texts = prompt_texts
         self.writers = writers
         self.files = [SamplesWriter(d) for d in dirs]
+        self.last: tuple[int, list[dict[str, list[Any]]]] | None = None  # the newest (iteration, decoded)
 
     def write(self, iteration: int, rows: dict[str, np.ndarray], stacked: bool) -> None:
         if not rows or not due(iteration, self.every, self.iterations):
             return
+        self.last = (iteration, [])
         for j, f in enumerate(self.files):
             member = {k: np.asarray(v)[j] for k, v in rows.items()} if stacked else rows
             dec = decode_rows(self.tokenizer, member, self.prompt_texts)
+            self.last[1].append(dec)
             extra = {k: v for k, v in dec.items() if k not in ("prompt", "completion", "reward")}
             f.write(iteration, dec["prompt"], dec["completion"], dec["reward"], **extra)
             tb = getattr(self.writers[j], "_tb", None) if j < len(self.writers) else None
