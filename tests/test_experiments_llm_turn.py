@@ -61,9 +61,17 @@ def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
     ns = llm_turn.parse(["--preset", preset, "--model-path", str(GGUF), "--out", str(tmp_path)])
     p = llm_turn.preset_of(ns)
     arms = llm_turn.arms(llm_turn.base_config(ns, p), p)
-    assert {"turn", "frozen"} <= set(arms)
+    assert set(arms) == (
+        {"ctrl"}
+        if preset == "cpu-ctrl"
+        else {"turn", "frozen", "ctrl"}
+        - (set() if p["ctrl_iterations"] and p["ctrl_settle"] > 0 else {"ctrl"})
+    )
     for members in arms.values():
         check_members(members)
     assert all(m.lora.rank == 8 and m.data.eval_fraction > 0 for ms in arms.values() for m in ms)
-    frozen_lr = {m.optim.lr for m in arms["frozen"]}
-    assert frozen_lr == {p["frozen_lr"]} and p["frozen_lr"] < p["turn_lr"]
+    if "frozen" in arms:  # the large betas and their control at the frozen arm's (smaller) lr
+        assert {m.optim.lr for m in arms["frozen"]} == {p["frozen_lr"]} and p["frozen_lr"] < p["turn_lr"]
+    if "ctrl" in arms:  # the fixed settle beta, and each controller from 10x below and 10x above it
+        betas = sorted({m.kl.beta for m in arms["ctrl"]})
+        assert betas == pytest.approx([p["ctrl_settle"] / 10, p["ctrl_settle"], p["ctrl_settle"] * 10])
