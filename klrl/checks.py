@@ -3,7 +3,8 @@
 1. **The configuration** (:func:`check_config`): the members of a sweep differ only in sweepable
    fields and split over the sweep device groups; a resume and the quality rollback write
    (``write=True``); every ``model.*`` checkpoint path given is one the run reads
-   (:func:`check_model_fields`). Before anything is read or built.
+   (:func:`check_model_fields`); no field is set without effect
+   (:func:`klrl.config.relevance.check_relevance`). Before anything is read or built.
 2. **The task and the models against the policy** (:func:`check_task`, :func:`check_parts`): the
    sampling lengths and ``top_k`` against the task's vocabulary and lengths; the task's parts
    (prompt source, tokenizer, reward) against each other and against the policy that trains; the
@@ -34,18 +35,23 @@ import numpy as np
 
 from klrl.algo.advantages import needs_critic
 from klrl.config import ConfigError, RunConfig
+from klrl.config.relevance import check_relevance
 from klrl.config.sweep import check_members
 from klrl.models.base import CausalLM
+from klrl.models.gpt import GPT
 from klrl.models.rollout import Rollout
 from klrl.rewards.host import HostReward as TextReward
 from klrl.rewards.host import RewardFunctionError
 from klrl.step.chunked import check_estimators
 from klrl.step.parallel import mesh_from_config
-from klrl.tasks.base import OWN_MODEL_TASKS, HostReward, JaxReward, Task
+from klrl.step.parts import build_models
+from klrl.step.train import check_adapters
+from klrl.tasks.base import OWN_MODEL_TASKS, HostReward, JaxReward, Task, builtin_task_shape
 
 __all__ = [
     "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
-    "check_export", "check_model_fields", "check_task", "check_text_reward", "text_reward",
+    "check_export", "check_lora_widths", "check_model_fields", "check_task", "check_text_reward",
+    "text_reward",
 ]  # fmt: skip
 
 
@@ -77,6 +83,9 @@ def check_config(
     if members[0].train.rollback_metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
     check_model_fields(members[0], stacked=stacked)
+    if resume is None:  # a resume's config is the run's own (config.json); the CLI checks the flags given
+        check_relevance(members)
+    check_lora_widths(members[0])
     if members[0].log.wandb and not _installed("wandb"):  # before anything compiles
         raise ConfigError("log.wandb: the wandb package is not installed (pip install 'klrl[wandb]')")
 
@@ -86,6 +95,19 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # (a module set to None in sys.modules, e.g. blocked)
         return False
+
+
+def check_lora_widths(cfg: RunConfig) -> None:
+    """``lora.rank`` (and ``lora.critic_rank``) at most the width ``min(in, out)`` of every layer it
+    adapts, on a built-in task's own GPT: from the shapes alone (``jax.eval_shape``), before the task or
+    any adapter is built (a pretrained ``model.path``'s layers are checked once it is read, before its
+    adapters are built: :func:`klrl.step.train.check_adapters`)."""
+    if cfg.task.name not in OWN_MODEL_TASKS or (cfg.lora.rank == 0 and cfg.model.value_model != "lora"):
+        return
+    shape = builtin_task_shape(cfg)
+    policy = GPT(cfg.model, shape.vocab_size, shape.max_len)
+    base = jax.eval_shape(policy.init, jax.random.PRNGKey(0))
+    check_adapters(build_models(cfg, policy), base, cfg.lora.critic_rank)
 
 
 def check_model_fields(cfg: RunConfig, *, stacked: bool = False) -> None:

@@ -282,6 +282,17 @@ IGNORED = [
      "model.value_path: read only with model.value_model=sep"),
     ("--sweep kl.beta=0.1,1 --model.path GGUF --model.value_model separate --model.value_path GGUF",
      "model.value_path: a sweep's members draw a fresh value model each"),
+    # a single run, as the study and sweeps (issue 41): a field another field makes irrelevant
+    ("--lora.alpha 32", "lora.alpha=32.0 has no effect without lora.rank > 0"),
+    ("--model.lora.targets qkv", "lora.targets='qkv' has no effect without lora.rank > 0"),
+    ("--lora.rank 4 --model.value_model head --model.lora.critic_rank 2",
+     "lora.critic_rank=2 has no effect with model.value_model=head"),
+    ("--ctrl.kp 0.3", "ctrl.kp=0.3 has no effect with ctrl.kind=fixed"),
+    ("--ctrl.kind band --ctrl.horizon 50", "ctrl.horizon=50.0 has no effect with ctrl.kind=band"),
+    ("--kl.loss_coef 0.1", "kl.loss_coef=0.1 has no effect with kl.placement=reward"),
+    ("--sweep kl.beta=0.1,1 --lora.alpha 8", "lora.alpha=8.0 has no effect without lora.rank > 0"),
+    ("--lora.rank 1000000 --model.d_model 32 --model.n_heads 2",
+     "lora.rank: 1000000 exceeds the width of the adapted layer h0/"),
 ]  # fmt: skip
 
 
@@ -295,7 +306,9 @@ def test_study_and_sweep_flags_that_are_used_pass(capsys):
     seed for every member, a knob of a swept controller kind."""
     for argv in (["--study", "--ctrl.clip", "0.1", "--train.seed", "3"],
                  ["--sweep", "ctrl.kind=fixed,proportional", "--ctrl.horizon", "50"],
-                 ["--sweep", "ctrl.kp=0.1,0.2", "--ctrl.kind", "pi"]):  # fmt: skip
+                 ["--sweep", "ctrl.kp=0.1,0.2", "--ctrl.kind", "pi"],
+                 ["--sweep", "ctrl.kind=fixed,pi", "--ctrl.kp", "0.3"],
+                 ["--lora.rank", "32", "--lora.alpha", "8", "--model.d_model", "32", "--model.n_heads", "2"]):
         with pytest.raises(Reached):
             run_py.main(argv)
 

@@ -229,12 +229,14 @@ def valid_configs(draw):
     adv = draw(st.sampled_from(["gae", "grpo", "rloo"]))
     group = 2 if adv != "gae" else draw(st.sampled_from([1, 2]))
     batch = draw(st.sampled_from([4, 8]))
+    placement = draw(st.sampled_from(["reward", "sequence", "loss", "reward+loss"]))
+    in_loss, in_reward = placement in ("loss", "reward+loss"), placement != "loss"  # no field without effect
     return {
         "kl": {
-            "estimator": draw(st.sampled_from(["k1", "k2", "k3", "abs", "full"])),
-            "placement": draw(st.sampled_from(["reward", "sequence", "loss", "reward+loss"])),
-            "beta": draw(st.floats(0.0, 0.5)),
-            "loss_coef": draw(st.sampled_from([0.0, 0.1])),
+            "estimator": draw(st.sampled_from(["k1", "k2", "k3", "abs", "full"])) if in_reward else "k1",
+            "placement": placement,
+            "beta": draw(st.floats(0.0, 0.5)) if in_reward else 0.05,
+            "loss_coef": draw(st.sampled_from([0.0, 0.1])) if in_loss else 0.0,
         },
         "ctrl": {"kind": draw(st.sampled_from(["fixed", "proportional", "band", "pi", "dual"]))},
         "ppo": {"advantage": adv, "group_size": group, "minibatches": draw(st.sampled_from([1, 2])),

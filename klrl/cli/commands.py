@@ -37,7 +37,7 @@ from typing import Any
 
 from klrl.analysis.report import ReportError, maybe_write_report, write_report
 from klrl.analysis.results import load_sweep
-from klrl.checks import check_device_count, check_model_fields, check_task
+from klrl.checks import check_device_count, check_lora_widths, check_model_fields, check_task
 from klrl.cli.args import (
     SWEEP_SYNTAX,
     build_parser,
@@ -54,6 +54,7 @@ from klrl.cli.generate import eval_main, generate_main
 from klrl.cli.launch import check_reward_fns, run_one, run_sweep
 from klrl.cli.reward_model import main as reward_model_main
 from klrl.config import ConfigError, RunConfig, config_warnings
+from klrl.config.relevance import check_relevance
 from klrl.config.schema import closest
 from klrl.config.sweep import check_members, check_overrides, grid, parse_axis
 from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
@@ -209,6 +210,10 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
         members, axes = _sweep_members(cfg, ns.sweep)
     if members is not None:  # a flag the study or the sweep sets per member, or no member reads: refused
         _check_overrides(ns, cfg, members, "the study" if mode == "study" else "--sweep")
+    try:  # a field without effect (a resume: the flags given; its config.json is the run's own)
+        check_relevance(members or [cfg], only=overrides_of(ns) if mode == "resume" else None)
+    except ConfigError as e:
+        fail(str(e))
     return cfg, members, axes
 
 
@@ -269,6 +274,7 @@ def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: li
         for m in members:
             check_model_paths(m)  # a missing checkpoint before anything is built
             check_model_fields(m, stacked=mode in ("sweep", "study"))  # a model path the run would not read
+        check_lora_widths(cfg)  # a LoRA rank wider than klrl's GPT's layers, before anything is built
     except ConfigError as e:
         fail(str(e))
     if mode == "resume":

@@ -423,8 +423,6 @@ def config_warnings(cfg: RunConfig) -> list[str]:
             "kl.loss_estimator=k3: as a loss term its expected gradient is that of the forward KL(ref||pi), "
             "not of KL(pi||ref); k2 gives the reverse-KL gradient"
         )
-    if k.loss_coef > 0 and not in_loss:
-        out.append(f"kl.loss_coef={k.loss_coef} has no effect with kl.placement={k.placement}")
     if is_adaptive(c.kind):
         if c.drives == "loss" and not in_loss:
             out.append(

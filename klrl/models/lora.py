@@ -23,6 +23,7 @@ Parameters are split in two pytrees of the family's own layout:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -161,27 +162,54 @@ class LoRA:
         return getattr(self.base, name)
 
 
-def adapted_modules(model: LoRA, base_params: Any) -> list[str]:
-    """The '/'-joined module paths that carry an adapter (from the shapes alone: nothing is computed)."""
+def _adapter_shapes(model: LoRA, base_params: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     shapes = jax.eval_shape(lambda p: model.init_adapters(p, jax.random.PRNGKey(0)), base_params)
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        keys = [str(getattr(k, "key", k)) for k in path]
-        if keys[-1].endswith("_lora_a"):
-            out.append("/".join(k for k in keys[:-1] if k != "params"))
+    return {tuple(str(getattr(k, "key", k)) for k in path if str(getattr(k, "key", k)) != "params"): leaf.shape
+            for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}  # fmt: skip
+
+
+def adapted_widths(model: LoRA, base_params: Any) -> dict[str, tuple[int, int]]:
+    """``{module path: (in, out)}`` of every adapted kernel, '/'-joined paths, from the shapes alone
+    (``jax.eval_shape``: nothing is computed or allocated, whatever the rank). ``A`` is
+    ``[(L,) in..., r]`` and ``B`` ``[(L,) r, out...]``; the rank's axis in ``B`` is the one that changes
+    with the rank (compared with rank + 1), so a layer count equal to the rank is not mistaken for it."""
+    now = _adapter_shapes(model, base_params)
+    more = _adapter_shapes(dataclasses.replace(model, rank=model.rank + 1), base_params)
+    out = {}
+    for keys, a in now.items():
+        if not keys[-1].endswith("_lora_a"):
+            continue
+        kb = (*keys[:-1], keys[-1][: -len("_lora_a")] + "_lora_b")
+        b, b1 = now[kb], more[kb]
+        lead = next(i for i in range(len(b)) if b[i] != b1[i])  # the layer axes come before the rank's
+        out["/".join(keys[:-1])] = (math.prod(a[lead:-1]), math.prod(b[lead + 1 :]))
     return out
 
 
-def check(model: LoRA, base_params: Any) -> list[str]:
-    """The adapted module paths; a ``ValueError`` naming ``model.lora.targets`` when none matches."""
-    found = adapted_modules(model, base_params)
-    if not found:
+def adapted_modules(model: LoRA, base_params: Any) -> list[str]:
+    """The '/'-joined module paths that carry an adapter (from the shapes alone: nothing is computed)."""
+    return list(adapted_widths(model, base_params))
+
+
+def check(model: LoRA, base_params: Any, field: str = "model.lora.rank") -> list[str]:
+    """The adapted module paths; a ``ValueError`` naming ``model.lora.targets`` when none matches, or
+    ``field`` (the rank's) when the rank exceeds an adapted layer's width ``min(in, out)`` (a larger
+    rank adds parameters and memory, never expressiveness: ``A B`` has rank ``<= min(in, out)``)."""
+    widths = adapted_widths(model, base_params)
+    if not widths:
         fam = family_targets(model.base)
         raise ValueError(
             f"model.lora.targets: {model.targets!r} matches no linear layer of the "
             f"{type(model.base).__name__} family (its adaptable modules: {fam})"
         )
-    return found
+    name, (n_in, n_out) = min(widths.items(), key=lambda kv: min(kv[1]))
+    if model.rank > min(n_in, n_out):
+        raise ValueError(
+            f"{field}: {model.rank} exceeds the width of the adapted layer {name} (min(in, out) = "
+            f"min({n_in}, {n_out}) = {min(n_in, n_out)}); a rank must be <= {min(n_in, n_out)} on these "
+            "layers (narrow them with lora.targets)"
+        )
+    return list(widths)
 
 
 def merged_kernels(base_params: Any, adapters: Any, scale: float) -> Any:

@@ -363,7 +363,7 @@ def frozen_base(cfg: RunConfig, models: Models, params: Any) -> tuple[Models, An
     if cfg.model.ref_quant != "none":
         ref, ref_init = quantized_reference(cfg, models.ref, params)
         models = models._replace(ref=ref)
-    check_adapters(models, params if ref_init is None else ref_init)
+    check_adapters(models, params if ref_init is None else ref_init, cfg.lora.critic_rank)
     return models, adapters, ref_init
 
 
@@ -387,13 +387,15 @@ def quantized_reference(cfg: RunConfig, base: CausalLM, params: Any) -> tuple[Ca
         raise ConfigError(str(e)) from None
 
 
-def check_adapters(models: Models, base_params: Any) -> None:
-    """Each adapted model's ``lora.targets`` matches some linear layer of its family (a
-    :class:`ConfigError` naming the field otherwise), before anything compiles."""
-    for m in (models.policy, models.value):
+def check_adapters(models: Models, base_params: Any, critic_rank: int = 0) -> None:
+    """Each adapted model's ``lora.targets`` matches some linear layer of its family and its rank is at
+    most the width of every layer it adapts (a :class:`ConfigError` naming the field otherwise), before
+    any adapter is built or anything compiles."""
+    critic = "lora.critic_rank" if critic_rank else "lora.rank"
+    for m, field in ((models.policy, "lora.rank"), (models.value, critic)):
         if isinstance(m, lora_lib.LoRA):
             try:
-                lora_lib.check(m, base_params)
+                lora_lib.check(m, base_params, field)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
