@@ -20,7 +20,7 @@ import numpy as np
 
 from klrl.data.hf_tokenizer import HFTokenizer, byte_level_bpe, make_tokenizer
 from klrl.models.gguf_file import read_gguf
-from klrl.models.hf import CheckpointFormatError
+from klrl.models.hf import CheckpointFormatError, check_finite
 from klrl.models.registry import GGUFReading, gguf_architectures, gguf_family
 
 
@@ -129,6 +129,7 @@ def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     def get(h: str) -> np.ndarray:
         t = tensors[names[h]]
         a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shapes[t.name])
+        check_finite(a, path, t.name)
         return a if reading.convert is None else reading.convert(cfg, h, a)
 
     return model, model.params_from_hf(get, put), tokenizer

@@ -100,7 +100,22 @@ class TensorFiles:
         return self.path / self.where[name]
 
     def get(self, name: str) -> np.ndarray:
-        return np.asarray(self.handles[self.where[name]].get_tensor(name), np.float32)
+        a = np.asarray(self.handles[self.where[name]].get_tensor(name), np.float32)
+        return check_finite(a, self.file_of(name), name)
+
+
+def check_finite(a: np.ndarray, where: str | Path, name: str) -> np.ndarray:
+    """``a`` (a tensor read from the file ``where``), or a :class:`CheckpointFormatError` naming the file
+    and the tensor when it holds a NaN or an infinity: a non-finite initial weight makes every
+    iteration non-finite (each skipped by the guard), so it is refused at load."""
+    bad = a.size - int(np.count_nonzero(np.isfinite(a)))
+    if bad:
+        first = np.unravel_index(int(np.argmin(np.isfinite(a))), a.shape) if a.ndim else ()
+        raise CheckpointFormatError(
+            f"{where}: tensor {name!r} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf; the "
+            f"first at index {list(map(int, first))}): a model cannot start from it"
+        )
+    return a
 
 
 def check_tensors(files: TensorFiles, expected: dict[str, tuple[int, ...]], canonical) -> dict[str, str]:

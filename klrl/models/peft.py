@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from klrl.models import lora
 from klrl.models.gpt2 import GPT2 as GPT2Family
-from klrl.models.hf import CheckpointFormatError, save_safetensors
+from klrl.models.hf import CheckpointFormatError, check_finite, save_safetensors
 from klrl.models.llama import Llama
 
 CONFIG = "adapter_config.json"
@@ -429,6 +429,11 @@ def _check_tensors(info: dict, expected: dict, f: Path, lay: Layout) -> None:
             raise CheckpointFormatError(f"{f}: tensor {k!r} has dtype {dt}, not a float")
 
 
+def _tensor(h: Any, f: Path, name: str) -> np.ndarray:
+    """A float32 tensor of the adapter file ``f``; a NaN or an infinity is a one-line error naming them."""
+    return check_finite(np.asarray(h.get_tensor(name), np.float32), f, name)
+
+
 def adapter_options(path: str | Path) -> tuple[int, float]:
     """``(r, lora_alpha)`` of the PEFT directory ``path`` (options checked as by :func:`load_adapter`)."""
     path = Path(path)
@@ -503,7 +508,7 @@ def _load(
     stack = {}
     for mod in adapted:
         name = f"{PREFIX}{lay.prefix}.{{}}.{lay.modules[mod]}.lora_{{}}.weight"
-        get = lambda i, ab: np.asarray(h.get_tensor(name.format(i, ab)), np.float32).T  # noqa: B023
+        get = lambda i, ab: _tensor(h, wf, name.format(i, ab)).T  # noqa: B023
         n = shapes[mod][0]
         stack[mod] = {
             "kernel_lora_a": jnp.asarray(np.stack([get(i, "A") for i in range(n)])),
@@ -517,5 +522,5 @@ def _load(
     out = model, {"params": {lay.stack: stack}}
     if not seq_cls:
         return out
-    score = np.asarray(h.get_tensor(SCORE), np.float32)
+    score = _tensor(h, wf, SCORE)
     return (*out, {"kernel": jnp.asarray(score.T), "bias": jnp.zeros((1,), jnp.float32)})
