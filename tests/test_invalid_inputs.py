@@ -304,11 +304,13 @@ def test_a_flag_the_run_would_ignore_is_refused(argv, words, capsys):
 def test_study_and_sweep_flags_that_are_used_pass(capsys):
     """What the members do read gets through to the build: a ctrl knob of the study's proportional member, a
     seed for every member, a knob of a swept controller kind."""
-    for argv in (["--study", "--ctrl.clip", "0.1", "--train.seed", "3"],
-                 ["--sweep", "ctrl.kind=fixed,proportional", "--ctrl.horizon", "50"],
-                 ["--sweep", "ctrl.kp=0.1,0.2", "--ctrl.kind", "pi"],
-                 ["--sweep", "ctrl.kind=fixed,pi", "--ctrl.kp", "0.3"],
-                 ["--lora.rank", "32", "--lora.alpha", "8", "--model.d_model", "32", "--model.n_heads", "2"]):
+    for argv in (
+        ["--study", "--ctrl.clip", "0.1", "--train.seed", "3"],
+        ["--sweep", "ctrl.kind=fixed,proportional", "--ctrl.horizon", "50"],
+        ["--sweep", "ctrl.kp=0.1,0.2", "--ctrl.kind", "pi"],
+        ["--sweep", "ctrl.kind=fixed,pi", "--ctrl.kp", "0.3"],
+        ["--lora.rank", "32", "--lora.alpha", "8", "--model.d_model", "32", "--model.n_heads", "2"],
+    ):
         with pytest.raises(Reached):
             run_py.main(argv)
 

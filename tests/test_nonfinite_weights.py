@@ -55,7 +55,8 @@ def test_an_hf_checkpoint_with_a_nan_is_one_line(tmp_path):
     with pytest.raises(CheckpointFormatError) as e:
         from_pretrained(d, tokenizer=False)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"{d / 'model.safetensors'}: tensor '{name}' holds 1 non-finite")
+    want = f"{d / 'model.safetensors'}: tensor '{name}' holds 1 non-finite"
+    assert "\n" not in msg and msg.startswith(want), msg
 
 
 def test_a_gguf_file_with_an_inf_is_one_line(tmp_path):

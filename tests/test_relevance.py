@@ -137,7 +137,8 @@ def test_adapted_widths_are_the_layers_in_and_out():
         "tiny_llama": {"layers/q_proj": (32, 32), "layers/k_proj": (32, 16), "layers/v_proj": (32, 16),
                        "layers/o_proj": (32, 32), "layers/gate_proj": (32, 64), "layers/up_proj": (32, 64),
                        "layers/down_proj": (64, 32)},
-        "tiny_gpt2": {"h/c_attn": (32, 96), "h/c_proj": (32, 32), "h/c_fc": (32, 128), "h/mlp_c_proj": (128, 32)},
+        "tiny_gpt2": {"h/c_attn": (32, 96), "h/c_proj": (32, 32), "h/c_fc": (32, 128),
+                      "h/mlp_c_proj": (128, 32)},
     }  # fmt: skip
     for name, widths in want.items():
         model, params, _ = from_pretrained(DATA / name)

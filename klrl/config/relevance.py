@@ -84,10 +84,12 @@ IRRELEVANT: tuple[Rule, ...] = (
     Rule("ppo.group_std", lambda c: c.ppo.advantage in ("gae", "rloo"),
          "with ppo.advantage={c.ppo.advantage} (grpo reads it)"),
     Rule("optim.critic_max_grad_norm", _no_critic, _NO_CRITIC),
-    *(Rule(f"task.{f}", _not_testbed, "with task.name={c.task.name} (the testbed reads it)") for f in _TESTBED),
+    *(Rule(f"task.{f}", _not_testbed, "with task.name={c.task.name} (the testbed reads it)")
+      for f in _TESTBED),
     *(Rule(f"task.{f}", lambda c: c.task.name == "text", _TEXT) for f in _TASK_GPT),
     Rule("train.devices", lambda c: bool(c.train.mesh), "with train.mesh={c.train.mesh} (it sets the mesh)"),
-    *(Rule(f"train.{f}", lambda c: not c.train.rollback_metric, "without train.rollback_metric (rollback off)")
+    *(Rule(f"train.{f}", lambda c: not c.train.rollback_metric,
+           "without train.rollback_metric (rollback off)")
       for f in ("rollback_threshold", "rollback_factor", "max_rollbacks")),
     Rule("train.samples_n", lambda c: c.train.samples_every == 0, "with train.samples_every=0 (no samples)"),
     *(Rule(f"data.{f}", lambda c: c.task.name != "text", "with task.name={c.task.name} (the text task reads "
@@ -102,7 +104,7 @@ ALWAYS_RELEVANT = frozenset({
     "sampling.response_len", "sampling.temperature", "sampling.top_k", "sampling.use_eos",
     "kl.placement", "kl.clamp", "kl.ref_update_every", "kl.exact_metric",
     "ctrl.kind", "ctrl.unit", "ctrl.estimator", "ctrl.drives", "ctrl.warmup_iters", "ctrl.beta_min",
-    "ctrl.beta_max",  # every controller reads the bounds; unit and estimator name the ctrl/kl_observed_* metric
+    "ctrl.beta_max",  # every controller reads the bounds; unit and estimator: the ctrl/kl_observed_* metric
     "ppo.epochs", "ppo.minibatches", "ppo.grad_accum", "ppo.shuffle", "ppo.clip", "ppo.ent_coef",
     "ppo.whiten", "ppo.advantage", "ppo.group_size", "ppo.normalize_reward",
     "optim.lr", "optim.b1", "optim.b2", "optim.eps", "optim.weight_decay", "optim.max_grad_norm",
@@ -127,8 +129,11 @@ NOT_REFUSED = {
     "ppo.whiten_rewards": "PPOConfig (needs ppo.advantage=gae)",
     "reward.fn": "RunConfig (needs task.name=text)",
     "reward.weights": "RewardConfig (needs reward.fn)",
-    **{f"diag.{f}": "adaptive beta only; the diagnosis thresholds are read again by klrl report, whose "
-       "sweep may hold adaptive members" for f in _DIAG_ADAPTIVE},
+    **{
+        f"diag.{f}": "adaptive beta only; the diagnosis thresholds are read again by klrl report, whose "
+        "sweep may hold adaptive members"
+        for f in _DIAG_ADAPTIVE
+    },
     "train.log_every": "without a terminal only; --quiet with a config file that sets it is not a mistake",
 }
 

@@ -164,8 +164,9 @@ class LoRA:
 
 def _adapter_shapes(model: LoRA, base_params: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     shapes = jax.eval_shape(lambda p: model.init_adapters(p, jax.random.PRNGKey(0)), base_params)
-    return {tuple(str(getattr(k, "key", k)) for k in path if str(getattr(k, "key", k)) != "params"): leaf.shape
-            for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}  # fmt: skip
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    names = lambda path: tuple(k for k in (str(getattr(k, "key", k)) for k in path) if k != "params")
+    return {names(path): leaf.shape for path, leaf in flat}
 
 
 def adapted_widths(model: LoRA, base_params: Any) -> dict[str, tuple[int, int]]:
