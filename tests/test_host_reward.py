@@ -24,7 +24,7 @@ from conftest import xla_flags
 from texttok import make_tokenizer
 
 from klrl.rewards import RewardFunctionError, RewardLoadError, load_reward_fn, make_host_reward, parse_specs
-from klrl.rewards.host import NOT_FINITE, RAISED, WRONG_COUNT, WRONG_TYPE
+from klrl.rewards.host import NO_SCORE, NOT_FINITE, RAISED, WRONG_COUNT, WRONG_TYPE
 from klrl.rewards.text import arithmetic, positivity
 
 TESTS = Path(__file__).resolve().parent
@@ -194,6 +194,37 @@ def test_all_none_scores_zero_and_is_counted(tok, batch) -> None:
     ans = [COLUMNS["answer"][i] for i in IDX]
     assert [s for s, a in zip(scores, ans, strict=True) if a is None] == [0.0] * 4
     assert rw.n_all_none == 4 and not error.any()
+    _, _, flags = jax.jit(rw.with_all_none)(IDX, resp, mask)  # what reward/all_none_frac averages
+    assert np.asarray(flags).tolist() == [float(a is None) for a in ans]
+
+
+def test_batches_with_no_score_at_all_end_a_training_run_at_the_third(tok, batch) -> None:
+    """A batch where every completion got None counts; one with a number resets the count; the third in
+    a row is an error on every row (a training run's mode only), raised by check naming the functions."""
+    resp, mask = batch
+    state = {"none": True}
+
+    def maybe(completions):
+        return [None if state["none"] else 1.0] * len(completions)
+
+    def silent(completions):
+        return [None] * len(completions)
+
+    for stop in (False, True):
+        rw = make_host_reward([maybe, silent], None, tok, PROMPTS, stop_after_error=stop)
+        for none in (True, True, False, True, True):  # a scored batch in between: no stop
+            state["none"] = none
+            assert not rw.score_numpy(IDX, resp, mask)[2].any()
+        state["none"] = True
+        error = rw.score_numpy(IDX, resp, mask)[2]  # the third in a row
+        if not stop:
+            assert not error.any() and rw.all_none_calls == 3
+            rw.check()
+            continue
+        assert (error == NO_SCORE).all()
+        with pytest.raises(RewardFunctionError, match=r"^reward functions \S+maybe, \S+silent: returned None "
+                           r"for every completion of 3 consecutive batches \(8 completions in the last\)"):
+            rw.check()
 
 
 def test_vmap_is_one_host_call_for_the_whole_sweep(tok) -> None:

@@ -54,6 +54,10 @@ def huge(completions, **kwargs):  # finite in Python, inf in float32
     n = _count()
     return [1e39 if n >= 4 and i == 1 else 0.5 for i in range(len(completions))]
 
+def nothing(completions, **kwargs):  # no opinion on anything: the third such batch ends the run
+    _count()
+    return [None] * len(completions)
+
 def topic(prompts, completions, topic):
     # the shipped prompts' topic column is a substring of the prompt of the same row
     assert all(t in p for p, t in zip(prompts, topic)), list(zip(prompts, topic))
@@ -67,6 +71,8 @@ MESSAGES = {
     "exits": r"reward function {f}:exits: called sys.exit\(3\)",
     "huge": r"reward function {f}:huge: returned 1e\+39 for completion \d+ \(prompt row \d+\) "
     r"\(inf in float32",
+    "nothing": r"reward function {f}:nothing: returned None for every completion of 3 consecutive batches "
+    r"\(4 completions in the last\): no task reward to learn from",
 }
 
 
@@ -114,6 +120,18 @@ def test_failing_reward_ends_a_run_after_the_last_good_checkpoint(capsys, tmp_pa
     run = tmp_path / "r"
     argv = _argv(tmp_path, fn, "r")
     _check_failed_run(tmp_path, _fails(capsys, argv), fn, run)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_a_reward_that_never_scores_ends_the_run_and_all_none_is_logged(capsys, tmp_path):
+    """Issue 41: every function returning None for every completion of 3 consecutive batches (here the
+    only function, iterations 0, 1 and 2) ends the run like a failure, at the last good checkpoint; the
+    iterations before log reward/all_none_frac = 1 (before: the run reached exit 0 with reward 0)."""
+    run = tmp_path / "r"
+    _check_failed_run(tmp_path, _fails(capsys, _argv(tmp_path, "nothing", "r")), "nothing", run)
+    rows = _lines(run / "metrics.jsonl")
+    assert [r["reward/all_none_frac"] for r in rows] == [1.0, 1.0]
+    assert [r["reward/task"] for r in rows] == [0.0, 0.0]
 
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")

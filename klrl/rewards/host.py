@@ -7,7 +7,15 @@ decoded responses, ``columns`` the prompt data's other columns for these rows. A
 only the keywords it names unless it takes ``**kwargs``. Several functions are combined as TRL
 does: ``score = nansum_j(w_j * r_j)`` with ``None`` read as NaN, i.e. a function returning
 ``None`` for a completion has no say in its score (a completion where every function says
-``None`` scores 0.0, as ``torch.nansum`` gives, and is counted in ``HostReward.n_all_none``).
+``None`` scores 0.0, as ``torch.nansum`` gives, and is counted in ``HostReward.n_all_none``; the train step
+logs the fraction of such completions per iteration as ``reward/all_none_frac``).
+**No score at all**: when every function returns ``None`` for every completion of
+:data:`ALL_NONE_LIMIT` consecutive training calls (a call is one iteration's batch, or one device's
+share of it; a sweep's members are one call), the functions give the policy nothing to learn from (its
+task reward is 0 throughout), so it is a failure like a raised exception: that call's rows are errors
+(``NO_SCORE``), the iteration is rejected, and the run ends in one line naming the functions with the
+last good state saved (docs/reliability.md). A single all-``None`` batch is allowed (a verifier that
+applies to few prompts may score none of a small batch).
 Unlike TRL, a *returned* NaN or inf is an error, not a skip: it ends the run. Values are checked
 as the step sees them, in float32: ``1e39`` (finite in Python, inf in float32) is not finite, and
 so is a weighted sum that overflows float32.
@@ -82,8 +90,10 @@ STRINGS_HINT = (
     "completions are plain strings (the decoded text), not TRL conversational message lists: "
     "use c, not c[0]['content']"
 )
-OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE, ABORTED = 0, 1, 2, 3, 4, 5
+OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE, ABORTED, NO_SCORE = 0, 1, 2, 3, 4, 5, 6
+ALL_NONE_LIMIT = 3  # consecutive training calls scoring no completion at all end the run (NO_SCORE)
 MEANING = {
+    NO_SCORE: f"returned None for every completion of {ALL_NONE_LIMIT} consecutive batches",
     RAISED: "raised",
     NOT_FINITE: "returned a non-finite value",
     WRONG_COUNT: "returned the wrong number of values",
@@ -321,6 +331,7 @@ class HostReward:
         self.errors: list[str] = []  # the first MAX_MESSAGES problems, in the order they happened
         self.n_errors = 0
         self.n_all_none = 0
+        self.all_none_calls = 0  # consecutive calls in which no completion got a number (ALL_NONE_LIMIT)
         self.n_calls = 0
 
     # ---- host side ---------------------------------------------------------------------------
@@ -391,6 +402,7 @@ class HostReward:
         if self.stop_after_error and (error != OK).any():
             error[:] = np.where(error == OK, ABORTED, error)
         none = np.isnan(values).all(axis=1) & (error == OK)
+        self._no_score(none, error)
         scores = np.where(error == OK, scores, 0.0)
         self.n_calls += 1
         self.n_all_none += int(none.sum())
@@ -399,6 +411,20 @@ class HostReward:
             values.astype(np.float32).reshape(*lead, f),
             error.reshape(lead),
         )
+
+    def _no_score(self, none: np.ndarray, error: np.ndarray) -> None:
+        """Count a call whose every completion got ``None`` from every function; the
+        :data:`ALL_NONE_LIMIT`-th in a row (a training run's mode) is an error on every row."""
+        self.all_none_calls = self.all_none_calls + 1 if none.size and none.all() else 0
+        if self.stop_after_error and self.all_none_calls >= ALL_NONE_LIMIT:
+            which = ", ".join(self.names)
+            self._record(
+                None,
+                f"reward function{'s' if len(self.names) > 1 else ''} {which}: returned None for every "
+                f"completion of {self.all_none_calls} consecutive batches ({none.size} completions in the "
+                "last): no task reward to learn from (None means 'no opinion'; return a number)",
+            )
+            error[:] = NO_SCORE
 
     def _kwargs(self, idx: np.ndarray, completions: list[str], ids: list[list[int]]) -> dict[str, Any]:
         return {
@@ -502,6 +528,13 @@ class HostReward:
         scores, _, error = self.components(prompt_idx, response, mask)
         return scores, error
 
+    def with_all_none(self, prompt_idx: jax.Array, response: jax.Array, mask: jax.Array):
+        """``(scores, error, all_none)``: ``all_none`` ``[B]`` float32 is 1 where every function returned
+        ``None`` for the completion (it scores 0.0; ``reward/all_none_frac`` is its batch mean)."""
+        scores, values, error = self.components(prompt_idx, response, mask)
+        all_none = jnp.all(jnp.isnan(values), axis=-1) & (error == OK)
+        return scores, error, all_none.astype(jnp.float32)
+
     # ---- the loop's side ---------------------------------------------------------------------
 
     def check(self, error: Any = None) -> None:
@@ -526,6 +559,7 @@ class HostReward:
         with self._lock:
             self.errors.clear()
             self.n_errors = 0
+            self.all_none_calls = 0
 
 
 def make_host_reward(

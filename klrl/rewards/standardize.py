@@ -70,8 +70,12 @@ def standardized(reward: Any) -> Any:
     def wrapped_hidden(env: Any, ro: Any, hidden: jax.Array) -> jax.Array:
         return scaled(env, from_hidden(env, ro, hidden))
 
-    # the reward read from the reference's forward (JaxReward.from_hidden) is standardised alike
+    # the reward read from the reference's forward (JaxReward.from_hidden) is standardised alike, and so
+    # is the reward of JaxReward.with_metrics (its metrics kept)
     extra = {} if from_hidden is None else {"from_hidden": wrapped_hidden}
+    with_metrics = getattr(reward, "with_metrics", None)
+    if with_metrics is not None:
+        extra["with_metrics"] = lambda env, ro: (lambda r, m: (scaled(env, r), m))(*with_metrics(env, ro))
     params = {**reward.params, KEY: jnp.asarray(identity())}
     return dataclasses.replace(reward, fn=wrapped, params=params, **extra)
 

@@ -131,8 +131,11 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
     else:
         old_value = jnp.zeros_like(mask)
     evaluate = ctx.task.eval_fn
+    reward_metrics = {}
     if ctx.reward_on_reference:  # its trunk is the reference's: read from the forward above
         task_reward = ctx.task.reward.from_hidden(env, ro, ref_out.hidden)
+    elif getattr(ctx.task.reward, "with_metrics", None) is not None:  # e.g. reward/all_none_frac
+        task_reward, reward_metrics = ctx.task.reward.with_metrics(env, ro)
     else:
         task_reward = ctx.task.reward_fn(env, ro)
     if ctx.cfg.reward.missing_eos_penalty:  # static: off leaves the program as it was
@@ -146,7 +149,7 @@ def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Score
         ref_logp=ref_logp,
         value=old_value,
         task_reward=task_reward,
-        evals=evaluate(env, ro) if evaluate is not None else {},
+        evals={**(evaluate(env, ro) if evaluate is not None else {}), **reward_metrics},
         ref_hidden=ref_hidden,
         exact=exact,
         full_kl=full,

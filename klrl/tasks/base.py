@@ -87,6 +87,10 @@ class JaxReward:
 
     fn: RewardFn
     params: dict[str, Any] = field(default_factory=dict)
+    # ``with_metrics(env, rollout) -> ([B] reward, {name: [B]})``: ``fn`` with per-sequence metrics the
+    # train step logs as their batch means (a host reward's ``reward/all_none_frac``), in one call; None:
+    # ``fn`` alone. A wrapper that changes ``fn`` wraps it alike (klrl.rewards.standardize)
+    with_metrics: Callable[[Any, Any], tuple[Array, dict[str, Array]]] | None = None
     # host-side check the run loop calls when an iteration was rejected: raises (one line) if a host
     # reward function failed (:meth:`klrl.rewards.host.HostReward.check`); None for in-graph rewards
     check: Callable[[], None] | None = None

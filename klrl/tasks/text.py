@@ -141,13 +141,16 @@ def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> Ja
     specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
     host = make_host_reward(specs, weights, tok, texts, columns, stop_after_error=True)
 
-    def reward_fn(env: Any, ro: Rollout) -> Array:
+    def with_metrics(env: Any, ro: Rollout) -> tuple[Array, dict[str, Array]]:
         if ro.prompt_idx is None:
             raise ValueError("host text reward: the rollout carries no prompt_idx (set by the train step)")
-        scores, error = host(ro.prompt_idx, ro.response, ro.mask)
-        return jnp.where(error == 0, scores, jnp.nan).astype(jnp.float32)
+        scores, error, all_none = host.with_all_none(ro.prompt_idx, ro.response, ro.mask)
+        return jnp.where(error == 0, scores, jnp.nan).astype(jnp.float32), {"reward/all_none_frac": all_none}
 
-    return JaxReward(reward_fn, check=host.check)
+    def reward_fn(env: Any, ro: Rollout) -> Array:
+        return with_metrics(env, ro)[0]
+
+    return JaxReward(reward_fn, check=host.check, with_metrics=with_metrics)
 
 
 def text_evaluators(
