@@ -116,8 +116,11 @@ def resolve_model_path(value: str, field: str = "model.path") -> str:
     """``value`` itself when it is empty, exists, or is not Hub-shaped; a Hub name's local snapshot
     (also a name without an organisation, ``gpt2``, when the cache has it); else :class:`ConfigError`
     in one line: klrl reads local paths, and where it looked."""
-    if not value or Path(value).exists():
-        return value
+    try:
+        if not value or Path(value).exists():
+            return value
+    except OSError as e:  # a name the file system refuses (too long): not a path, nor a Hub name
+        raise ConfigError(f"{field}: {value[:60]}{'...' if len(value) > 60 else ''}: {e.strerror}") from None
     if not is_hub_name(value):  # a legacy name without an organisation ('gpt2'): taken only if cached
         legacy = bool(_LEGACY_NAME.match(value)) and value not in (".", "..")
         found = hub_snapshot(value)[0] if legacy else None
