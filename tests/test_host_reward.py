@@ -222,8 +222,11 @@ def test_batches_with_no_score_at_all_end_a_training_run_at_the_third(tok, batch
             rw.check()
             continue
         assert (error == NO_SCORE).all()
-        with pytest.raises(RewardFunctionError, match=r"^reward functions \S+maybe, \S+silent: returned None "
-                           r"for every completion of 3 consecutive batches \(8 completions in the last\)"):
+        with pytest.raises(
+            RewardFunctionError,
+            match=r"^reward functions \S+maybe, \S+silent: returned None "
+            r"for every completion of 3 consecutive batches \(8 completions in the last\)",
+        ):
             rw.check()
 
 

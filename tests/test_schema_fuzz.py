@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -26,14 +25,12 @@ from klrl.config import SECTIONS, ConfigError, RunConfig
 
 FIELDS = [(s, f) for s, c in SECTIONS.items() for f in dataclasses.fields(c)]
 # the command line's spelling of each probe, by the field's type (its default's)
+_NUMBERS = {"zero": "0", "negative": "-1", "nan": "nan", "inf": "inf"}
 CLI = {
-    int: {"zero": "0", "negative": "-1", "nan": "nan", "inf": "inf", "huge": "99999999999", "wrong_type": "ten",
-          "empty": ""},
-    float: {"zero": "0", "negative": "-1", "nan": "nan", "inf": "inf", "huge": "1e300", "wrong_type": "ten",
-            "empty": ""},
-    bool: {"zero": "0", "negative": "-1", "nan": "nan", "inf": "inf", "huge": "99999999999", "wrong_type": "ten",
-           "empty": ""},
-    str: {"zero": "0", "negative": "-1", "nan": "nan", "inf": "inf", "huge": "x" * 5000, "empty": ""},
+    int: {**_NUMBERS, "huge": "99999999999", "wrong_type": "ten", "empty": ""},
+    float: {**_NUMBERS, "huge": "1e300", "wrong_type": "ten", "empty": ""},
+    bool: {**_NUMBERS, "huge": "99999999999", "wrong_type": "ten", "empty": ""},
+    str: {**_NUMBERS, "huge": "x" * 5000, "empty": ""},
 }  # fmt: skip
 # wrong types a JSON --config can hold and the command line cannot
 JSON = {int: ["3", 1.5, True, None], float: ["0.1", True, [1.0]], bool: ["true", 1, None], str: [5, [], None]}
@@ -100,8 +97,8 @@ def nothing_is_built(monkeypatch, tmp_path):
         return f
 
     for obj, name in ((klrl.api, "build_task"), (klrl.api, "run"), (klrl, "run"), (klrl.api, "sweep"),
-                      (klrl.step.train, "make_train"), (klrl.api, "build_program"), (klrl.cli.launch, "run_one"),
-                      (klrl.cli.launch, "run_sweep")):  # fmt: skip
+                      (klrl.step.train, "make_train"), (klrl.api, "build_program"),
+                      (klrl.cli.launch, "run_one"), (klrl.cli.launch, "run_sweep")):  # fmt: skip
         monkeypatch.setattr(obj, name, reached(f"{obj.__name__}.{name}"))
     import klrl.cli.commands
 

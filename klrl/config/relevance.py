@@ -83,7 +83,6 @@ IRRELEVANT: tuple[Rule, ...] = (
     *(Rule(f"ppo.{f}", _no_critic, _NO_CRITIC) for f in ("vf_clip", "vf_coef", "gamma", "lam")),
     Rule("ppo.group_std", lambda c: c.ppo.advantage in ("gae", "rloo"),
          "with ppo.advantage={c.ppo.advantage} (grpo reads it)"),
-    Rule("optim.critic_max_grad_norm", _no_critic, _NO_CRITIC),
     *(Rule(f"task.{f}", _not_testbed, "with task.name={c.task.name} (the testbed reads it)")
       for f in _TESTBED),
     *(Rule(f"task.{f}", lambda c: c.task.name == "text", _TEXT) for f in _TASK_GPT),
@@ -134,6 +133,8 @@ NOT_REFUSED = {
         "sweep may hold adaptive members"
         for f in _DIAG_ADAPTIVE
     },
+    "optim.critic_max_grad_norm": "without a critic it clips nothing, but klrl's pretrained recipe (the "
+    "experiments/llm_* presets, gae and rloo alike) sets it for every ppo.advantage",
     "train.log_every": "without a terminal only; --quiet with a config file that sets it is not a mistake",
 }
 
