@@ -30,13 +30,13 @@ CONTEXTS = [
 ]
 STRINGS = {"lora.targets": "qkv", "kl.estimator": "k2", "kl.loss_estimator": "k2", "kl.loss_agg": "seq_mean",
            "data.path": "p.jsonl", "data.format": "jsonl", "data.field": "text", "data.split": "test",
-           "data.truncate": "error", "data.eval_path": "e.jsonl"}  # fmt: skip
+           "data.truncate": "error", "data.eval_path": "e.jsonl", "log.wandb_mode": "offline"}  # fmt: skip
 
 
 def _values(name: str, default):
     """Non-default values to try for ``name``: the schema picks which are valid."""
-    if name in STRINGS:
-        return [STRINGS[name]]
+    if isinstance(default, str):
+        return [STRINGS.get(name, "x")]
     if isinstance(default, bool):
         return [not default]
     if isinstance(default, int):

@@ -94,6 +94,8 @@ IRRELEVANT: tuple[Rule, ...] = (
     *(Rule(f"data.{f}", lambda c: c.task.name != "text", "with task.name={c.task.name} (the text task reads "
            "the data section)") for f in _DATA),
     Rule("reward.standardize_samples", lambda c: not c.reward.standardize, "without reward.standardize"),
+    *(Rule(f"log.{f}", lambda c: not c.log.wandb, "without log.wandb (no W&B run)")
+      for f in ("wandb_project", "wandb_name", "wandb_group", "wandb_mode")),
 )  # fmt: skip
 
 # fields with an effect whatever the other fields are
@@ -112,7 +114,7 @@ ALWAYS_RELEVANT = frozenset({
     "train.iterations", "train.batch_size", "train.seed", "train.mesh", "train.out_dir", "train.name",
     "train.quiet", "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
     "train.rollback_metric", "train.metric_aliases", "train.samples_every",
-    "reward.missing_eos_penalty", "reward.standardize",
+    "reward.missing_eos_penalty", "reward.standardize", "log.wandb",
     *(f"diag.{f.name}" for f in dataclasses.fields(SECTIONS["diag"]) if f.name not in _DIAG_ADAPTIVE),
 })  # fmt: skip
 
