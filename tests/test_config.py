@@ -280,7 +280,9 @@ def test_names_md_lists_every_config_field_with_its_default() -> None:
     cfg = RunConfig()
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
-        want = ", ".join(f"`{f.name}`={getattr(sub, f.name)!r}" for f in dataclasses.fields(sub))
+        # the declared default (what a user leaves unset; ``value_model``'s 'auto' resolves in __post_init__)
+        declared = lambda f, s=sub: f.default if f.default is not dataclasses.MISSING else getattr(s, f.name)
+        want = ", ".join(f"`{f.name}`={declared(f)!r}" for f in dataclasses.fields(sub))
         assert rows.get(section.name) == want, (
             f"docs/names.md, section {section.name}: write\n| `{section.name}` | {want} |"
         )
