@@ -52,7 +52,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
-from klrl.cli.args import fail
+from klrl.cli.args import check_special, fail
 from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
 from klrl.io.checkpoint import CheckpointError, version
@@ -278,6 +278,8 @@ def main(argv: list[str]) -> int:
         "Hugging Face cache by its Hub id)",
     )
     ns = p.parse_args(argv)
+    check_special(ns.run_dir, "RUN_DIR")
+    check_special(ns.out_dir, "OUT_DIR")
     try:
         print(export(ns.run_dir, ns.out_dir, ns.step, base=ns.base))
     except ExportError as e:

@@ -202,6 +202,7 @@ def prepare(cfg: RunConfig | list[RunConfig], run_dir: str | Path) -> Resume:
     marker = "sweep.json" if sweep else "config.json"
     if not (d / marker).is_file():
         raise ckpt.CheckpointError(f"{d}: not a klrl {'sweep' if sweep else 'run'} directory (no {marker})")
+    readers.read_task_info(d)  # a damaged task.json: one line naming it
     fresh = _fresh(cfg, d, sweep)
     if fresh is not None:
         return fresh
