@@ -274,7 +274,19 @@ def test_damaged_finished_checkpoint_is_refused_naming_the_older_ones(run8, tmp_
     assert status == 2, err
     assert len(err.strip().splitlines()) == 1 and "checkpoint 8" in err, err
     assert "older checkpoints: 2, 4, 6" in err and "to resume from 6" in err, err
+    # the array and the step's files named, none of the storage library's text (issue 41: TensorStore's
+    # '<bound method pybind11_detail_function_record_v1...' was in the message)
+    assert f"cannot be read from {d / 'checkpoints' / '8' / 'state'} (a file is truncated)" in err, err
+    assert not any(w in err for w in ("pybind", "TensorStore", "<bound", "Exception:")), err
     assert _snapshot(d) == before
+    # export names them too, as --step
+    from conftest import one_line_error
+
+    from klrl.cli import main
+
+    line = one_line_error(capsys, main, ["export", str(d), str(tmp_path / "out")])
+    assert "checkpoint 8" in line and "(older checkpoints: 2, 4, 6; export one with --step 6)" in line, line
+    assert not any(w in line for w in ("pybind", "TensorStore", "<bound")), line
 
 
 def test_is_finished_needs_the_commit_record_and_both_items(tmp_path):

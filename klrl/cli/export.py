@@ -112,7 +112,12 @@ def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[An
             raise ExportError(
                 f"--step: no checkpoint {step} in {root} (complete: {', '.join(map(str, done))})"
             )
-        state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
+        try:
+            state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
+        except CheckpointError as e:  # the older checkpoints to export instead
+            older = [s for s in done if s < step]
+            hint = f" (older checkpoints: {', '.join(map(str, older))}; export one with --step {older[-1]})"
+            raise CheckpointError(f"{e}{hint if older else ''}") from e
     finally:
         mgr.close()
     try:
