@@ -229,7 +229,8 @@ def build_program(
     (:func:`klrl.checks.check_program`). ``resume`` (a :class:`klrl.io.resume.Resume`) keeps the
     reward normalisation of the run resumed; ``write`` turns the step's sample rows on
     (``train.samples_every``). The task's ``info["notes"]`` (lines, e.g. the text task's count of
-    prompts cut to the budget) are logged once the checks have passed (not with ``train.quiet``)."""
+    prompts cut to the budget) are logged once every check has passed, the adapters' and LoRA
+    targets' in ``make_train`` included, so an error is the first line (not with ``train.quiet``)."""
     members = [adopt_adapter(m) for m in members]
     base, tc = members[0], members[0].train
     mesh = mesh_from_config(tc, sweep_devices)
@@ -243,9 +244,6 @@ def build_program(
         # draw a fresh value model each, from their seeds)
         models = {**value_models(base, task), **models}
     check_program(members, task, mesh.shape["data"], policy=models.get("policy"), reward=models.get("reward"))
-    if not tc.quiet and distributed.is_main():  # the task's notes (e.g. prompts cut), once its checks passed
-        for line in task.info.get("notes", ()):
-            (log or partial(print, file=sys.stderr, flush=True))(line)
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
     adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
     train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)
@@ -257,6 +255,9 @@ def build_program(
                                      log=None if tc.quiet else (log or True))  # fmt: skip
     env = distributed.replicate(env, mesh) if distributed.is_multiprocess() else env
     states = _stacked(train, members) if stacked else _single(train, base)
+    if not tc.quiet and distributed.is_main():  # the task's notes (e.g. prompts cut), once every check
+        for line in task.info.get("notes", ()):  # passed (the adapters' and LoRA targets' in make_train)
+            (log or partial(print, file=sys.stderr, flush=True))(line)
     prog = Program(
         configs=list(members),
         stacked=stacked,

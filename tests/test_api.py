@@ -245,7 +245,9 @@ def test_cli_report(run_result, tmp_path, capsys):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(run_result.dir / "report.md")
+    out = proc.stdout.strip().splitlines()
+    n, where = len(run_result.metrics["ctrl/beta"]), run_result.dir / "metrics.jsonl"
+    assert out == [f"read {n} rows of 1 run from {where}", str(run_result.dir / "report.md")]
     main = _run_py().main
     bad = tmp_path / "bad"
     bad.mkdir()

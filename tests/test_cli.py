@@ -263,39 +263,97 @@ def test_negative_and_nonfinite_values_reach_the_field(capsys) -> None:
 
 
 def test_config_is_read_up_to_its_cap(tmp_path, monkeypatch, capsys) -> None:
-    """A pipe (``--config <(...)``) has no size in ``stat``: it is read up to the cap and one byte more,
-    and refused there; under the cap it is read like a file."""
+    """A shell's pipe (``--config <(...)``: ``/dev/fd/N``) has no size in ``stat``: it is read up to the
+    cap and one byte more, and refused there; under the cap it is read like a file."""
     import threading
 
     import klrl.io.readers as readers
 
     monkeypatch.setattr(readers, "MAX_JSON_BYTES", 100)
-    fifo = tmp_path / "config.json"
 
-    def feed(data: bytes) -> threading.Thread:
+    def feed(data: bytes) -> tuple[str, threading.Thread]:
+        r, w = os.pipe()
+
         def write() -> None:
             try:
-                with open(fifo, "wb") as f:
+                with open(w, "wb") as f:
                     f.write(data)
             except BrokenPipeError:  # the reader stopped at the cap
                 pass
 
         t = threading.Thread(target=write, daemon=True)
         t.start()
-        return t
+        return f"/dev/fd/{r}", t
 
-    os.mkfifo(fifo)
-    t = feed(b" " * 10_000 + b"{}")
     from klrl.cli.commands import main
 
-    line = one_line_error(capsys, main, ["train", "--config", str(fifo)])
-    assert line == f"error: --config: {fifo}: more than 100 bytes, too large for a klrl file"
+    path, t = feed(b" " * 10_000 + b"{}")
+    line = one_line_error(capsys, main, ["train", "--config", path])
+    assert line == f"error: --config: {path}: more than 100 bytes, too large for a klrl file"
     t.join(5)
-    t = feed(b'{"kl": {"beta": 0.5}}')
+    path, t = feed(b'{"kl": {"beta": 0.5}}')
     from klrl.cli.args import load_config_file
 
-    assert load_config_file(str(fifo)).kl.beta == 0.5
+    assert load_config_file(path).kl.beta == 0.5
     t.join(5)
+
+
+class _Hung(Exception):
+    pass
+
+
+def _special(kind: str, path: Path) -> Path:
+    """``path`` made a named pipe with no writer, or a listening Unix socket."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        import socket
+
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        _special.keep = s  # (open for the test's life)
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv,what",
+    [
+        (["train", "--config", "{p}"], "--config: {p}: not a regular file (a {k})"),
+        (["train", "--config", "{p}.yaml"], "--config: {p}.yaml: not a regular file (a {k})"),
+        (["train", "--model.path", "{p}"], "model.path: {p}: not a regular file or directory (a {k})"),
+        (["train", "--data.path", "{p}"], "data.path: {p}: not a regular file or directory (a {k})"),
+        (["train", "--reward.fn", "{p}:score", "--task.name", "text"],
+         "reward.fn: {p}: not a regular file or directory (a {k})"),
+        (["resume", "{p}"], "RUN_DIR: {p}: not a regular file or directory (a {k})"),
+        (["report", "{p}"], "RUN_DIR: {p}: not a regular file or directory (a {k})"),
+        (["export", "{p}", "{p}-out"], "RUN_DIR: {p}: not a regular file or directory (a {k})"),
+    ],
+    ids=["config", "config-yaml", "model.path", "data.path", "reward.fn", "resume", "report", "export"],
+)  # fmt: skip
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_fifos_and_sockets_are_refused_before_opening(argv, what, kind, tmp_path, capsys) -> None:
+    """A named pipe with no writer waited for ever (``--config FIFO``); a socket or a FIFO is refused
+    before anything opens it, one line and exit 2 (the alarm turns a hang into a failure)."""
+    import signal
+
+    from klrl.cli.commands import main
+
+    p = _special(kind, tmp_path / ("c.yaml" if "{p}.yaml" in argv else "c"))
+    p = p.with_suffix("") if p.suffix == ".yaml" else p
+    argv = [a.format(p=p) for a in argv]
+    k = "named pipe (FIFO)" if kind == "fifo" else "socket"
+
+    def hung(*_):
+        raise _Hung(f"{argv} waited on the {kind}")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        line = one_line_error(capsys, main, argv)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert line == "error: " + what.format(p=p, k=k)
 
 
 # ---- pretrained models: Hub names from the local Hugging Face cache, klrl models ---------------------

@@ -250,3 +250,20 @@ def test_running_reward_normalisation_in_the_step(tiny_cfg, tiny_task):
     mom = running.read(state.opt_state)
     assert float(mom.count) == 2 * tiny_cfg.train.batch_size
     np.testing.assert_allclose(float(mom.mean), np.mean(seen), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_a_lora_target_error_comes_before_the_task_notes(tmp_path, capsys):
+    """Issue 41: the prompts' truncation note was printed before the LoRA targets' error (and the
+    adapters', both found in make_train); now the error is the one line (the notes follow every check)."""
+    from conftest import one_line_error
+
+    from klrl.cli import main
+
+    gguf = Path(__file__).parent / "data" / "tiny_gguf" / "tiny.gguf"
+    argv = ["train", "--model.path", str(gguf), "--lora.rank", "4", "--lora.targets", "zzz",
+            "--data.prompt_len", "16", "--data.limit", "8", "--sampling.response_len", "4",
+            "--train.batch_size", "4", "--train.iterations", "1",
+            "--train.out_dir", str(tmp_path)]  # fmt: skip
+    line = one_line_error(capsys, main, argv)
+    assert line.startswith("error: model.lora.targets: 'zzz' matches no linear layer"), line

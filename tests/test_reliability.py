@@ -488,20 +488,18 @@ def _resume_from_0(cfg, task, d):
 
 def test_directory_with_only_its_config_resumes_from_iteration_0(tiny_task, cache_dir, jax_cache, tmp_path):
     """What a kill between creating the directory and opening metrics.jsonl leaves; with metrics lines
-    but no checkpoint a resume is still refused (it would drop them)."""
-    from klrl.io.checkpoint import CheckpointError
+    but no committed checkpoint it resumes from iteration 0 as well, the rows recomputed (issue 41)."""
     from klrl.io.resume import prepare
 
     cfg = base_config(cache_dir, iterations=1000, checkpoint_every=1)
     d = tmp_path / "r"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg.to_dict()))
-    (d / "metrics.jsonl").write_text('{"iteration": 0}\n')
-    with pytest.raises(CheckpointError, match="checkpoint"):
-        prepare(cfg, d)
-    (d / "metrics.jsonl").unlink()
     plan = prepare(cfg, d)
     assert plan.fresh and plan.step == 0 and not (d / "metrics.jsonl").exists()  # prepare changes nothing
+    (d / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    plan = prepare(cfg, d)
+    assert plan.fresh and plan.step == 0 and len(lines(d / "metrics.jsonl")) == 1  # (nothing changed yet)
     _resume_from_0(cfg, tiny_task, d)
 
 

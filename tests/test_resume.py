@@ -2,8 +2,8 @@
 
 * a sweep killed before its first complete checkpoint (during the compile, or while its first
   checkpoint was being written) resumes from iteration 0 as a single run does, bit for bit against a
-  sweep that was never interrupted; with metrics rows but no checkpoint it is refused in one line
-  (as a single run is), nothing changed;
+  sweep that was never interrupted; with metrics rows but no checkpoint too (issue 41: the rows are
+  recomputed);
 * a step directory that holds no finished save (empty, foreign files, a copy cut short) is skipped:
   the run resumes from the newest complete checkpoint, moves the directory aside (named in its one
   resume line), writes that step again itself and ends bit for bit as an uninterrupted run; a run and
@@ -128,10 +128,11 @@ def _hand_made_sweep(d: Path, members) -> None:
     (d / "sweep.json").write_text(json.dumps({"members": names, "axes": sweep_axes(members)}, default=str))
 
 
-def test_sweep_with_rows_but_no_checkpoint_is_refused_in_one_line(cache_dir, tmp_path):
-    """As a single run: with metrics rows written before the first checkpoint, a resume would drop them;
-    refused, naming how many and what to do, nothing changed. With none, it is a fresh start."""
-    from klrl.io.checkpoint import CheckpointError
+def test_sweep_with_rows_but_no_checkpoint_resumes_from_0(cache_dir, tmp_path):
+    """As a single run: with metrics rows written before the first checkpoint was committed, the plan
+    is a fresh start (the rows are recomputed: tests/test_kill_points.py); prepare changes nothing. A
+    member changed since is refused like any resume."""
+    from klrl.config import ConfigError
     from klrl.io.resume import prepare
 
     members = _members(cache_dir)
@@ -142,15 +143,11 @@ def test_sweep_with_rows_but_no_checkpoint_is_refused_in_one_line(cache_dir, tmp
     member = d / json.loads((d / "sweep.json").read_text())["members"][1]
     (member / "metrics.jsonl").write_text('{"iteration": 0}\n')
     before = _snapshot(d)
-    with pytest.raises(CheckpointError) as e:
-        prepare(members, d)
-    msg = str(e.value)
-    assert "\n" not in msg and "no complete checkpoint" in msg and "1 metrics lines" in msg and str(d) in msg
+    plan = prepare(
+        members, d
+    )  # (refused before issue 41: '1 metrics lines were written before the first one')
+    assert plan.fresh and plan.step == 0 and plan.meta["metrics_lines"] == 0
     assert _snapshot(d) == before
-    # a member changed since: refused like any resume
-    from klrl.config import ConfigError
-
-    (member / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="kl.beta"):
         prepare([members[0], members[1].replace(kl={"beta": 0.5})], d)
 
@@ -277,7 +274,19 @@ def test_damaged_finished_checkpoint_is_refused_naming_the_older_ones(run8, tmp_
     assert status == 2, err
     assert len(err.strip().splitlines()) == 1 and "checkpoint 8" in err, err
     assert "older checkpoints: 2, 4, 6" in err and "to resume from 6" in err, err
+    # the array and the step's files named, none of the storage library's text (issue 41: TensorStore's
+    # '<bound method pybind11_detail_function_record_v1...' was in the message)
+    assert f"cannot be read from {d / 'checkpoints' / '8' / 'state'} (a file is truncated)" in err, err
+    assert not any(w in err for w in ("pybind", "TensorStore", "<bound", "Exception:")), err
     assert _snapshot(d) == before
+    # export names them too, as --step
+    from conftest import one_line_error
+
+    from klrl.cli import main
+
+    line = one_line_error(capsys, main, ["export", str(d), str(tmp_path / "out")])
+    assert "checkpoint 8" in line and "(older checkpoints: 2, 4, 6; export one with --step 6)" in line, line
+    assert not any(w in line for w in ("pybind", "TensorStore", "<bound")), line
 
 
 def test_is_finished_needs_the_commit_record_and_both_items(tmp_path):

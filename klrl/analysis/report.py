@@ -22,7 +22,9 @@ from klrl.analysis.aggregate import label, seed_groups, t_interval, tail_mean, u
 from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
 from klrl.config.fields import GPT_ONLY
-from klrl.io.readers import config_diff, read_jsonl
+from klrl.io import checkpoint as ckpt
+from klrl.io.readers import RunDirError, config_diff, read_jsonl, read_sweep_members, read_task_info
+from klrl.io.resume import replace_file
 from klrl.io.samples import report_lines
 from klrl.registry import is_adaptive
 
@@ -81,9 +83,61 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
 
 
 # ---- loading -------------------------------------------------------------------------------------
+def _metrics_file(d: Path) -> Path:
+    """A member's metrics file (``metrics.jsonl``, or the stored results' ``metrics.jsonl.gz``)."""
+    p = d / "metrics.jsonl"
+    return d / "metrics.jsonl.gz" if not p.exists() and (d / "metrics.jsonl.gz").is_file() else p
+
+
+def _checkpoint_rows(root: Path) -> tuple[int, int] | None:
+    """(step, metrics rows it counts) of the newest complete checkpoint in ``root``, or None."""
+    done = ckpt.complete_steps(root)
+    if not done:
+        return None
+    mgr = ckpt.manager(root, read_only=True)
+    try:
+        return done[-1], int(ckpt.read_meta(mgr, done[-1])["metrics_lines"])
+    except (ckpt.CheckpointError, KeyError, TypeError, ValueError):
+        return None  # (a damaged checkpoint is resume's and export's to refuse; the rows are still read)
+    finally:
+        mgr.close()
+
+
+def check_rows(root: Path, is_sweep: bool) -> str:
+    """The metrics rows of a run or sweep directory checked as a resume checks them, before a report
+    is written: every member's ``metrics.jsonl`` present, not cut mid-line, with at least the rows
+    the newest complete checkpoint counts (:class:`ReportError` otherwise, nothing written); returns
+    what was read, in one line."""
+    dirs = [root / n for n in read_sweep_members(root)] if is_sweep else [root]
+    counts = []
+    for d in dirs:
+        p = _metrics_file(d)
+        if not p.is_file():
+            raise ReportError(f"{p}: no such file (the run's rows are missing; nothing written)")
+        if p.suffix == ".gz":
+            counts.append(len(read_jsonl(p)))
+            continue
+        n = (data := p.read_bytes()).count(b"\n")
+        if data and not data.endswith(b"\n"):
+            raise ReportError(f"{p}: cut mid-line after {n} complete rows (nothing written)")
+        counts.append(n)
+    saved = _checkpoint_rows(root)
+    for d, n in zip(dirs, counts, strict=True):
+        if saved is not None and n < saved[1]:
+            raise ReportError(f"{_metrics_file(d)} has {n} rows; checkpoint {saved[0]} in {root} counts "
+                              f"{saved[1]} (rows are missing; nothing written)")  # fmt: skip
+    rows = f"{counts[0]} rows" if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)} rows"
+    who = f"of {len(dirs)} members" if is_sweep else "of 1 run"
+    return f"read {rows} {who} from {', '.join(str(_metrics_file(d)) for d in dirs)}"
+
+
 def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
     if not path.is_dir():
         raise ReportError(f"{path}: no such run directory")
+    try:
+        read_task_info(path)  # a damaged task.json: one line naming it
+    except RunDirError as e:
+        raise ReportError(str(e)) from e
     try:
         if (path / "sweep.json").is_file():
             return load_sweep(path), path, True
@@ -312,6 +366,7 @@ def write_report(
     plots: bool = True,
     dpi: int = 90,
     window: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write ``report.md`` (and its PNG plots) for a run or a sweep; return its path.
 
@@ -322,8 +377,19 @@ def write_report(
     the last ``window`` iterations (default: :func:`report_window` of the longest run, 10 from 30
     iterations on; the report says which); a sweep's Settings table aggregates them over seeds. Raises
     :class:`ReportError` (a ``ValueError``) naming the path when the source cannot be read.
+
+    A directory's rows are checked first (:func:`check_rows`: a missing or cut ``metrics.jsonl``, or
+    fewer rows than its checkpoint counts, raise and leave an existing ``report.md`` untouched);
+    ``log`` gets the one line saying what was read. ``report.md`` is replaced atomically.
     """
     results, root, is_sweep = _resolve(source, out_dir)
+    if isinstance(source, str | Path):
+        try:
+            read = check_rows(Path(source), is_sweep)
+        except RunDirError as e:
+            raise ReportError(str(e)) from e
+        if log is not None:
+            log(read)
     root.mkdir(parents=True, exist_ok=True)
     if window is None:
         window = report_window(max(_n_iter(r) for r in results))
@@ -347,7 +413,7 @@ def write_report(
     ]
     lines += [f"_Written by klrl.analysis.report.write_report on {time.strftime('%Y-%m-%d %H:%M:%S')}._", ""]
     path = root / REPORT_NAME
-    path.write_text("\n".join(lines))
+    replace_file(path, "\n".join(lines).encode())  # (a crash mid-write leaves the old report whole)
     return path
 
 

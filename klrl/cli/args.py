@@ -27,7 +27,7 @@ import yaml
 from klrl.config import SECTIONS, ConfigError, RunConfig, aliases, field_names
 from klrl.config.fields import GPT_ONLY
 from klrl.config.schema import ALIASES, closest, short
-from klrl.io.readers import RunDirError, read_json, read_text
+from klrl.io.readers import RunDirError, read_json, read_text, special_kind
 from klrl.tasks.pretrain import cache_root
 
 _FLOAT = re.compile(r"^-(\d|\.\d|inf|nan|infinity)", re.IGNORECASE)
@@ -253,6 +253,34 @@ def config_from_args(ns: argparse.Namespace, base: RunConfig | None = None) -> R
         return base.replace(**updates)
     except ConfigError as e:  # UnknownFieldError included
         fail(str(e))
+
+
+# ---- paths: no FIFO, socket or device ----------------------------------------------------------------
+# the config fields that name a file or directory klrl opens (reward.fn: FILE.py:FUNCTION)
+PATH_FIELDS = ("model.path", "model.value_path", "model.reward_path", "model.eval_path", "model.adapter",
+               "data.path", "data.eval_path", "reward.fn", "task.cache_dir", "train.out_dir")  # fmt: skip
+
+
+def check_special(path: str | os.PathLike | None, what: str) -> None:
+    """``path`` (a path argument) is not a named pipe, socket or device (checked before anything opens
+    it: a FIFO with no writer would wait forever, a device may never end); one line, exit 2."""
+    if not path:
+        return
+    kind = special_kind(path)
+    if kind is not None:
+        fail(f"{what}: {path}: not a regular file or directory ({kind})")
+
+
+def check_special_fields(cfgs: list[RunConfig]) -> None:
+    """:func:`check_special` for every :data:`PATH_FIELDS` value of ``cfgs``."""
+    for cfg in cfgs:
+        for name in PATH_FIELDS:
+            section, field = name.split(".")
+            for value in str(getattr(getattr(cfg, section), field)).split(","):  # reward.fn: a list
+                value = value.strip()
+                if name == "reward.fn" and ":" in value:
+                    value = value.rsplit(":", 1)[0]
+                check_special(value, name)
 
 
 # ---- paths a run will write ----------------------------------------------------------------------

@@ -44,6 +44,8 @@ from klrl.cli.args import (
     check_coordinator,
     check_paths,
     check_run_dir_writable,
+    check_special,
+    check_special_fields,
     config_from_args,
     fail,
     overrides_of,
@@ -321,7 +323,7 @@ def _report(run_dir: str, ns: argparse.Namespace) -> int:
     if Path(run_dir).is_dir():
         check_run_dir_writable(run_dir, "--report")
     try:
-        print(write_report(run_dir))
+        print(write_report(run_dir, log=print))
     except (ReportError, RunDirError) as e:
         fail(f"--report: {e}")
     return 0
@@ -329,9 +331,12 @@ def _report(run_dir: str, ns: argparse.Namespace) -> int:
 
 def execute(mode: str, ns: argparse.Namespace) -> int:
     """Run ``mode`` (one of :data:`COMMANDS`) with the parsed flags ``ns``."""
+    # (``--config`` is checked where it is read: klrl.io.readers, a shell's ``<(...)`` allowed)
+    check_special(ns.report if mode == "report" else ns.resume, "RUN_DIR")  # before anything opens it
     if mode == "report":
         return _report(ns.report, ns)
     cfg, members, axes = _configs(mode, ns)
+    check_special_fields(members or [cfg])
     cfg, members = _resolve_models(cfg, members)
     if ns.sweep_devices != 1 and mode != "sweep":
         fail("--sweep-devices: needs --sweep")

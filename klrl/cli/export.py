@@ -52,7 +52,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
-from klrl.cli.args import fail
+from klrl.cli.args import check_special, fail
 from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
 from klrl.io.checkpoint import CheckpointError, version
@@ -112,7 +112,12 @@ def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[An
             raise ExportError(
                 f"--step: no checkpoint {step} in {root} (complete: {', '.join(map(str, done))})"
             )
-        state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
+        try:
+            state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
+        except CheckpointError as e:  # the older checkpoints to export instead
+            older = [s for s in done if s < step]
+            hint = f" (older checkpoints: {', '.join(map(str, older))}; export one with --step {older[-1]})"
+            raise CheckpointError(f"{e}{hint if older else ''}") from e
     finally:
         mgr.close()
     try:
@@ -278,6 +283,8 @@ def main(argv: list[str]) -> int:
         "Hugging Face cache by its Hub id)",
     )
     ns = p.parse_args(argv)
+    check_special(ns.run_dir, "RUN_DIR")
+    check_special(ns.out_dir, "OUT_DIR")
     try:
         print(export(ns.run_dir, ns.out_dir, ns.step, base=ns.base))
     except ExportError as e:

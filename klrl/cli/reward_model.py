@@ -49,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from klrl.cli.args import fail, load_config_file
+from klrl.cli.args import check_special, fail, load_config_file
 from klrl.cli.generate import HelpFormatter
 from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
@@ -199,6 +199,8 @@ def _check(ns: argparse.Namespace) -> None:
     for ok, flag, dest, rule in rules:
         if not ok:
             fail(f"{flag}: {rule} (got {getattr(ns, dest)})")
+    for flag, path in (("--pairs", ns.pairs), ("--out", ns.out), ("--model.path", ns.model_path)):
+        check_special(path, flag)  # before anything opens it (a FIFO would wait forever)
     out = Path(ns.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out: {out}: exists and is not an empty directory (nothing is overwritten)")

@@ -226,8 +226,8 @@ def read_records(
     p = resolve_path(str(path))
     if not p.exists():
         raise PromptDataError(f"{p}: prompt file not found")
-    if p.is_char_device() or p.is_block_device() or p.is_socket():
-        raise PromptDataError(f"{p}: not a regular file (a device or socket)")
+    if p.is_char_device() or p.is_block_device() or p.is_socket() or p.is_fifo():  # (a FIFO: may never end)
+        raise PromptDataError(f"{p}: not a regular file (a device, named pipe or socket)")
     fmt = _format_of(p, format)
     where: list[str] | None = None
     try:

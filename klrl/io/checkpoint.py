@@ -42,6 +42,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -378,7 +379,8 @@ def read_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
         out = mgr.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = out["meta"]
     except Exception as e:  # orbax raises many types for a damaged directory
-        raise CheckpointError(f"checkpoint {step} in {mgr.directory} is unreadable: {_why(e)}") from e
+        why = _why(e, Path(mgr.directory) / str(int(step)) / "meta")
+        raise CheckpointError(f"checkpoint {step} in {mgr.directory} is unreadable: {why}") from e
     if not isinstance(meta, dict) or not {"config", "version", "iteration", "metrics_lines"} <= set(meta):
         raise CheckpointError(f"checkpoint {step} in {mgr.directory} has no valid meta record")
     return meta
@@ -409,7 +411,8 @@ def saved_structure(mgr: ocp.CheckpointManager, step: int) -> Any:
         tree = getattr(tree, "tree", tree)
         return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)), tree)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {step} in {mgr.directory} is unreadable: {_why(e)}") from e
+        why = _why(e, Path(mgr.directory) / str(int(step)) / "state")
+        raise CheckpointError(f"checkpoint {step} in {mgr.directory} is unreadable: {why}") from e
 
 
 def _leaf_sharding(x: Any) -> Any:
@@ -457,7 +460,9 @@ def restore(
             ),
         )
     except Exception as e:
-        raise CheckpointError(f"{where} is unreadable: {_why(e)}") from e
+        raise CheckpointError(
+            f"{where} is unreadable: {_why(e, Path(mgr.directory) / str(step) / 'state')}"
+        ) from e
     state = out["state"]
     got_leaves = jax.tree.leaves(state)
     want_leaves = jax.tree.leaves(want)
@@ -473,6 +478,29 @@ def restore(
     return state, meta
 
 
-def _why(e: BaseException) -> str:
+_ARRAY_READ = re.compile(r'Error reading "([^"]+?)(?:/[0-9.]+)?"')  # TensorStore's words for an array
+_INTERNALS = ("<", "pybind", "TensorStore", "tensorstore", "Traceback", "OCDBT", "zarr", "{")
+
+
+def _why(e: BaseException, files: Path) -> str:
+    """Why a checkpoint could not be read, naming the array or the file (under ``files``, the step's
+    item directory) and never the library's own text (TensorStore specs, bound methods)."""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for x in chain:
+        m = _ARRAY_READ.search(str(x))
+        if m:
+            text = str(x)
+            how = ("a file is truncated" if "OUT_OF_RANGE" in text or "byte range" in text
+                   else "a file is damaged: its data does not decode" if "corrupt" in text.lower()
+                   else "a file is truncated or damaged")  # fmt: skip
+            return f"array {m.group(1)} cannot be read from {files} ({how})"
+    for x in chain:
+        if isinstance(x, OSError) and x.filename:
+            return f"{x.filename}: {x.strerror or type(x).__name__}"
     msg = " ".join(str(e).split())
-    return f"{type(e).__name__}: {msg[:200]}"
+    if msg and len(msg) <= 200 and not any(s in msg for s in _INTERNALS):
+        return f"{files}: {msg}"
+    return f"{files} is damaged or incomplete (a file is missing, truncated or not orbax's)"

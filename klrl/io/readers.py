@@ -35,16 +35,41 @@ class NotARunDirError(RunDirError, FileNotFoundError):
     """The path is not a klrl run or sweep directory at all (also a ``FileNotFoundError``)."""
 
 
+def _is_anonymous_pipe(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a shell's anonymous pipe (``<(...)``: ``/dev/fd/N`` -> ``pipe:[...]``), whose
+    writer is running; a named pipe (``mkfifo``) may have none, and opening it would wait forever."""
+    return os.path.basename(os.path.realpath(path)).startswith("pipe:[")
+
+
+def special_kind(path: str | os.PathLike, pipes: bool = False) -> str | None:
+    """What ``path`` is when it is neither a regular file nor a directory (nor, with ``pipes``, a
+    shell's anonymous pipe): ``'a named pipe (FIFO)'``, ``'a socket'``, ``'a device'``; None otherwise
+    (also when it does not exist). Checked with ``stat``, before anything opens it (opening a FIFO
+    with no writer waits forever, reading ``/dev/zero`` never ends)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return None if pipes and _is_anonymous_pipe(path) else "a named pipe (FIFO)"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
 def _read_bytes(path: Path, limit: int | None = None) -> bytes:
-    """The bytes of ``path``: a regular file, or a pipe (``--config <(...)``) when there is a ``limit``;
-    a device (``/dev/zero``), socket or directory is refused. At most ``limit + 1`` bytes are read:
-    ``stat``'s size is not trusted (a device or a pipe has none, a file may grow)."""
+    """The bytes of ``path``: a regular file, or a shell's anonymous pipe (``--config <(...)``) when
+    there is a ``limit``; a device (``/dev/zero``), named pipe, socket or directory is refused before
+    it is opened. At most ``limit + 1`` bytes are read: ``stat``'s size is not trusted (a device or a
+    pipe has none, a file may grow)."""
     try:
         mode = path.stat().st_mode
-        if not (stat.S_ISREG(mode) or (limit is not None and stat.S_ISFIFO(mode))):
+        if not stat.S_ISREG(mode):
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError
-            raise RunDirError(f"{path}: not a regular file (a device, pipe or socket)")
+            kind = special_kind(path, pipes=limit is not None)
+            if kind is not None:
+                raise RunDirError(f"{path}: not a regular file ({kind})")
         with path.open("rb") as f:
             data = f.read() if limit is None else f.read(limit + 1)
         if limit is not None and len(data) > limit:
@@ -84,6 +109,18 @@ def read_json(path: str | os.PathLike) -> Any:
     """The JSON value in ``path``."""
     p = Path(path)
     return _loads(_text(_read_bytes(p, MAX_JSON_BYTES), str(p)), str(p))
+
+
+def read_task_info(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """A run (or sweep) directory's ``task.json`` (None: none, a directory older than it); a damaged
+    one raises :class:`RunDirError` naming the file."""
+    p = Path(run_dir) / "task.json"
+    if not (p.exists() or p.is_symlink()):
+        return None
+    info = read_json(p)
+    if not isinstance(info, dict):
+        raise RunDirError(f"{p}: not a JSON object (a klrl task.json is one)")
+    return info
 
 
 def read_config(path: str | os.PathLike) -> RunConfig:

@@ -1,12 +1,15 @@
 """Resuming a run: which config changes a resume allows, the checks that need no compiled code,
 and the atomic file replacement used to cut ``metrics.jsonl`` back to a checkpoint.
 
-A run or sweep directory with no complete checkpoint and no complete ``metrics.jsonl`` line (the
-process died after creating it, before its first iteration: during the state init, the compile or
-the write of the first checkpoint) resumes from iteration 0, i.e. the initial state rebuilt from the
-seed: nothing was done, so nothing is lost. With metrics lines but no checkpoint (killed before the
-first ``train.checkpoint_every`` iterations were done), a resume is refused, one line saying so (it
-would drop those lines); the directory is left as it is.
+A run or sweep directory with no complete checkpoint resumes from iteration 0, i.e. the initial
+state rebuilt from its config (the seed): the process died before its first checkpoint was committed
+(during the state init, the compile, the first iterations or the write of the first checkpoint, which
+orbax commits in the background while the next rows are written). Its metrics rows, if any, are
+dropped (atomically, :func:`replace_file`) and recomputed: a step is a pure function of the state and
+the config, so they come back bit for bit. Likewise rows written after the newest complete checkpoint
+(the loop writes them while that checkpoint's save is in flight, or before the next one is due) are
+dropped and recomputed from it: every row on disk is either counted by a complete checkpoint or
+recomputable, whatever moment a ``kill -9`` came (tests/test_kill_points.py).
 
 A step directory that holds no finished save (empty, foreign files, a copy cut short:
 :func:`klrl.io.checkpoint.is_finished`) is not a checkpoint: the run resumes from the newest
@@ -133,12 +136,11 @@ def _member_dirs(d: Path, sweep: bool) -> list[Path]:
 
 
 def _fresh(cfg: RunConfig | list[RunConfig], d: Path, sweep: bool) -> Resume | None:
-    """The plan for a run (or sweep) directory that holds its config(s) and nothing done yet, else None."""
+    """The plan for a run (or sweep) directory with no complete checkpoint (its rows, if any, are
+    recomputed from iteration 0), else None."""
     if ckpt.complete_steps(d):
         return None
     dirs = _member_dirs(d, sweep)
-    if any(complete_lines(p / "metrics.jsonl") for p in dirs):
-        return None
     members = list(cfg) if sweep else [cfg]
     if len(dirs) != len(members):
         raise ConfigError(f"sweep: {len(members)} members given, the sweep in {d} has {len(dirs)}")
@@ -200,19 +202,13 @@ def prepare(cfg: RunConfig | list[RunConfig], run_dir: str | Path) -> Resume:
     marker = "sweep.json" if sweep else "config.json"
     if not (d / marker).is_file():
         raise ckpt.CheckpointError(f"{d}: not a klrl {'sweep' if sweep else 'run'} directory (no {marker})")
+    readers.read_task_info(d)  # a damaged task.json: one line naming it
     fresh = _fresh(cfg, d, sweep)
     if fresh is not None:
         return fresh
     mgr = ckpt.manager(d, read_only=True)
     try:
         done = ckpt.complete_steps(d)
-        if not done:
-            n = max(len(complete_lines(p / "metrics.jsonl")) for p in _member_dirs(d, sweep))
-            raise ckpt.CheckpointError(
-                f"{d}: no complete checkpoint to resume from, but {n} metrics lines were written before "
-                "the first one (train.checkpoint_every); start the run again (another --train.name, "
-                f"or remove {d})"
-            )
         step = done[-1]
         try:
             meta = ckpt.read_meta(mgr, step)

@@ -91,6 +91,9 @@ def cut_to_checkpoint(
             writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
             dropped = len(lines) - n_lines
             m = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
+            if resume.fresh and dropped:  # killed before its first checkpoint was committed
+                m = (f"resumed from checkpoint 0, the initial state (no complete checkpoint; {dropped} "
+                     "metrics lines dropped, recomputed)")  # fmt: skip
             m += resume.note()  # step directories skipped (no finished save in them)
             writers[-1].event(resume.step, "resume", m)
             msg = msg or m  # the first member's, for the log

@@ -43,7 +43,7 @@ from klrl import distributed
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import MetricsWriter, Progress, sweep_progress
-from klrl.loop import frozen, reliability
+from klrl.loop import fault, frozen, reliability
 from klrl.loop.files import move_rolled_back
 from klrl.loop.metrics import latest, learning_rates, timings, with_aliases
 from klrl.loop.program import Program
@@ -180,6 +180,8 @@ class Checkpoints(Hook):
                 self.frozen_id = frozen.identity(loop.prog)
             meta[frozen.KEY] = self.frozen_id
         ckpt.save(self.mgr, step, frozen.without(loop.prog, loop.state), meta)
+        fault.point("save-started", step)  # (a test's kill -9; klrl.loop.fault)
+        fault.point("save-committed", step, before=self.mgr.wait_until_finished)
         self.last_saved = step
 
     def where_saved(self) -> str:
@@ -270,11 +272,13 @@ class MetricsSink(Hook):
         now = row.ready if row.ready is not None else time.time()
         dt = None if self.last is None else now - self.last
         self.last = now
+        fault.point("row-before", row.it)  # (a test's kill -9; klrl.loop.fault)
         for j, w in enumerate(loop.writers):
             mj = row.members[j]
             if dt is not None and dt > 0:
                 w.write_timing(row.it, timings(mj, loop.configs[j].train.batch_size, dt))
             w.write(row.it, with_aliases(mj, self.aliases) if self.aliases else mj)
+        fault.point("row-after", row.it)
         if self.callback is not None and loop.main:
             self.callback(row.it, latest(loop.rows, loop.stacked))
 
