@@ -185,7 +185,14 @@ def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, 
     """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. A Hub name in
     a ``model.*`` path is read from the local Hugging Face cache (``resolve_model_paths``)."""
     members = [resolve_model_paths(m) for m in members]
-    check_config(members, stacked=stacked, write=write, resume=resume, sweep_devices=sweep_devices)
+    check_config(
+        members,
+        stacked=stacked,
+        write=write,
+        resume=resume,
+        sweep_devices=sweep_devices,
+        task_given=task is not None,
+    )
     plan = None
     if resume is not None:
         if distributed.is_main() and Path(resume).is_dir():

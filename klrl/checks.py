@@ -68,11 +68,13 @@ def check_config(
     write: bool = True,
     resume: Any = None,
     sweep_devices: int = 1,
+    task_given: bool = False,
 ) -> None:
     """The rules of a run (one member, ``stacked=False``) or a sweep (``stacked``) that need neither
     the task nor the devices: the members (:func:`klrl.config.sweep.check_members`) and their split
     over ``sweep_devices`` groups; a resume (``resume``: its directory) and ``train.rollback_metric``
-    need ``write``."""
+    need ``write``. ``task_given``: the caller brings its own task (the rules on ``task.name`` of
+    :func:`~klrl.config.relevance.check_relevance` do not apply to it)."""
     check_members(members)
     n = len(members)
     if n % sweep_devices:
@@ -84,7 +86,7 @@ def check_config(
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
     check_model_fields(members[0], stacked=stacked)
     if resume is None:  # a resume's config is the run's own (config.json); the CLI checks the flags given
-        check_relevance(members)
+        check_relevance(members, task_given=task_given)
     check_lora_widths(members[0])
     if members[0].log.wandb and not _installed("wandb"):  # before anything compiles
         raise ConfigError("log.wandb: the wandb package is not installed (pip install 'klrl[wandb]')")

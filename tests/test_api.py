@@ -305,7 +305,8 @@ def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path,
         raise RuntimeError("built")
 
     monkeypatch.setattr(klrl.api, "build_task", stop)
-    cfg = tiny_cfg.replace(task={"name": "text"}, train={"out_dir": str(tmp_path / "runs")})
+    # klrl's defaults (tiny_cfg sizes klrl's own GPT: model.n_layers has no effect on a text task)
+    cfg = klrl.RunConfig().replace(task={"name": "text"}, train={"out_dir": str(tmp_path / "runs")})
     with pytest.raises(ConfigError, match=r"^model\.path: Org/Missing: .*not in the local Hugging Face"):
         klrl.run(cfg.replace(model={"path": "Org/Missing"}), write=False)
     with pytest.raises(RuntimeError, match="built"):

@@ -154,8 +154,9 @@ def test_text_task_counts_templated_and_truncated_prompts_in_a_log_line_not_a_wa
 
 
 def test_the_run_logs_the_prompt_note_once_its_checks_have_passed(capsys, tmp_path, monkeypatch):
-    """The note of the prompts cut to the budget is logged by build_program after check_program (not
-    with train.quiet), so a user error found by the checks stays the one line on stderr."""
+    """The note of the prompts cut to the budget is logged by build_program after check_program and
+    make_train's adapter checks (not with train.quiet), so a user error found by the checks stays the
+    one line on stderr."""
     import klrl.api
     from klrl.config import ConfigError
     from klrl.data.prompts import FILES
@@ -166,7 +167,7 @@ def test_the_run_logs_the_prompt_note_once_its_checks_have_passed(capsys, tmp_pa
     def stop(*a, **k):
         raise Built
 
-    monkeypatch.setattr(klrl.api, "make_train", stop)  # what follows the checks: not needed here
+    monkeypatch.setattr(klrl.api, "Program", stop)  # what follows the notes: not needed here
     cfg = RunConfig.from_dict(
         {"model": {"path": str(GGUF)}, "task": {"name": "text"}, "data": {"prompt_len": 16, "limit": 4}}
     )

@@ -33,6 +33,7 @@ class Rule(NamedTuple):
     field: str
     when: Callable[[RunConfig], bool]
     why: str
+    on_task: bool = False  # the condition is on ``task.name``: not decided for a task given to klrl.run
 
 
 def _no_critic(c: RunConfig) -> bool:
@@ -62,7 +63,7 @@ IRRELEVANT: tuple[Rule, ...] = (
     Rule("lora.critic_rank", lambda c: c.model.value_model != "lora",
          "with model.value_model={c.model.value_model} (the critic has adapters only with lora)"),
     Rule("model.logits_chunk", lambda c: c.model.logits == "full", "with model.logits=full"),
-    *(Rule(f"model.{f}", lambda c: c.task.name == "text", _TEXT) for f in _GPT),
+    *(Rule(f"model.{f}", lambda c: c.task.name == "text", _TEXT, on_task=True) for f in _GPT),
     Rule("kl.beta", lambda c: "kl.beta" in unread(c),
          "with ctrl.warmup_iters={c.ctrl.warmup_iters} (the warm-up starts from ctrl.warmup_beta)"),
     Rule("kl.beta", lambda c: c.kl.placement == "loss",
@@ -83,16 +84,17 @@ IRRELEVANT: tuple[Rule, ...] = (
     *(Rule(f"ppo.{f}", _no_critic, _NO_CRITIC) for f in ("vf_clip", "vf_coef", "gamma", "lam")),
     Rule("ppo.group_std", lambda c: c.ppo.advantage in ("gae", "rloo"),
          "with ppo.advantage={c.ppo.advantage} (grpo reads it)"),
-    *(Rule(f"task.{f}", _not_testbed, "with task.name={c.task.name} (the testbed reads it)")
+    *(Rule(f"task.{f}", _not_testbed, "with task.name={c.task.name} (the testbed reads it)", on_task=True)
       for f in _TESTBED),
-    *(Rule(f"task.{f}", lambda c: c.task.name == "text", _TEXT) for f in _TASK_GPT),
+    *(Rule(f"task.{f}", lambda c: c.task.name == "text", _TEXT, on_task=True) for f in _TASK_GPT),
     Rule("train.devices", lambda c: bool(c.train.mesh), "with train.mesh={c.train.mesh} (it sets the mesh)"),
     *(Rule(f"train.{f}", lambda c: not c.train.rollback_metric,
            "without train.rollback_metric (rollback off)")
       for f in ("rollback_threshold", "rollback_factor", "max_rollbacks")),
     Rule("train.samples_n", lambda c: c.train.samples_every == 0, "with train.samples_every=0 (no samples)"),
-    *(Rule(f"data.{f}", lambda c: c.task.name != "text", "with task.name={c.task.name} (the text task reads "
-           "the data section)") for f in _DATA),
+    *(Rule(f"data.{f}", lambda c: c.task.name != "text", "with task.name={c.task.name} (it generates its "
+           "prompts" + ("; its prompt length is task.prompt_len" if f == "prompt_len" else "")
+           + "; data.* applies to task.name=text)", on_task=True) for f in _DATA),
     Rule("reward.standardize_samples", lambda c: not c.reward.standardize, "without reward.standardize"),
     *(Rule(f"log.{f}", lambda c: not c.log.wandb, "without log.wandb (no W&B run)")
       for f in ("wandb_project", "wandb_name", "wandb_group", "wandb_mode")),
@@ -141,14 +143,18 @@ NOT_REFUSED = {
 }
 
 
-def irrelevant(cfg: RunConfig) -> list[tuple[str, str]]:
-    """``(field, message)`` for every field of ``cfg`` set to a non-default value that has no effect."""
+def irrelevant(cfg: RunConfig, *, task_given: bool = False) -> list[tuple[str, str]]:
+    """``(field, message)`` for every field of ``cfg`` set to a non-default value that has no effect;
+    ``task_given``: the task is the caller's (``klrl.run(cfg, task=...)``), whose policy and prompts
+    ``task.name`` does not say, so the rules on ``task.name`` are not applied."""
     default = RunConfig().to_dict()
     d = cfg.to_dict()
     out, seen = [], set()
     for rule in IRRELEVANT:
         s, name = rule.field.split(".", 1)
         value = d[s][name]
+        if rule.on_task and task_given:
+            continue
         if rule.field in seen or value == default[s][name] or not rule.when(cfg):
             continue
         seen.add(rule.field)
@@ -156,11 +162,13 @@ def irrelevant(cfg: RunConfig) -> list[tuple[str, str]]:
     return out
 
 
-def check_relevance(members: list[RunConfig], only: list[str] | None = None) -> None:
+def check_relevance(
+    members: list[RunConfig], only: list[str] | None = None, *, task_given: bool = False
+) -> None:
     """A field with no effect in every member (a single run: ``[cfg]``; a sweep: all its members) is a
     :class:`ConfigError` naming it and the field that makes it so; ``only``: the fields to check (a
-    resume checks the flags given, not the run's saved config)."""
-    found = [dict(irrelevant(m)) for m in members]
+    resume checks the flags given, not the run's saved config); ``task_given``: see :func:`irrelevant`."""
+    found = [dict(irrelevant(m, task_given=task_given)) for m in members]
     for name, message in found[0].items():
         if (only is None or name in only) and all(name in f for f in found):
             raise ConfigError(message)
