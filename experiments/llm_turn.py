@@ -69,7 +69,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
             "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
             "turn_betas": "0.01", "turn_iterations": 40, "turn_lr": 2e-3,
-            "frozen_betas": "0.01,10", "frozen_iterations": 16, "frozen_lr": 1e-4,
+            "frozen_betas": "0.01,1,10", "frozen_iterations": 16, "frozen_lr": 1e-4,
             "ctrl_settle": 0.0, "ctrl_target": 6.0, "ctrl_iterations": 0,
             "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
     # the controllers against their fixed baseline (item 5), a second CPU budget: --preset cpu-ctrl
@@ -422,8 +422,8 @@ def arms(base: Any, preset: dict[str, Any]) -> dict[str, list[Any]]:
         c = base.replace(train={"iterations": preset["ctrl_iterations"]}, optim={"lr": preset["turn_lr"]})
         settle, target = preset["ctrl_settle"], preset["ctrl_target"]
         ctl = [c.replace(kl={"beta": settle}, ctrl={"kind": "fixed"})]
-        for kind, gains in (
-            ("proportional", {"kp": 0.3}),
+        for kind, gains in (  # Ziegler's rule with a one-batch horizon: beta moves <= clip (20%) a step
+            ("proportional", {"horizon": float(preset["batch"]), "clip": 0.2}),
             ("pi", {"kp": 0.3, "ki": 0.05, "integral_max": 2.0}),
         ):
             for f in (0.1, 10.0):
@@ -654,6 +654,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--judge-per-iteration", type=int, default=8, help="training responses judged per iteration"
     )
     p.add_argument("--seed", type=int, default=0, help="the pools' samples, the labels and the split")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read the pools, the gold's free level and the proxies from --results (a study already "
+        "prepared there) instead of sampling, judging and training them again; the arms run are added to "
+        "its study.json",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a preset's sizes")
     return p.parse_args(argv)
 
@@ -740,6 +747,45 @@ def prepare(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[s
     }
 
 
+def reuse(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[str, Any]:
+    """Steps 1-5 as stored in ``res`` by an earlier run (the same pools, gold and proxies, so every arm of
+    the study trains against the same proxy): the task and the judge are loaded, nothing is sampled."""
+    from llm_overopt import load_gz
+
+    from klrl.api import build_task
+
+    study = json.loads((res / "study.json").read_text())
+    for k in ("prompt_len", "response_len", "heldout", "batch"):
+        if study["sizes"][k] != preset[k]:
+            raise SystemExit(
+                f"error: --reuse: {res} was prepared with {k}={study['sizes'][k]}, not {preset[k]}"
+            )
+    base = base_config(ns, preset)
+    t0 = time.time()
+    task = build_task(base, None)
+    judge = Judge.load(ns.judge or default_judge())  # the gold's judge: the same file name
+    if Path(judge.path).name != Path(study["gold"]["judge"]).name:
+        raise SystemExit(
+            f"error: --reuse: {res}'s gold was judged by {study['gold']['judge']}, not {judge.path}"
+        )
+    train = load_gz(res / "pool_train.jsonl.gz", lines=True)
+    gold = np.array([x["gold"] for x in train])
+    return {
+        "task": task,
+        "judge": judge,
+        "free": study["gold"]["free"],
+        "proxies": study["proxies"],
+        "base": base,
+        "prep_s": round(time.time() - t0, 1),
+        "study": study,
+        "gold_pool": {
+            "mean": float(gold.mean()),
+            "std": float(gold.std()),
+            "nonzero_frac": float(np.mean(np.abs(gold) > 1e-9)),
+        },
+    }
+
+
 def train_arms(
     ns: argparse.Namespace, preset: dict[str, Any], prep: dict[str, Any], res: Path
 ) -> dict[str, Any]:
@@ -800,9 +846,10 @@ def main(argv: list[str] | None = None) -> int:
     res = Path(ns.results)
     res.mkdir(parents=True, exist_ok=True)
     t0, c0 = time.time(), time.process_time()
-    prep = prepare(ns, preset, res)
+    prep = reuse(ns, preset, res) if ns.reuse else prepare(ns, preset, res)
     timing = train_arms(ns, preset, prep, res)
-    timing.update(
+    args = argv if argv is not None else sys.argv[1:]
+    this = dict(
         wall_s=round(time.time() - t0, 1),
         process_cpu_s=round(time.process_time() - c0, 1),
         prep_s=prep["prep_s"],
@@ -810,7 +857,16 @@ def main(argv: list[str] | None = None) -> int:
         load_avg_1min_end=os.getloadavg()[0],
         cpus=os.cpu_count(),
     )
-    args = argv if argv is not None else sys.argv[1:]
+    if ns.reuse:  # the arms run now beside the stored ones, each with its command and sizes
+        study = prep["study"]
+        command = "python experiments/llm_turn.py " + " ".join(args)
+        for name in [k for k in timing if isinstance(timing[k], dict)]:
+            study["timing"][name] = {**timing[name], "command": command, "sizes": preset, "invocation": this}
+        (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+        from llm_turn_report import finish
+
+        return finish(res)
+    timing.update(this)
     study = {
         "command": "python experiments/llm_turn.py " + " ".join(args),
         "preset": ns.preset,

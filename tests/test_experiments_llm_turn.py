@@ -56,6 +56,7 @@ def test_best_of_n_is_the_mean_over_subsets_of_the_proxys_pick():
 
 @pytest.mark.parametrize("preset", sorted(llm_turn.PRESETS))
 def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
+    from klrl.config.relevance import check_relevance
     from klrl.config.sweep import check_members
 
     ns = llm_turn.parse(["--preset", preset, "--model-path", str(GGUF), "--out", str(tmp_path)])
@@ -69,6 +70,8 @@ def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
     )
     for members in arms.values():
         check_members(members)
+        for m in members:  # no knob its controller does not read (ctrl.kp on proportional was ignored)
+            check_relevance([m])
     assert all(m.lora.rank == 8 and m.data.eval_fraction > 0 for ms in arms.values() for m in ms)
     if "frozen" in arms:  # the large betas and their control at the frozen arm's (smaller) lr
         assert {m.optim.lr for m in arms["frozen"]} == {p["frozen_lr"]} and p["frozen_lr"] < p["turn_lr"]
