@@ -150,6 +150,11 @@ def frozen_claims(arm: dict, cur: dict, sd: dict[str, float], turn_kl: float | N
         if lab == control:
             out.append({"claim": f"{lab} (control, same lr): exact KL at the end (nats/seq, held-out)",
                         "value": kl, "verdict": "measured"})  # fmt: skip
+            for key in ("gold", "proxy_strong"):  # what "flat" is measured against: the control's move
+                v = q([x[key][-1] - x[key][0] for x in c])
+                moved = "rises" if v["lo"] > 0 else "not shown to rise"
+                out.append({"claim": f"{lab} (control, same lr): {key} end - start", "value": v,
+                            "verdict": moved})  # fmt: skip
             continue
         ratio = f"; {kl['mean'] / ctl_kl:.1%} of {control or 'the small-beta arm'}'s" if ctl_kl else ""
         out.append({"claim": f"{lab}: exact KL at the end (nats/seq, held-out)", "value": kl,
@@ -277,9 +282,12 @@ def plot(res: Path, bon: dict, arms: dict[str, dict], curs: dict[str, dict], stu
         )
     k = 1
     for name, cur in curs.items():
-        for lab, members in by_label(arms[name]["runs"]).items():
+        configs = study.get("timing", {}).get(name, {}).get("configs", [])
+        for lab0, members in by_label(arms[name]["runs"]).items():
             k += 1
             col = f"C{k % 10}"
+            lr = configs[members[0]]["optim"]["lr"] if len(configs) > members[0] else None
+            lab = f"{name}: {lab0}" + (f", lr {lr:g}" if lr else "")
             for i, j in enumerate(members):
                 c = cur[j]
                 dd = np.sqrt(np.maximum(c["kl"], 0))
@@ -302,7 +310,8 @@ def plot(res: Path, bon: dict, arms: dict[str, dict], curs: dict[str, dict], stu
                 ax[2].plot(c["step"], c["kl"], ".-", color=col, alpha=0.6, label=f"{lab}" if i == 0 else None)
     ax[0].set(xlabel="sqrt(KL) (nats^0.5)", ylabel="gold - gold(reference)", title="gold (held-out)")
     ax[1].set(xlabel="sqrt(KL) (nats^0.5)", ylabel="proxy - proxy(reference)", title="strong proxy")
-    ax[2].set(xlabel="iteration", ylabel="exact KL (nats/seq, held-out)", title="KL over training")
+    ax[2].set(xlabel="iteration", ylabel="exact KL (nats/seq, held-out)", title="KL over training (symlog)")
+    ax[2].set_yscale("symlog", linthresh=0.1)  # the frozen arm's tenths of a nat beside the turn's tens
     for a in ax:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)

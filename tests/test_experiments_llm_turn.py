@@ -78,3 +78,35 @@ def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
     if "ctrl" in arms:  # the fixed settle beta, and each controller from 10x below and 10x above it
         betas = sorted({m.kl.beta for m in arms["ctrl"]})
         assert betas == pytest.approx([p["ctrl_settle"] / 10, p["ctrl_settle"], p["ctrl_settle"] * 10])
+
+
+def test_the_stored_results_replay_to_the_committed_claims(tmp_path):
+    """``--replay`` rebuilds claims.md and claims.json of the stored study from its files alone."""
+    import shutil
+
+    res = ROOT / "experiments" / "results" / "llm_turn"
+    shutil.copytree(res, tmp_path / "r")
+    assert llm_turn.main(["--replay", str(tmp_path / "r")]) == 0
+    for name in ("claims.md", "claims.json"):
+        assert (tmp_path / "r" / name).read_text() == (res / name).read_text(), name
+
+
+def test_a_second_arm_reuses_the_pools_and_proxies_of_the_first(tmp_path):
+    """``--reuse``: the frozen arm trains against the turn arm's stored pools and proxies (nothing sampled or
+    trained again: the pool files are byte for byte the first run's) and is added to its study.json."""
+    import json
+
+    common = ["--preset", "tiny", "--model-path", str(GGUF), "--judge", str(GGUF),
+              "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")]  # fmt: skip
+    assert llm_turn.main([*common, "--arms", "turn"]) == 0
+    res = tmp_path / "res"
+    pools = {p.name: p.read_bytes() for p in res.glob("pool_*.jsonl.gz")}
+    first = json.loads((res / "study.json").read_text())
+    assert llm_turn.main([*common, "--arms", "frozen", "--reuse"]) == 0
+    study = json.loads((res / "study.json").read_text())
+    assert {p.name: p.read_bytes() for p in res.glob("pool_*.jsonl.gz")} == pools
+    assert study["proxies"] == first["proxies"] and study["timing"]["turn"] == first["timing"]["turn"]
+    assert study["timing"]["frozen"]["members"] == 2 and "--reuse" in study["timing"]["frozen"]["command"]
+    assert (res / "frozen_metrics.json.gz").is_file() and (res / "turn_metrics.json.gz").is_file()
+    claims = (res / "claims.md").read_text()
+    assert "(control, same lr)" not in claims and "beta=10: gold flat" in claims  # tiny: no control beta
