@@ -231,7 +231,7 @@ def bon_claims(bon: dict, study: dict) -> list[dict[str, Any]]:
         a, b = fit_bon(d, g)
         rng = np.random.default_rng(1)
         boot = [turn(*fit_bon(d, g + rng.normal(0, se)), "bon") ** 2 for _ in range(500)]
-        lo, hi = np.percentile(boot, [2.5, 97.5])
+        lo, hi = np.percentile(boot, [2.5, 97.5], method="nearest")  # inf: no turn in that draw
         dstar = turn(a, b, "bon")
         inside = np.isfinite(dstar) and dstar <= d.max()
         out.append(
