@@ -2,6 +2,8 @@
 
 ``python experiments/llm_turn.py [--preset cpu|gpu|pilot|tiny] [--out DIR] [--results DIR] [--dry-run]``
 ``python experiments/llm_turn.py --replay experiments/results/llm_turn``
+``python experiments/llm_turn.py --preset cpu-ctrl --arms ctrl --reuse`` (another arm against the pools, gold
+and proxies already stored in ``--results``; its timing is added to that study.json)
 
 What it does, one process, in order (each step's output stored under ``--results``):
 
