@@ -707,6 +707,16 @@ def collect(results: list[Any], members: list[Any]) -> tuple[list[dict], list[di
     return runs, samples
 
 
+def gold_summary(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """The gold's mean, standard deviation and non-zero share over ``samples``."""
+    gold = np.array([x["gold"] for x in samples])
+    return {
+        "mean": float(gold.mean()),
+        "std": float(gold.std()),
+        "nonzero_frac": float(np.mean(np.abs(gold) > 1e-9)),
+    }
+
+
 def prepare(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[str, Any]:
     """Steps 1-5: the task, the judge, the pools, the gold, the proxies and best-of-n (stored in ``res``)."""
     from llm_overopt import dump_gz
@@ -732,7 +742,6 @@ def prepare(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[s
     for name, rows in pool.items():
         dump_gz(res / f"pool_{name}.jsonl.gz", rows, lines=True)
     (res / "bon.json").write_text(json.dumps(bon, indent=1) + "\n")
-    gold = np.array([s["gold"] for s in pool["train"]])
     return {
         "task": task,
         "judge": judge,
@@ -741,11 +750,7 @@ def prepare(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[s
         "bon": bon,
         "base": base,
         "prep_s": round(time.time() - t0, 1),
-        "gold_pool": {
-            "mean": float(gold.mean()),
-            "std": float(gold.std()),
-            "nonzero_frac": float(np.mean(np.abs(gold) > 1e-9)),
-        },
+        "gold_pool": gold_summary(pool["train"]),
     }
 
 
@@ -771,7 +776,6 @@ def reuse(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[str
             f"error: --reuse: {res}'s gold was judged by {study['gold']['judge']}, not {judge.path}"
         )
     train = load_gz(res / "pool_train.jsonl.gz", lines=True)
-    gold = np.array([x["gold"] for x in train])
     return {
         "task": task,
         "judge": judge,
@@ -780,11 +784,7 @@ def reuse(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[str
         "base": base,
         "prep_s": round(time.time() - t0, 1),
         "study": study,
-        "gold_pool": {
-            "mean": float(gold.mean()),
-            "std": float(gold.std()),
-            "nonzero_frac": float(np.mean(np.abs(gold) > 1e-9)),
-        },
+        "gold_pool": gold_summary(train),
     }
 
 
