@@ -65,6 +65,7 @@ if str(HERE) not in sys.path:
 
 REP_COEF = 1.0  # gold: minus this x the share of repeated words
 NLL_COEF = 0.5  # gold: minus this x (judge NLL per token - free), when positive
+POOL_CHUNK = 64  # the pools' responses are drawn in chunks of this many rows, one key per chunk
 
 PRESETS: dict[str, dict[str, Any]] = {
     # sized for <= 90 min on an idle 2-core CPU (see --dry-run and the pilot's timing)
@@ -203,9 +204,12 @@ def sample(
     response_len: int,
     key: int,
     chunk: int = 64,
+    first_chunk: int = 0,
 ) -> list[dict[str, Any]]:
     """One response (temperature 1) per ``(prompt row, draw)`` of ``toks``/``masks`` under ``params`` (the
-    policy's family), with the reference's summed log-probability of it, in ``chunk``-row batches."""
+    policy's family), in ``chunk``-row batches, the ``c``-th drawn with key ``(key, first_chunk + c)`` (so
+    a pool sampled in one call and one extended by a second call with ``first_chunk`` = the chunks already
+    drawn hold the same responses)."""
     import jax
     import jax.numpy as jnp
 
@@ -213,7 +217,7 @@ def sample(
 
     model, stops = task.policy, tuple(task.stop_ids)
     out = []
-    for c, start in enumerate(range(0, len(rows), chunk)):
+    for c, start in enumerate(range(0, len(rows), chunk), start=first_chunk):
         part = rows[start : start + chunk]
         idx = np.array([i for i, _ in part])
         t, m = jnp.asarray(toks[idx]), jnp.asarray(masks[idx] > 0)
@@ -251,7 +255,7 @@ def pools(task: Any, preset: dict[str, Any], seed: int) -> dict[str, list[dict[s
         rows = [(i, d) for d in range(k) for i in range(n)]
         t0 = time.time()
         out[name] = sample(
-            task, toks, masks, rows, task.policy_params, preset["response_len"], seed + 7 * held
+            task, toks, masks, rows, task.policy_params, preset["response_len"], seed + 7 * held, POOL_CHUNK
         )
         print(f"reference pool {name}: {len(rows)} responses in {time.time() - t0:.0f} s", flush=True)
     return out
@@ -368,6 +372,38 @@ def best_of_n(held: list[dict[str, Any]], proxies: dict[str, np.ndarray], k: int
             out[f"{tag}/{key}"] = est.mean(1).tolist()
             out[f"{tag}/{key}_se"] = (est.std(1, ddof=1) / np.sqrt(est.shape[1])).tolist()
     return out
+
+
+def extend_bon(prep: dict[str, Any], preset: dict[str, Any], res: Path, k: int, seed: int) -> dict[str, Any]:
+    """The stored held-out pool extended to ``k`` draws per prompt (the stored draws kept byte for byte: the
+    new ones continue :func:`pools`' keys, so a pool sampled at ``k`` at once holds the same responses),
+    judged and scored by both stored proxies like the first; ``pool_heldout`` and ``bon.json`` rewritten."""
+    from llm_overopt import dump_gz, load_gz
+
+    task, held = prep["task"], load_gz(res / "pool_heldout.jsonl.gz", lines=True)
+    have, chunk = max(s["draw"] for s in held) + 1, POOL_CHUNK
+    toks, masks = prompt_arrays(task, True)
+    n = min(preset["heldout"], len(toks))
+    if len(held) != have * n or len(held) % chunk:
+        raise SystemExit(
+            f"error: --bon-k: {res}'s held-out pool is not {have} x {n} rows in {chunk}-row chunks"
+        )
+    rows = [(i, d) for d in range(have, k) for i in range(n)]
+    t0 = time.time()
+    new = sample(task, toks, masks, rows, task.policy_params, preset["response_len"], seed + 7,
+                 chunk, first_chunk=len(held) // chunk)  # fmt: skip
+    score_pool(new, prep["judge"], prep["free"])
+    for tag, p in prep["proxies"].items():
+        for s, x in zip(new, proxy_scores(task, p["score"], new), strict=True):
+            s[f"proxy_{tag}"] = float(x)
+    pool = held + new
+    scores = {tag: np.array([s[f"proxy_{tag}"] for s in pool]) for tag in prep["proxies"]}
+    bon = best_of_n(pool, scores, k)
+    dump_gz(res / "pool_heldout.jsonl.gz", pool, lines=True)
+    (res / "bon.json").write_text(json.dumps(bon, indent=1) + "\n")
+    print(f"best-of-n: {len(new)} more held-out responses ({have} -> {k} per prompt) in "
+          f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
+    return {"bon_k": k, "new_responses": len(new), "seconds": round(time.time() - t0, 1)}
 
 
 # ---- PPO ---------------------------------------------------------------------------------------------
@@ -663,8 +699,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "prepared there) instead of sampling, judging and training them again; the arms run are added to "
         "its study.json",
     )
+    p.add_argument(
+        "--bon-k",
+        type=int,
+        default=0,
+        help="with --reuse: extend the stored held-out pool to this many draws per prompt and redo best-of-n "
+        "(a power of 2 above the stored bon_k)",
+    )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a preset's sizes")
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    if ns.bon_k and not ns.reuse:
+        p.error("--bon-k extends a stored study: it needs --reuse")
+    return ns
 
 
 def preset_of(ns: argparse.Namespace) -> dict[str, Any]:
@@ -849,7 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     res.mkdir(parents=True, exist_ok=True)
     t0, c0 = time.time(), time.process_time()
     prep = reuse(ns, preset, res) if ns.reuse else prepare(ns, preset, res)
-    timing = train_arms(ns, preset, prep, res)
+    bon = extend_bon(prep, preset, res, ns.bon_k, ns.seed) if ns.bon_k else None
+    timing = train_arms(ns, preset, prep, res) if ns.arms else {}
     args = argv if argv is not None else sys.argv[1:]
     this = dict(
         wall_s=round(time.time() - t0, 1),
@@ -862,6 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.reuse:  # the arms run now beside the stored ones, each with its command and sizes
         study = prep["study"]
         command = "python experiments/llm_turn.py " + " ".join(args)
+        if bon is not None:
+            study["sizes"]["bon_k"] = ns.bon_k
+            study["timing"]["bon_extend"] = {**bon, "command": command, "invocation": this}
         for name in [k for k in timing if isinstance(timing[k], dict)]:
             study["timing"][name] = {**timing[name], "command": command, "sizes": preset, "invocation": this}
         (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")

@@ -110,3 +110,29 @@ def test_a_second_arm_reuses_the_pools_and_proxies_of_the_first(tmp_path):
     assert (res / "frozen_metrics.json.gz").is_file() and (res / "turn_metrics.json.gz").is_file()
     claims = (res / "claims.md").read_text()
     assert "(control, same lr)" not in claims and "beta=10: gold flat" in claims  # tiny: no control beta
+
+
+def test_best_of_n_extended_holds_the_pool_sampled_at_once(tmp_path, monkeypatch):
+    """``--reuse --bon-k``: a held-out pool of 4 draws extended to 8 is byte for byte the pool sampled with 8
+    draws at once (the new draws continue the stored keys), and so is best-of-n over it."""
+    import json
+
+    monkeypatch.setattr(llm_turn, "POOL_CHUNK", 4)  # tiny: 4 held-out prompts, one chunk per draw
+    common = ["--preset", "tiny", "--model-path", str(GGUF), "--judge", str(GGUF), "--arms", "",
+              "--out", str(tmp_path / "runs")]  # fmt: skip
+    assert llm_turn.main([*common, "--results", str(tmp_path / "once"), "--set", "bon_k=8"]) == 0
+    assert llm_turn.main([*common, "--results", str(tmp_path / "ext")]) == 0
+    assert json.loads((tmp_path / "ext" / "bon.json").read_text())["n"] == [1, 2, 4]
+    assert llm_turn.main([*common, "--results", str(tmp_path / "ext"), "--reuse", "--bon-k", "8"]) == 0
+    from llm_overopt import load_gz
+
+    once, ext = (load_gz(tmp_path / d / "pool_heldout.jsonl.gz", lines=True) for d in ("once", "ext"))
+    same = lambda v: v if isinstance(v, (str, list)) else pytest.approx(v, rel=1e-4, abs=1e-5)
+    for a, b in zip(once, ext, strict=True):  # the same responses; their scores to float-level noise
+        assert b == {k: same(v) for k, v in a.items()}  # (batches padded to another width)
+    bon_once, bon_ext = (json.loads((tmp_path / d / "bon.json").read_text()) for d in ("once", "ext"))
+    assert bon_ext["n"] == [1, 2, 4, 8] and set(bon_ext) == set(bon_once)
+    for k, v in bon_once.items():
+        assert bon_ext[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    study = json.loads((tmp_path / "ext" / "study.json").read_text())
+    assert study["sizes"]["bon_k"] == 8 and study["timing"]["bon_extend"]["new_responses"] == 16
