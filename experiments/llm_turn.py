@@ -74,6 +74,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "turn_betas": "0.01", "turn_iterations": 40, "turn_lr": 2e-3,
             "frozen_betas": "0.01,1,10", "frozen_iterations": 16, "frozen_lr": 1e-4,
             "ctrl_settle": 0.0, "ctrl_target": 6.0, "ctrl_iterations": 0,
+            "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
+            "recipe_threshold": 1.1,
             "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
     # the controllers against their fixed baseline (item 5), a second CPU budget: --preset cpu-ctrl
     "cpu-ctrl": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
@@ -81,13 +83,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "turn_betas": "", "turn_iterations": 0, "turn_lr": 2e-3,
                  "frozen_betas": "", "frozen_iterations": 0, "frozen_lr": 1e-4,
                  "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 16,
+                 "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
+                 "recipe_threshold": 1.1,
                  "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+    # the seeds' recipe end to end (item 5), a third CPU budget: --preset cpu-recipe --arms grid,recipe
+    # --reuse. The grid's 0.01 and 0.1 are the turn and ctrl arms' members (the same lr, sizes and seeds),
+    # so only beta = 1 is run; the recipe's warm-up beta and KL target are chosen from the grid
+    "cpu-recipe": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
+                   "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
+                   "turn_betas": "", "turn_iterations": 0, "turn_lr": 2e-3,
+                   "frozen_betas": "", "frozen_iterations": 0, "frozen_lr": 1e-4,
+                   "ctrl_settle": 0.0, "ctrl_target": 12.0, "ctrl_iterations": 0,
+                   "grid_betas": "1", "grid_iterations": 16, "recipe_iterations": 32, "recipe_warmup": 8,
+                   "recipe_threshold": 1.1,
+                   "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
     # the full-size study for one GPU
     "gpu": {"batch": 64, "response_len": 48, "prompt_len": 64, "rm_prompts": 8192, "per_prompt": 2,
             "pairs_strong": 16000, "pairs_weak": 1000, "heldout": 256, "bon_k": 64, "seeds": "0,1,2",
             "turn_betas": "0,0.001,0.01", "turn_iterations": 120, "turn_lr": 1e-3,
             "frozen_betas": "0.01,1,10", "frozen_iterations": 60, "frozen_lr": 1e-4,
             "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 60,
+            "grid_betas": "0.01,0.1,1", "grid_iterations": 40, "recipe_iterations": 120, "recipe_warmup": 20,
+            "recipe_threshold": 1.1,
             "eval_every": 10, "minibatches": 4, "epochs": 2, "advantage": "gae", "group_size": 1},
     # a few iterations of each arm, one seed: timing and the KL's rate, to size the cpu preset
     "pilot": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 64, "per_prompt": 2,
@@ -95,6 +112,8 @@ PRESETS: dict[str, dict[str, Any]] = {
               "turn_betas": "0.01", "turn_iterations": 4, "turn_lr": 2e-3,
               "frozen_betas": "10", "frozen_iterations": 4, "frozen_lr": 1e-4,
               "ctrl_settle": 0.0, "ctrl_target": 6.0, "ctrl_iterations": 0,
+              "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
+              "recipe_threshold": 1.1,
               "eval_every": 2, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
     # the smallest study on the tiny test GGUF (tests/test_experiments_llm_turn.py)
     "tiny": {"batch": 4, "response_len": 6, "prompt_len": 12, "rm_prompts": 12, "per_prompt": 2,
@@ -102,6 +121,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "turn_betas": "0.01", "turn_iterations": 2, "turn_lr": 1e-3,
              "frozen_betas": "10", "frozen_iterations": 2, "frozen_lr": 1e-4,
              "ctrl_settle": 0.1, "ctrl_target": 1.0, "ctrl_iterations": 2,
+             "grid_betas": "1", "grid_iterations": 2, "recipe_iterations": 3, "recipe_warmup": 1,
+             "recipe_threshold": 1.1,
              "eval_every": 1, "minibatches": 1, "epochs": 1, "advantage": "rloo", "group_size": 2},
 }  # fmt: skip
 
@@ -115,7 +136,9 @@ KEYS = (
     "ppo/clip_frac",
     "guard/skipped",
     "grad/policy_norm",
+    "eval/judge_nll_token_mean",
 )
+JUDGE_KEY = "eval/judge_nll_token_mean"  # the recipe's rollback metric: the training batch's judge NLL
 
 
 # ---- the gold ------------------------------------------------------------------------------------------
@@ -472,10 +495,113 @@ def arms(base: Any, preset: dict[str, Any]) -> dict[str, list[Any]]:
                     )
                 )
         out["ctrl"] = ctl
+    if preset["grid_iterations"] and betas("grid_betas"):  # the recipe's coarse grid at the turn arm's lr
+        g = base.replace(train={"iterations": preset["grid_iterations"]}, optim={"lr": preset["turn_lr"]},
+                         ctrl={"kind": "fixed"})  # fmt: skip
+        out["grid"] = [g.replace(kl={"beta": b}) for b in betas("grid_betas")]
+    if preset["recipe_iterations"]:  # sized here; its beta and target are chosen from the grid at run time
+        out["recipe"] = [recipe_member(base, preset, 0.01, preset["ctrl_target"])]
     return {k: [m.replace(train={"seed": s}) for m in v for s in seeds] for k, v in out.items() if v}
 
 
+PI_GAINS = {"kp": 0.3, "ki": 0.05, "integral_max": 2.0}  # the ctrl arm's PI
+
+
+def recipe_member(base: Any, preset: dict[str, Any], beta: float, target: float) -> Any:
+    """The seeds' recipe after the grid: ``recipe_warmup`` iterations at the grid's ``beta``, then the PI
+    controller at ``target`` nats/seq (the exact KL observed), rolled back with beta doubled when the training
+    batch's judge NLL per token rises past ``recipe_threshold`` x its iteration-0 value (:data:`JUDGE_KEY`,
+    :func:`with_judge`)."""
+    return base.replace(  # kl.beta at its default: a warm-up starts from ctrl.warmup_beta, not from it
+        kl={"beta": type(base.kl)().beta},
+        optim={"lr": preset["turn_lr"]},
+        ctrl={"kind": "pi", "target": target, "unit": "seq_sum", **PI_GAINS,
+              "warmup_iters": preset["recipe_warmup"], "warmup_beta": beta},
+        train={"iterations": preset["recipe_iterations"], "rollback_metric": JUDGE_KEY,
+               "rollback_threshold": preset["recipe_threshold"], "rollback_factor": 2.0, "max_rollbacks": 3},
+    )  # fmt: skip
+
+
+def grid_table(res: Path, timing: dict[str, Any], preset: dict[str, Any]) -> dict[float, dict[str, list]]:
+    """Per fixed beta at the turn arm's lr, over every arm stored in ``res`` (``timing``: each arm's configs)
+    with a held-out evaluation at ``grid_iterations``: per seed, the gold's gain, the judge NLL's ratio to the
+    reference's and the exact KL there (nats/seq)."""
+    from llm_overopt import load_gz
+
+    step, out = preset["grid_iterations"], {}
+    for name, t in timing.items():
+        path = res / f"{name}_metrics.json.gz"
+        if name == "recipe" or not isinstance(t, dict) or "configs" not in t or not path.is_file():
+            continue
+        arm = load_gz(path)
+        at = {(e["member"], e["step"]): e for e in arm["evals"]}
+        for j, cfg in enumerate(t["configs"]):
+            fixed = cfg["ctrl"]["kind"] == "fixed" and cfg["optim"]["lr"] == preset["turn_lr"]
+            if not fixed or (j, step) not in at or (j, 0) not in at:
+                continue
+            e, e0 = at[(j, step)], at[(j, 0)]
+            row = out.setdefault(float(cfg["kl"]["beta"]), {"gold_gain": [], "judge_ratio": [], "kl": [],
+                                                            "seed": [], "arm": name})  # fmt: skip
+            if cfg["train"]["seed"] in row["seed"]:
+                continue
+            row["seed"].append(cfg["train"]["seed"])
+            row["gold_gain"].append(e["gold"] - e0["gold"])
+            row["judge_ratio"].append(e["judge_nll"] / e0["judge_nll"])
+            row["kl"].append(e["kl"])
+    return dict(sorted(out.items()))
+
+
+def choose_recipe(table: dict[float, dict[str, list]], threshold: float) -> dict[str, Any]:
+    """The recipe's choice from the grid: among the betas whose held-out judge NLL stayed within
+    ``threshold`` x the reference's (no breach), the one with the largest mean gold gain; the KL target is its
+    mean held-out KL at the grid's end (hold the drift at which the grid's best gold was reached instead of
+    letting it grow), the warm-up runs at that beta."""
+    ok = {b: r for b, r in table.items() if np.mean(r["judge_ratio"]) <= threshold}
+    if not ok:
+        raise SystemExit(f"error: recipe: every grid beta breached the judge threshold {threshold:g}")
+    best = max(ok, key=lambda b: np.mean(ok[b]["gold_gain"]))
+    return {"beta": best, "target": round(float(np.mean(ok[best]["kl"])), 2), "grid": table,
+            "rule": "max mean held-out gold gain at the grid's end among betas without a judge-NLL breach; "
+                    "target = its mean held-out exact KL there"}  # fmt: skip
+
+
+def with_judge(task: Any, judge: Judge) -> Any:
+    """``task`` whose reward also reports :data:`JUDGE_KEY`: each training response's judge NLL per token
+    (one host call per step via ``jax.pure_callback``; an empty response gets its batch's mean), so the
+    quality rollback can watch an independent model's perplexity inside the compiled run."""
+    import jax
+    import jax.numpy as jnp
+
+    stops = set(task.stop_ids)
+
+    def host(response: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        flat_r, flat_m = response.reshape(-1, response.shape[-1]), mask.reshape(-1, mask.shape[-1])
+
+        def text(r: np.ndarray, m: np.ndarray) -> str:
+            ids = [int(x) for x, ok in zip(r, m, strict=True) if ok and int(x) not in stops]
+            return task.tokenizer.decode(ids, skip_special_tokens=True)
+
+        texts = [text(r, m) for r, m in zip(flat_r, flat_m, strict=True)]
+        nll = judge.nll(texts).reshape(response.shape[:-1])
+        fill = np.nanmean(nll, axis=-1, keepdims=True) if np.isfinite(nll).any() else np.zeros_like(nll)
+        return np.where(np.isfinite(nll), nll, np.broadcast_to(fill, nll.shape)).astype(np.float32)
+
+    def with_metrics(env: Any, ro: Any) -> Any:
+        score = task.reward.fn(env, ro)
+        out = jax.ShapeDtypeStruct(ro.mask.shape[:-1], jnp.float32)
+        nll = jax.pure_callback(host, out, ro.response, ro.mask, vmap_method="expand_dims")
+        return score, {JUDGE_KEY: nll}
+
+    return dataclasses.replace(task, reward=dataclasses.replace(task.reward, with_metrics=with_metrics))
+
+
+def start_beta(cfg: Any) -> float:
+    return cfg.ctrl.warmup_beta if cfg.ctrl.warmup_iters else cfg.kl.beta
+
+
 def label(cfg: Any) -> str:
+    if cfg.ctrl.warmup_iters:
+        return f"{cfg.ctrl.kind} after {cfg.ctrl.warmup_iters} at {cfg.ctrl.warmup_beta:g}"
     if cfg.ctrl.kind == "fixed":
         return f"beta={cfg.kl.beta:g}"
     return f"{cfg.ctrl.kind} from {cfg.kl.beta:g}"
@@ -733,12 +859,15 @@ def collect(results: list[Any], members: list[Any]) -> tuple[list[dict], list[di
             {
                 "label": label(cfg),
                 "seed": cfg.train.seed,
-                "beta0": cfg.kl.beta,
+                "beta0": start_beta(cfg),
                 "kind": cfg.ctrl.kind,
                 "target": cfg.ctrl.target,
                 "metrics": met,
             }
         )
+        events = r.dir / "events.jsonl" if r.dir else None
+        if events is not None and events.is_file():  # rollbacks and the like, as the run logged them
+            runs[-1]["events"] = read_jsonl(events)
         for s in read_jsonl(r.dir / "samples.jsonl") if r.dir else []:
             samples.append(
                 {
@@ -844,10 +973,20 @@ def train_arms(
     proxied = with_proxy(task, task.policy_params, prep["proxies"]["strong"]["score"])
     out = Path(ns.out) / f"llm_turn-{ns.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     todo = {k: v for k, v in arms(prep["base"], preset).items() if k in ns.arms.split(",")}
-    timing = {}
+    timing: dict[str, Any] = {}
     for name, members in todo.items():
         t0 = time.time()
-        sweep_dir, results, steps = run_arm(name, proxied, members, out)
+        arm_task = proxied
+        if name == "recipe":  # the grid's choice, from every arm stored so far and those just run
+            seen = {**prep.get("study", {}).get("timing", {}), **timing}
+            choice = choose_recipe(grid_table(res, seen, preset), preset["recipe_threshold"])
+            print(
+                f"recipe: warm-up beta {choice['beta']:g}, target {choice['target']:g} nats/seq", flush=True
+            )
+            one = recipe_member(prep["base"], preset, choice["beta"], choice["target"])
+            members = [one.replace(train={"seed": m.train.seed}) for m in members]
+            arm_task = with_judge(proxied, prep["judge"])
+        sweep_dir, results, steps = run_arm(name, arm_task, members, out)
         t1 = time.time()
         evals = evaluate_arm(
             task,
@@ -869,6 +1008,8 @@ def train_arms(
             "median_s_per_sweep_iteration": float(np.median(steps)) if steps else None,
             "configs": [m.to_dict() for m in members],
         }
+        if name == "recipe":
+            timing[name]["choice"] = {**choice, "grid": {str(b): r for b, r in choice["grid"].items()}}
         shutil.rmtree(sweep_dir / "checkpoints", ignore_errors=True)
     return timing
 

@@ -209,6 +209,47 @@ def ctrl_claims(arm: dict) -> list[dict[str, Any]]:
     return out
 
 
+def grid_rows(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recipe's coarse grid as the run saw it (per beta: gold gain, judge NLL ratio, KL), its choice."""
+    out = []
+    for b, r in choice["grid"].items():
+        for key, what in (("gold_gain", "held-out gold gain"), ("judge_ratio", "judge NLL / reference's"),
+                          ("kl", "exact KL (nats/seq)")):  # fmt: skip
+            out.append({"claim": f"grid beta={float(b):g} ({r['arm']} arm): {what} at the grid's end",
+                        "value": q(r[key]), "verdict": "measured"})  # fmt: skip
+    out.append({"claim": "recipe: the grid's choice", "value": None,
+                "verdict": f"warm-up beta {choice['beta']:g}, PI target {choice['target']:g} nats/seq "
+                           f"({choice['rule']})"})  # fmt: skip
+    return out
+
+
+def recipe_claims(arm: dict, cur: dict, study: dict, fixed: tuple[dict, dict] | None) -> list[dict[str, Any]]:
+    """The seeds' recipe: the grid and its choice, second-half tracking of the exact KL (as the controllers'),
+    the rollbacks, and the held-out end state against the fixed grid beta continued (paired by seed)."""
+    choice = study["timing"]["recipe"]["choice"]
+    out = grid_rows(choice) + ctrl_claims(arm)
+    n_rb = [sum(e["event"] == "rollback" for e in r.get("events", [])) for r in arm["runs"]]
+    out.append({"claim": "recipe: rollbacks on a judge-NLL breach", "value": q(n_rb),
+                "verdict": "none" if not any(n_rb) else "measured"})  # fmt: skip
+    if fixed is None:
+        return out
+    (f_arm, f_cur), step = fixed, int(max(cur[0]["step"]))
+    seed_of = {r["seed"]: j for j, r in enumerate(f_arm["runs"]) if r["beta0"] == choice["beta"]}
+    for key in ("kl", "gold", "distinct2", "judge_nll"):
+        d = []
+        for j, r in enumerate(arm["runs"]):
+            f = f_cur.get(seed_of.get(r["seed"], -1))
+            if f is not None and step in f["step"]:
+                d.append(cur[j][key][-1] - f[key][list(f["step"]).index(step)])
+        if len(d) < 2:
+            continue
+        v = q(d)
+        verdict = "higher" if v["lo"] > 0 else "lower" if v["hi"] < 0 else "not shown to differ"
+        out.append({"claim": f"recipe - fixed beta={choice['beta']:g} at iteration {step}: {key} "
+                             "(held-out, paired by seed)", "value": v, "verdict": verdict})  # fmt: skip
+    return out
+
+
 def bon_claims(bon: dict, study: dict) -> list[dict[str, Any]]:
     out = []
     for tag, p in study["proxies"].items():
@@ -331,7 +372,7 @@ def finish(res: Path) -> int:
     ref = reference_point(pool)
     arms = {
         n: load_gz(res / f"{n}_metrics.json.gz")
-        for n in ("turn", "frozen", "ctrl")
+        for n in ("turn", "frozen", "ctrl", "grid", "recipe")
         if (res / f"{n}_metrics.json.gz").is_file()
     }
     curs = {n: curves(a, ref) for n, a in arms.items() if a["evals"]}
@@ -344,6 +385,13 @@ def finish(res: Path) -> int:
         cl += frozen_claims(arms["frozen"], curs["frozen"], sd, turn_kl)
     if "ctrl" in arms:
         cl += ctrl_claims(arms["ctrl"])
+    if "recipe" in curs and "choice" in study["timing"].get("recipe", {}):
+        ch = study["timing"]["recipe"]["choice"]
+        src = next(
+            (n for n in ("turn", "ctrl", "grid") if n == ch["grid"].get(str(ch["beta"]), {}).get("arm")), None
+        )
+        fixed = (arms[src], curs[src]) if src in curs else None
+        cl += recipe_claims(arms["recipe"], curs["recipe"], study, fixed)
     (res / "claims.json").write_text(json.dumps(cl, indent=1, default=float) + "\n")
     (res / "claims.md").write_text(claims_markdown(cl))
     print(claims_markdown(cl))

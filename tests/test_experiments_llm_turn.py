@@ -62,12 +62,16 @@ def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
     ns = llm_turn.parse(["--preset", preset, "--model-path", str(GGUF), "--out", str(tmp_path)])
     p = llm_turn.preset_of(ns)
     arms = llm_turn.arms(llm_turn.base_config(ns, p), p)
-    assert set(arms) == (
-        {"ctrl"}
-        if preset == "cpu-ctrl"
-        else {"turn", "frozen", "ctrl"}
-        - (set() if p["ctrl_iterations"] and p["ctrl_settle"] > 0 else {"ctrl"})
+    expect = {"turn"} if p["turn_iterations"] else set()
+    expect |= {"frozen"} if p["frozen_iterations"] else set()
+    expect |= {"ctrl"} if p["ctrl_iterations"] and p["ctrl_settle"] > 0 else set()
+    expect |= ({"grid"} if p["grid_iterations"] else set()) | (
+        {"recipe"} if p["recipe_iterations"] else set()
     )
+    assert set(arms) == expect and expect
+    assert {"cpu": {"turn", "frozen"}, "cpu-ctrl": {"ctrl"}, "cpu-recipe": {"grid", "recipe"}}.get(
+        preset, expect
+    ) == expect
     for members in arms.values():
         check_members(members)
         for m in members:  # no knob its controller does not read (ctrl.kp on proportional was ignored)
@@ -78,6 +82,9 @@ def test_every_preset_makes_arms_that_validate_as_sweeps(preset, tmp_path):
     if "ctrl" in arms:  # the fixed settle beta, and each controller from 10x below and 10x above it
         betas = sorted({m.kl.beta for m in arms["ctrl"]})
         assert betas == pytest.approx([p["ctrl_settle"] / 10, p["ctrl_settle"], p["ctrl_settle"] * 10])
+    for m in arms.get("recipe", []):  # warm-up at the grid's beta, then PI, rolled back on the judge's NLL
+        assert m.ctrl.kind == "pi" and m.ctrl.warmup_iters == p["recipe_warmup"] > 0
+        assert m.train.rollback_metric == llm_turn.JUDGE_KEY and m.train.rollback_factor == 2.0
 
 
 def test_the_stored_results_replay_to_the_committed_claims(tmp_path):
@@ -136,3 +143,32 @@ def test_best_of_n_extended_holds_the_pool_sampled_at_once(tmp_path, monkeypatch
         assert bon_ext[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
     study = json.loads((tmp_path / "ext" / "study.json").read_text())
     assert study["sizes"]["bon_k"] == 8 and study["timing"]["bon_extend"]["new_responses"] == 16
+
+
+def test_the_recipe_picks_from_the_grid_and_runs_with_the_judge_in_the_step(tmp_path):
+    """``--arms grid,recipe --reuse``: the grid's beta = 1 beside the stored turn arm's 0.01 (the same lr),
+    the choice by the stated rule from their held-out evaluations, then warm-up + PI with the training batch's
+    judge NLL logged by the compiled step (the rollback's metric) and claims against the fixed beta."""
+    import json
+
+    common = ["--preset", "tiny", "--model-path", str(GGUF), "--judge", str(GGUF),
+              "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")]  # fmt: skip
+    assert llm_turn.main([*common, "--arms", "turn"]) == 0
+    assert llm_turn.main([*common, "--arms", "grid,recipe", "--reuse"]) == 0
+    res = tmp_path / "res"
+    study = json.loads((res / "study.json").read_text())
+    ch = study["timing"]["recipe"]["choice"]
+    assert set(ch["grid"]) == {"0.01", "1.0"} and ch["grid"]["0.01"]["arm"] == "turn"
+    ok = {b: r for b, r in ch["grid"].items() if np.mean(r["judge_ratio"]) <= 1.1}
+    best = max(ok, key=lambda b: np.mean(ok[b]["gold_gain"]))
+    assert ch["beta"] == float(best) and ch["target"] == pytest.approx(np.mean(ok[best]["kl"]), abs=0.01)
+    from llm_overopt import load_gz
+
+    runs = load_gz(res / "recipe_metrics.json.gz")["runs"]
+    assert len(runs) == 2 and all(r["kind"] == "pi" and r["beta0"] == ch["beta"] for r in runs)
+    for r in runs:  # the judge's NLL per token of real text: a few nats, every iteration
+        nll = r["metrics"][llm_turn.JUDGE_KEY]
+        assert len(nll) == 3 and all(0.5 < x < 20 for x in nll)
+        assert r["metrics"]["ctrl/beta"][0] == pytest.approx(ch["beta"])  # the warm-up's beta
+    claims = (res / "claims.md").read_text()
+    assert "recipe: the grid's choice" in claims and "recipe: rollbacks on a judge-NLL breach" in claims
