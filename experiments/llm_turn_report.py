@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from klrl.analysis.aggregate import fit_gao, t_interval
+from klrl.analysis.aggregate import fit_gao, gao_curve, t_interval
 from klrl.analysis.overopt import bon_curve, fit_bon, tost, turn
 
 MARGIN_SD = 0.2  # "flat": |change| < 0.2 reference standard deviations (a small effect, Cohen 1988)
@@ -313,7 +313,7 @@ def plot(res: Path, bon: dict, arms: dict[str, dict], curs: dict[str, dict], stu
     for tag, col in (("strong", "C0"), ("weak", "C1")):
         g = np.asarray(bon[f"{tag}/gold"]) - bon[f"{tag}/gold"][0]
         ax[0].errorbar(d, g, yerr=bon[f"{tag}/gold_se"], fmt="o", color=col, label=f"best-of-n, proxy {tag}")
-        ax[0].plot(xs, bon_curve(xs, *fit_bon(d, g)), color=col, lw=1)
+        ax[0].plot(xs, bon_curve(xs, *fit_bon(d, g)), color=col, lw=1.5)  # d(a - b d)
         ax[1].plot(
             d,
             np.asarray(bon[f"{tag}/proxy"]) - bon[f"{tag}/proxy"][0],
@@ -349,6 +349,13 @@ def plot(res: Path, bon: dict, arms: dict[str, dict], curs: dict[str, dict], stu
                     label=f"PPO {lab}" if i == 0 else None,
                 )
                 ax[2].plot(c["step"], c["kl"], ".-", color=col, alpha=0.6, label=f"{lab}" if i == 0 else None)
+    if "turn" in curs:  # Gao et al.'s RL form d(a - b log d), fitted to the small-beta arm's seeds pooled
+        c = list(curs["turn"].values())
+        dd = np.concatenate([np.sqrt(np.maximum(x["kl"], 0)) for x in c])
+        gg = np.concatenate([x["gold"] - x["gold"][0] for x in c])
+        a, b = fit_gao(dd, gg)
+        xr = np.linspace(1e-3, dd.max(), 80)
+        ax[0].plot(xr, gao_curve(xr, a, b), "k--", lw=1.2, label="RL form d(a - b log d), turn arm")
     ax[0].set(xlabel="sqrt(KL) (nats^0.5)", ylabel="gold - gold(reference)", title="gold (held-out)")
     ax[1].set(xlabel="sqrt(KL) (nats^0.5)", ylabel="proxy - proxy(reference)", title="strong proxy")
     ax[2].set(xlabel="iteration", ylabel="exact KL (nats/seq, held-out)", title="KL over training (symlog)")
