@@ -328,7 +328,7 @@ def plot(res: Path, bon: dict, arms: dict[str, dict], curs: dict[str, dict], stu
         configs = study.get("timing", {}).get(name, {}).get("configs", [])
         for lab0, members in by_label(arms[name]["runs"]).items():
             k += 1
-            col = f"C{k % 10}"
+            col = plt.cm.tab20((k + 2) % 20)  # (blue/orange: best-of-n; 12 PPO labels need > 10 colours)
             lr = configs[members[0]]["optim"]["lr"] if len(configs) > members[0] else None
             lab = f"{name}: {lab0}" + (f", lr {lr:g}" if lr else "")
             for i, j in enumerate(members):
