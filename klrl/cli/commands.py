@@ -69,18 +69,21 @@ from klrl.tasks.text import check_model_paths
 
 __all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
-COMMANDS = (
-    "train",
-    "sweep",
-    "study",
-    "resume",
-    "report",
-    "export",
-    "generate",
-    "eval",
-    "models",
-    "reward-model",
-)
+# the subcommands, one row each: name, one-line help, an example (from which the usage text is made)
+TABLE = (
+    ("train", "one training run:", "klrl train --kl.beta 0.1 --train.iterations 50"),
+    ("sweep", "a grid as one program:", "klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1"),
+    ("study", "the default beta study:", "klrl study --train.iterations 50"),
+    ("resume", "continue from a checkpoint:", "klrl resume runs/NAME --train.iterations 200"),
+    ("report", "write report.md for a run:", "klrl report runs/NAME"),
+    ("export", "a checkpoint's policy:", "klrl export runs/NAME OUT_DIR [--step N]"),
+    ("generate", "completions of a run or model:", "klrl generate runs/NAME --prompt 'Hi' [--n 4]"),
+    ("eval", "rewards, exact KL, judge NLL:", "klrl eval runs/NAME --prompts P.jsonl [--judge M]"),
+    ("models", "pretrained models it can see:", "klrl models   (their paths, for --model.path)"),
+    ("reward-model", "a Bradley-Terry reward model:",
+     "klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)"),
+)  # fmt: skip
+COMMANDS = tuple(name for name, _, _ in TABLE)
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
@@ -380,21 +383,14 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 
 def _usage() -> str:
-    return (
-        "usage: klrl {train,sweep,study,resume,report,export,generate,eval,models,reward-model} [flags]  "
-        "(klrl COMMAND --help lists the flags)\n\n"
-        "  train    one training run:             klrl train --kl.beta 0.1 --train.iterations 50\n"
-        "  sweep    a grid as one program:        klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1\n"
-        "  study    the default beta study:       klrl study --train.iterations 50\n"
-        "  resume   continue from a checkpoint:   klrl resume runs/NAME --train.iterations 200\n"
-        "  report   write report.md for a run:    klrl report runs/NAME\n"
-        "  export   a checkpoint's policy:        klrl export runs/NAME OUT_DIR [--step N]\n"
-        "  generate completions of a run or model: klrl generate runs/NAME --prompt 'Hi' [--n 4]\n"
-        "  eval     rewards, exact KL, judge NLL: klrl eval runs/NAME --prompts P.jsonl [--judge M]\n"
-        "  models   pretrained models it can see: klrl models   (their paths, for --model.path)\n"
-        "  reward-model  a Bradley-Terry reward model:\n"
-        "           klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)\n"
-    )
+    """The top-level usage text, made from :data:`TABLE`."""
+    lines = [f"usage: klrl {{{','.join(COMMANDS)}}} [flags]  (klrl COMMAND --help lists the flags)", ""]
+    for name, text, example in TABLE:
+        if len(name) > 8:  # a long name: the example on its own line
+            lines += [f"  {name}  {text}", f"{'':11}{example}"]
+        else:
+            lines.append(f"  {name:<8} {text:<29} {example}")
+    return "\n".join(lines) + "\n"
 
 
 def models_main(argv: list[str]) -> int:
@@ -424,16 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"expected a command: {', '.join(COMMANDS)}")
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "export":
-        return export_main(rest)
-    if cmd == "models":
-        return models_main(rest)
-    if cmd == "generate":
-        return generate_main(rest)
-    if cmd == "eval":
-        return eval_main(rest)
-    if cmd == "reward-model":
-        return reward_model_main(rest)
+    standalone = {"export": export_main, "models": models_main, "generate": generate_main,
+                  "eval": eval_main, "reward-model": reward_model_main}  # fmt: skip
+    if cmd in standalone:  # commands with their own parser; the rest share build_parser's
+        return standalone[cmd](rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)
         hint = f"; did you mean klrl {near}?" if near else ""
