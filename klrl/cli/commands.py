@@ -72,6 +72,9 @@ TABLE = (
 )  # fmt: skip
 COMMANDS = tuple(name for name, _, _ in TABLE)
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
+# klrl.distributed.DEFAULT_TIMEOUT_S, for --distributed-timeout's help (klrl.distributed imports jax;
+# tests/test_cli.py holds the two equal)
+DISTRIBUTED_TIMEOUT_S = 120.0
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                 errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG}  # fmt: skip
@@ -85,8 +88,6 @@ FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep",
 # ---- flags -----------------------------------------------------------------------------------------
 def distributed_args(p: argparse.ArgumentParser) -> None:
     """``--quiet``, ``--check`` and the ``--distributed`` flags (every command that trains)."""
-    from klrl.distributed import DEFAULT_TIMEOUT_S
-
     p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
     p.add_argument("--check", action="store_true",
                    help="run every check that needs no compiled code (klrl.checks.preflight), print one "
@@ -104,7 +105,7 @@ def distributed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-timeout", metavar="SECONDS", type=float, default=None,
                    help="--distributed: the longest wait for the coordinator and the other "
                         "processes, then one line and exit 2 "
-                        f"($KLRL_DISTRIBUTED_TIMEOUT; default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+                        f"($KLRL_DISTRIBUTED_TIMEOUT; default {DISTRIBUTED_TIMEOUT_S:g})")  # fmt: skip
 
 
 def sweep_args(p: argparse.ArgumentParser) -> None:
@@ -385,7 +386,7 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
         return build_parser("klrl report: write report.md and its plots for a run or sweep directory",
                             extra=extra, prog=f"klrl {cmd}", shown=lambda name: False)  # fmt: skip
     if cmd == "resume":  # only what a resume may change (klrl.io.resume.check_resumable)
-        from klrl.io.resume import RESUME_MUTABLE
+        from klrl.io.readers import RESUME_MUTABLE
 
         shown = lambda name: name in RESUME_MUTABLE or name.startswith(("diag.", "log."))
         return build_parser(f"klrl resume: continue a run or sweep from its newest checkpoint, bit for bit. "
