@@ -15,12 +15,13 @@
 3. **The devices** (:func:`check_devices`, :func:`check_device_count`): the batch, minibatches and
    groups split over the data devices, and the devices asked for are there.
 
-:func:`klrl.api.run` and :func:`klrl.api.sweep` call :func:`check_config` at their entry and
-:func:`check_program` (2 and 3; the device split before the parts, whose reward is traced on one
-device's share of the batch) on the task they built; nothing below them checks again (``make_train``
-trusts its input). The command line (:mod:`klrl.cli`) calls the same functions
-earlier, on the shape of the built-in task (:func:`klrl.tasks.base.builtin_task_shape`), before
-anything is built. A failure is a :class:`ConfigError` naming the field or the part.
+:func:`klrl.api.run` and :func:`klrl.api.sweep` call :func:`preflight` at their entry (the model paths
+resolved, 1, and 2 on the shape of a built-in task, :func:`klrl.tasks.base.builtin_task_shape`, before
+anything is built) and :func:`check_program` (2 and 3; the device split before the parts, whose reward
+is traced on one device's share of the batch) on the task they built; nothing below them checks again
+(``make_train`` trusts its input). The command line (:mod:`klrl.cli`) runs :func:`preflight` itself
+(before it joins a distributed run; ``klrl ... --check`` runs it alone) and tells the API
+(``checked=True``). A failure is a :class:`ConfigError` naming the field or the part.
 """
 
 from __future__ import annotations

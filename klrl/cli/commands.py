@@ -18,11 +18,13 @@ A Hub name in a ``model.*`` path (``--model.path HuggingFaceTB/SmolLM2-135M-Inst
 the local Hugging Face cache, offline (:func:`klrl.models.catalog.resolve_model_paths`); the run's
 ``config.json`` records the snapshot's path.
 
-``python experiments/run.py [flags]`` is this command with its flags translated
-(:mod:`klrl.cli.legacy`). Every check that needs no compiled code (the config, the paths a run writes,
-the task's vocabulary and lengths, the ``--distributed`` arguments, a damaged run directory) runs before
-anything is built, with :mod:`klrl.checks`' functions where the API has the same rule; a failure is one
-line on stderr and exit status 2. Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
+``python experiments/run.py [flags]`` is this command, chosen by its flags (:mod:`klrl.cli.legacy`).
+Every check that needs no compiled code (the config, the paths a run writes, the ``--distributed``
+arguments, a damaged run directory, then :func:`klrl.checks.preflight`: the model paths and fields, the
+task's vocabulary and lengths) runs before anything is built, once (the API is told: ``checked=True``);
+a failure is one line on stderr and exit status 2. ``--check`` (every command that trains) runs those
+checks alone: ``check: ok (N members)`` and exit 0, or the error and exit 2; nothing is built or written.
+Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
 """
 
@@ -411,14 +413,14 @@ def models_main(argv: list[str]) -> int:
     """``klrl models``: the pretrained models klrl can see (:func:`klrl.models.catalog.find_models`),
     one entry each (name, family, parameters, where it was found; its path on the next line), and
     where it looked. Reads file headers only, offline."""
-    from klrl.models.catalog import find_models
-    from klrl.tasks.pretrain import cache_root
-
     p = build_parser("klrl models: the pretrained models klrl can see on this machine (offline)",
                      prog="klrl models", fields=False)  # fmt: skip
     if argv and argv[0] not in ("-h", "--help"):
         fail(f"{argv[0]}: klrl models takes no flags or arguments")
     p.parse_args(argv)  # --help
+    from klrl.models.catalog import find_models
+    from klrl.tasks.pretrain import cache_root
+
     found, looked = find_models(klrl_cache=cache_root())
     print(f"{len(found)} pretrained model{'s' if len(found) != 1 else ''} (pass the path as --model.path):")
     for f in found:
