@@ -270,8 +270,8 @@ def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: li
                             log=print)  # fmt: skip
     except ConfigError as e:
         fail(str(e))
-    check_reward_fns(members[0])
-    for w in config_warnings(members[0]):  # after every check: an error is the only line on stderr
+    check_reward_fns(cfg)
+    for w in config_warnings(cfg):  # after every check: an error is the only line on stderr
         print(f"warning: {w}", file=sys.stderr)
     return members
 
