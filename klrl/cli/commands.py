@@ -52,6 +52,7 @@ from klrl.cli.args import (
     overrides_of,
     parse,
 )
+from klrl.cli.flags import PARSERS
 from klrl.config import ConfigError, RunConfig, config_warnings
 from klrl.config.schema import closest
 from klrl.io.readers import RunDirError, read_run
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in STANDALONE:  # commands with their own parser (imported when run); the rest share build_parser's
+        if cmd in PARSERS and ("-h" in rest or "--help" in rest):  # the help without the command's module
+            PARSERS[cmd]().parse_known_args(rest)
         return _standalone(cmd)(rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)
