@@ -29,14 +29,13 @@ import numpy as np
 from klrl import distributed
 from klrl.algo.control import from_config
 from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_run, load_sweep
-from klrl.checks import check_config, check_program
+from klrl.checks import check_program, preflight
 from klrl.config import ConfigError, RunConfig
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.loop.program import Program
 from klrl.models import peft
-from klrl.models.catalog import resolve_model_paths
 from klrl.models.hf import CheckpointFormatError
 from klrl.registry import TASKS, is_adaptive
 from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
@@ -92,6 +91,7 @@ def run(
     report: Callable[[RunResult], Any] | None = None,
     on_step: Callable[[int, dict[str, float]], Any] | None = None,
     hooks: Sequence[Any] = (),
+    checked: bool = False,
     **models: Any,
 ) -> RunResult:
     """Train ``cfg`` to the end and return its metrics, final state and run directory.
@@ -107,7 +107,9 @@ def run(
     (e.g. for a live plot; see :func:`klrl.loop.driver.drive`). ``hooks``: objects with
     ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`klrl.loop.hooks.Hook`: ``row.it``,
     ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``), told after
-    the built-in hooks (metrics, checkpoints, samples, progress, trackers).
+    the built-in hooks (metrics, checkpoints, samples, progress, trackers). ``checked``: ``cfg`` already
+    passed :func:`klrl.checks.preflight` (mode ``"run"``, the same ``write`` and ``resume``) and is not
+    checked again.
 
     SIGTERM/SIGINT finish the current iteration, checkpoint and return
     (``result.info['stopped']`` names the signal). :class:`klrl.loop.reliability.RunStopped` is raised
@@ -119,7 +121,7 @@ def run(
     # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
         (result,), stop_error, task = _train(
-            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models, hooks
+            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models, hooks, checked
         )
         if result.dir is not None and distributed.is_main():
             if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
@@ -143,6 +145,7 @@ def sweep(
     report: Callable[[list[RunResult]], Any] | None = None,
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
     hooks: Sequence[Any] = (),
+    checked: bool = False,
 ) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
@@ -161,12 +164,24 @@ def sweep(
     members}`` as it is recorded (e.g. for a live plot). The result is a list with
     ``.to_frame()`` (:func:`klrl.analysis.results.to_frame`). ``sweep_devices``: the device groups
     the members are split over (the rest of the devices split each member's batch). ``hooks``: as
-    :func:`run`'s (``row.members[j]``: member ``j``'s row).
+    :func:`run`'s (``row.members[j]``: member ``j``'s row); ``checked``: as :func:`run`'s (mode ``"sweep"``).
     """
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
         results, stop_error, task = _train(
-            list(members), True, task, out_dir, write, log, resume, guard, on_step, sweep_devices, {}, hooks
+            list(members),
+            True,
+            task,
+            out_dir,
+            write,
+            log,
+            resume,
+            guard,
+            on_step,
+            sweep_devices,
+            {},
+            hooks,
+            checked,
         )
         results = Sweep(results)
         if results[0].dir is not None and distributed.is_main():
@@ -181,18 +196,14 @@ def sweep(
 
 
 def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models,
-           hooks=()):  # fmt: skip
-    """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. A Hub name in
-    a ``model.*`` path is read from the local Hugging Face cache (``resolve_model_paths``)."""
-    members = [resolve_model_paths(m) for m in members]
-    check_config(
-        members,
-        stacked=stacked,
-        write=write,
-        resume=resume,
-        sweep_devices=sweep_devices,
-        task_given=task is not None,
-    )
+           hooks=(), checked=False):  # fmt: skip
+    """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. The checks before
+    anything is built are :func:`klrl.checks.preflight` (a Hub name in a ``model.*`` path is read from the
+    local Hugging Face cache there), unless ``checked``: the caller ran it on these members (the command
+    line does, before it joins a distributed run)."""
+    if not checked:
+        members = preflight(members, "sweep" if stacked else "run", write=write, resume=resume,
+                            sweep_devices=sweep_devices, task_given=task is not None)  # fmt: skip
     plan = None
     if resume is not None:
         if distributed.is_main() and Path(resume).is_dir():

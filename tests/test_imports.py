@@ -40,7 +40,10 @@ EXEMPT = {"klrl", "klrl.__main__"}  # the package root (the public API) and ``py
 # imports inside a function: optional dependencies, imported where they are needed (first-level names)
 OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython", "wandb"}
 # the command line imports inside its functions, so that ``klrl --help`` does not import jax
+# (:func:`test_the_command_line_starts_without_jax`; tests/test_cli.py runs it)
 FAST_START = ("klrl/cli/",)
+# what ``klrl --help`` and ``klrl COMMAND --help`` must not import at module level, directly or not
+HEAVY = {"jax", "jaxlib", "flax", "optax", "orbax", "chex", "tensorboardX", "matplotlib", "safetensors"}
 # (file, imported module) -> why it is imported inside a function
 INNER_ALLOWED = {
     ("klrl/io/checkpoint.py", "orbax.checkpoint._src"): "a private orbax module, patched only where this "
@@ -395,3 +398,41 @@ def test_the_allow_list_names_imports_that_exist():
                 inner |= {(f.relative_to(ROOT).as_posix(), a.name) for a in node.names}
     assert set(INNER_ALLOWED) <= inner, set(INNER_ALLOWED) - inner
     assert all(len(why) > 20 for why in INNER_ALLOWED.values())
+
+
+def top_level_edges(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the klrl modules it imports at module level (``TYPE_CHECKING`` left out), with the
+    packages they are in (importing ``klrl.a.b`` runs ``klrl/a/__init__.py``), the root ``klrl`` too."""
+    files = _sources(root)
+    modules = set(files)
+    out = {}
+    for m, f in files.items():
+        deps = {t for node, inner in _statements(ast.parse(f.read_text())) if not inner
+                for t in _targets(node, modules)}  # fmt: skip
+        for t in list(deps):
+            parts = t.split(".")
+            deps |= {".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in modules}
+        out[m] = deps - {m}
+    return out
+
+
+def heavy_at_top(modules: set[str], root: Path = ROOT) -> list[str]:
+    """``module: name`` for every :data:`HEAVY` import at the top of ``modules``."""
+    files, out = _sources(root), []
+    for m in sorted(modules):
+        for node, inner in _statements(ast.parse(files[m].read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            out += [f"{m}: {n}" for n in names if not inner and n.split(".")[0] in HEAVY]
+    return out
+
+
+def test_the_command_line_starts_without_jax():
+    """FAST_START's promise: ``from klrl.cli import main`` (the ``klrl`` script) reaches, at module level,
+    only modules that import nothing of :data:`HEAVY` at their top: the package root is lazy (PEP 562),
+    the command line imports the training stack inside its functions, and what the parsers read (the
+    config, the registries' declared names, the run-directory readers) is light."""
+    reached = closure(top_level_edges(), "klrl.cli") | {"klrl"}
+    assert {"klrl.cli.commands", "klrl.cli.args", "klrl.cli.legacy", "klrl.config"} <= reached, reached
+    assert not {"klrl.api", "klrl.checks", "klrl.cli.launch", "klrl.tasks", "klrl.algo.kl"} & reached, reached
+    bad = heavy_at_top(reached)
+    assert not bad, "modules the command line imports at start-up import heavy packages:\n" + "\n".join(bad)

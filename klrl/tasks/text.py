@@ -300,7 +300,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     )
 
 
-@register_task("text", help="a pretrained model.path on the data section's prompts")
+@register_task("text")
 def make_text(cfg: RunConfig, log: Any = None) -> Task:
     """``task.name=text``: the pretrained ``model.path`` on the ``data`` section's prompts."""
     return make_text_task(cfg, log)
