@@ -86,8 +86,9 @@ def _statements(tree: ast.AST, type_checking: bool = False):
     yield from visit(tree, False)
 
 
-def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
-    """The klrl modules one import statement names (``from klrl.x import y``: y may be a module)."""
+def _targets(node: ast.Import | ast.ImportFrom, modules: set[str], top: str = "klrl") -> list[str]:
+    """The klrl modules (or ``top``'s) one import statement names (``from klrl.x import y``: y may be a
+    module)."""
 
     def resolve(name: str) -> str | None:
         while name and name not in modules:
@@ -95,8 +96,8 @@ def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
         return name or None
 
     if isinstance(node, ast.Import):
-        found = [resolve(a.name) for a in node.names if a.name.split(".")[0] == "klrl"]
-    elif node.module and node.level == 0 and node.module.split(".")[0] == "klrl":
+        found = [resolve(a.name) for a in node.names if a.name.split(".")[0] == top]
+    elif node.module and node.level == 0 and node.module.split(".")[0] == top:
         found = []
         for a in node.names:
             full = f"{node.module}.{a.name}"
@@ -312,6 +313,45 @@ def test_only_the_command_line_attaches_a_report():
     plots = sorted(m for m, deps in edges.items() if "klrl.analysis.plots" in deps)
     assert report and {layer(m, packages) for m in report} == {"cli"}, report
     assert "klrl.analysis.report" in plots and {layer(m, packages) for m in plots} == {"analysis"}, plots
+
+
+# --- experiments/ --------------------------------------------------------------------------------------
+
+
+def experiments_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
+    """experiments/ as a package: module -> the ``experiments.*`` modules it imports, and the problems:
+    an import of a sibling by its bare name (it needs experiments/ on ``sys.path``) or a ``sys.path``
+    edit outside the one guarded block of a script run by path (``if not __package__:``)."""
+    found = sorted((root / "experiments").glob("*.py"))
+    files = {f"experiments.{f.stem}".removesuffix(".__init__"): f for f in found}
+    modules, stems = set(files), {f.stem for f in files.values()}
+    edges, bad = {}, []
+    for m, f in files.items():
+        tree, rel = ast.parse(f.read_text()), f.relative_to(root)
+        nodes = [node for node, _ in _statements(tree, type_checking=True)]
+        edges[m] = {t for node in nodes for t in _targets(node, modules, "experiments")} - {m}
+        for node in nodes:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            bad += [f"{rel}:{node.lineno}: import {n}" for n in names if n.split(".")[0] in stems]
+        guarded = {
+            id(c)
+            for g in ast.walk(tree)
+            if isinstance(g, ast.If) and ast.unparse(g.test) == "not __package__"
+            for c in ast.walk(g)
+        }
+        for c in ast.walk(tree):
+            if isinstance(c, ast.Attribute) and ast.unparse(c) == "sys.path" and id(c) not in guarded:
+                bad.append(f"{rel}:{c.lineno}: sys.path")
+    return edges, bad
+
+
+def test_experiments_is_a_package_without_cycles_or_path_edits():
+    assert (ROOT / "experiments" / "__init__.py").is_file()
+    edges, bad = experiments_graph()
+    assert ("experiments.study" in edges["experiments.adaptive"]) and edges["experiments.llm_turn"]
+    assert not bad, "\n".join(bad)
+    cycle = find_cycle(edges)
+    assert cycle is None, " -> ".join(cycle)
 
 
 # --- the test's own logic on a fake tree -------------------------------------------------------------
