@@ -33,10 +33,11 @@ a run or sweep directory, prints its path and exits (:func:`klrl.analysis.report
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if not __package__:  # run by path (python experiments/NAME.py): the repo root, for klrl uninstalled
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
