@@ -32,8 +32,8 @@ _TABLE = {
     "tasks": "registry config data algo models rewards",
     "step": "registry config algo models distributed io rewards tasks",
     "analysis": "registry config io",
-    "loop": "config distributed io rewards step analysis",
-    "api": "registry config algo models distributed io rewards tasks step analysis loop",
+    "loop": "registry config algo models distributed io rewards tasks step analysis",
+    "api": "config algo models distributed io rewards tasks step analysis loop",
     "cli": "config data algo models distributed io rewards tasks analysis loop api",
 }
 LAYERS = list(_TABLE)  # bottom first, as the README lists them
