@@ -233,14 +233,16 @@ def recipe_claims(arm: dict, cur: dict, study: dict, fixed: tuple[dict, dict] | 
                 "verdict": "none" if not any(n_rb) else "measured"})  # fmt: skip
     if fixed is None:
         return out
-    (f_arm, f_cur), step = fixed, int(max(cur[0]["step"]))
+    f_arm, step = fixed[0], max(e["step"] for e in arm["evals"])
+    at = lambda a: {(e["member"], e["step"]): e for e in a["evals"]}  # noqa: E731
+    mine, theirs = at(arm), at(f_arm)
     seed_of = {r["seed"]: j for j, r in enumerate(f_arm["runs"]) if r["beta0"] == choice["beta"]}
-    for key in ("kl", "gold", "distinct2", "judge_nll"):
-        d = []
-        for j, r in enumerate(arm["runs"]):
-            f = f_cur.get(seed_of.get(r["seed"], -1))
-            if f is not None and step in f["step"]:
-                d.append(cur[j][key][-1] - f[key][list(f["step"]).index(step)])
+    pairs = [
+        ((j, step), (seed_of[r["seed"]], step)) for j, r in enumerate(arm["runs"]) if r["seed"] in seed_of
+    ]
+    pairs = [(a, b) for a, b in pairs if a in mine and b in theirs]
+    for key in ("kl", "gold", "proxy_strong", "distinct2", "repeated", "judge_nll"):
+        d = [mine[a][key] - theirs[b][key] for a, b in pairs]
         if len(d) < 2:
             continue
         v = q(d)
@@ -326,7 +328,7 @@ def plot(res: Path, bon: dict, arms: dict[str, dict], curs: dict[str, dict], stu
         configs = study.get("timing", {}).get(name, {}).get("configs", [])
         for lab0, members in by_label(arms[name]["runs"]).items():
             k += 1
-            col = f"C{k % 10}"
+            col = plt.cm.tab20((k + 2) % 20)  # (blue/orange: best-of-n; 12 PPO labels need > 10 colours)
             lr = configs[members[0]]["optim"]["lr"] if len(configs) > members[0] else None
             lab = f"{name}: {lab0}" + (f", lr {lr:g}" if lr else "")
             for i, j in enumerate(members):
