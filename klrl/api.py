@@ -25,7 +25,7 @@ from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_
 from klrl.checks import check_config, check_program
 from klrl.config import RunConfig
 from klrl.io.resume import prepare as prepare_resume
-from klrl.loop import reliability
+from klrl.loop import reliability, user
 from klrl.loop.build import adopt_adapter, build_task, make_program, member_state
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.models.catalog import resolve_model_paths
@@ -58,6 +58,7 @@ def run(
     report: Callable[[RunResult], Any] | None = None,
     on_step: Callable[[int, dict[str, float]], Any] | None = None,
     hooks: Sequence[Any] = (),
+    metrics: Sequence[Callable[..., dict[str, float]]] = (),
     **models: Any,
 ) -> RunResult:
     """Train ``cfg`` to the end and return its metrics, final state and run directory.
@@ -85,7 +86,7 @@ def run(
     # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
         (result,), stop_error, task = _train(
-            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models, hooks
+            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models, hooks, metrics
         )
         if result.dir is not None and distributed.is_main():
             if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
@@ -109,6 +110,7 @@ def sweep(
     report: Callable[[list[RunResult]], Any] | None = None,
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
     hooks: Sequence[Any] = (),
+    metrics: Sequence[Callable[..., dict[str, Any]]] = (),
 ) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
@@ -132,7 +134,19 @@ def sweep(
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
         results, stop_error, task = _train(
-            list(members), True, task, out_dir, write, log, resume, guard, on_step, sweep_devices, {}, hooks
+            list(members),
+            True,
+            task,
+            out_dir,
+            write,
+            log,
+            resume,
+            guard,
+            on_step,
+            sweep_devices,
+            {},
+            hooks,
+            metrics,
         )
         results = Sweep(results)
         if results[0].dir is not None and distributed.is_main():
@@ -147,13 +161,22 @@ def sweep(
 
 
 def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models,
-           hooks=()):  # fmt: skip
+           hooks=(), metrics=()):  # fmt: skip
     """Check, build and drive the program of ``members``: ``(results, stop_error, task)``."""
     members, plan = _checked(members, stacked, task is not None, write, resume, guard, sweep_devices)
+    spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
     prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
                               check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
     results, stop_error = drive(
-        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step, hooks=hooks
+        prog,
+        write=write,
+        out_dir=out_dir,
+        resume=plan,
+        log=log,
+        guard=guard,
+        on_step=on_step,
+        hooks=[*hooks, *spec_hooks],
+        metrics=[*metrics, *spec_metrics],
     )
     return results, stop_error, task
 
