@@ -25,7 +25,7 @@ from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_
 from klrl.checks import check_program, preflight
 from klrl.config import RunConfig
 from klrl.io.resume import prepare as prepare_resume
-from klrl.loop import reliability
+from klrl.loop import reliability, user
 from klrl.loop.build import adopt_adapter, build_task, make_program, member_state
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.tasks.base import Task
@@ -58,6 +58,7 @@ def run(
     on_step: Callable[[int, dict[str, float]], Any] | None = None,
     hooks: Sequence[Any] = (),
     checked: bool = False,
+    metrics: Sequence[Callable[..., dict[str, float]]] = (),
     **models: Any,
 ) -> RunResult:
     """Train ``cfg`` to the end and return its metrics, final state and run directory.
@@ -87,7 +88,20 @@ def run(
     # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
         (result,), stop_error, task = _train(
-            [cfg], False, task, run_dir, write, log, resume, guard, on_step, 1, models, hooks, checked
+            [cfg],
+            False,
+            task,
+            run_dir,
+            write,
+            log,
+            resume,
+            guard,
+            on_step,
+            1,
+            models,
+            hooks,
+            checked,
+            metrics,
         )
         if result.dir is not None and distributed.is_main():
             if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
@@ -112,6 +126,7 @@ def sweep(
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
     hooks: Sequence[Any] = (),
     checked: bool = False,
+    metrics: Sequence[Callable[..., dict[str, Any]]] = (),
 ) -> Sweep:
     """Run all ``members`` in one compiled program; one :class:`RunResult` each.
 
@@ -148,6 +163,7 @@ def sweep(
             {},
             hooks,
             checked,
+            metrics,
         )
         results = Sweep(results)
         if results[0].dir is not None and distributed.is_main():
@@ -162,16 +178,25 @@ def sweep(
 
 
 def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models,
-           hooks=(), checked=False):  # fmt: skip
+           hooks=(), checked=False, metrics=()):  # fmt: skip
     """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. The checks before
     anything is built are :func:`klrl.checks.preflight` (a Hub name in a ``model.*`` path is read from the
     local Hugging Face cache there), unless ``checked``: the caller ran it on these members (the command
     line does, before it joins a distributed run)."""
     members, plan = _checked(members, stacked, task is not None, write, resume, guard, sweep_devices, checked)
+    spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
     prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
                               check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
     results, stop_error = drive(
-        prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard, on_step=on_step, hooks=hooks
+        prog,
+        write=write,
+        out_dir=out_dir,
+        resume=plan,
+        log=log,
+        guard=guard,
+        on_step=on_step,
+        hooks=[*hooks, *spec_hooks],
+        metrics=[*metrics, *spec_metrics],
     )
     return results, stop_error, task
 
