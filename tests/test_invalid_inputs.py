@@ -52,6 +52,8 @@ FREE_STRINGS = {
     "data.split",
     "data.eval_path",
     "reward.fn",  # (tested below: test_bad_reward_fn)
+    "train.hooks",  # module:function specs (tested in test_user_hooks: a bad spec is one line, exit 2)
+    "train.metric_fns",
     "reward.weights",
     "log.wandb_project",
     "log.wandb_name",
