@@ -11,7 +11,7 @@ configuration's alone); the parent prints one JSON line per configuration, then 
 * ``<w>-lora``: the same work with ``lora.rank=8``, ``lora.alpha=16`` (every linear layer of the blocks)
   and ``model.value_model=lora`` (the critic: its own rank-8 adapters on the same frozen base + a head);
 * ``<w>-lora-sweep4``: 4 members of ``<w>-lora`` differing in ``kl.beta`` (0.01, 0.03, 0.1, 0.3), one
-  compiled program (``klrl.api.build_program(..., stacked=True)``); its time is the whole sweep's;
+  compiled program (``klrl.loop.build.make_program(..., stacked=True)``); its time is the whole sweep's;
 * ``<w>-full-sweep4`` (``--full-sweep`` only; ~18 GB on SmolLM2): 4 members of ``<w>-full``.
 
 ``--workload tiny`` runs the same code on ``tests/data/tiny_gguf/tiny.gguf`` (4 prompts x (8 + 8)).
@@ -144,7 +144,7 @@ def xla_flops(compiled: Any) -> float | None:
 
 def build(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The configuration's ``init``, ``step``, ``env`` and the numbers known before compiling."""
-    from klrl.api import build_program
+    from klrl.loop.build import make_program
     from klrl.step.train import make_train
     from klrl.tasks.text import value_models
 
@@ -154,12 +154,12 @@ def build(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = lora_config(cfg) if lora else cfg
     load_s = time.perf_counter() - t0
     sweep = name.endswith("-sweep4")
-    train = make_train(cfg, task, **value_models(cfg, task))  # (the sweep's own is built by build_program)
+    train = make_train(cfg, task, **value_models(cfg, task))  # (the sweep's own is built by make_program)
     shared = bool(getattr(train.context, "reward_on_reference", False))
     if sweep:
         members = [cfg.replace(kl={"beta": b}, train={"quiet": True}) for b in BETAS]
         train = None
-        prog, _ = build_program(members, task, stacked=True, write=False)
+        prog, _ = make_program(members, task, stacked=True, write=False)
         init, step, env = prog.init, prog.step, prog.env
     else:
         init, step, env = (lambda: train.init(cfg.train.seed)), train.step, train.context.task.env

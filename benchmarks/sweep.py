@@ -9,7 +9,8 @@ loaded from the cache; ``KLRL_CACHE`` is honoured), on every local device; the m
 the host one iteration behind), without writing anything:
 
 * sequential: for each member ``make_train`` -> ``init`` -> compile -> ``iterations`` steps;
-* sweep: :func:`klrl.api.build_program` (``stacked=True``) -> ``init`` -> compile -> ``iterations`` steps.
+* sweep: :func:`klrl.loop.build.make_program` (``stacked=True``) -> ``init`` -> compile -> ``iterations``
+  steps.
 
 The compile is done ahead of time (``step.lower(...).compile()``) so that it is timed on its own;
 one untimed ``init`` first compiles the eager ops every process pays for once (``warmup_init_s``).
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true", help="also time rollout and update, 1 vs vmapped")
     args = ap.parse_args(argv)
 
-    from klrl.api import build_program
+    from klrl.loop.build import make_program
     from klrl.step.train import make_train
     from klrl.tasks.wordclass import make_task
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- the sweep: one program ----
     t0 = time.perf_counter()
-    prog, _ = build_program(members, task, stacked=True, write=False)
+    prog, _ = make_program(members, task, stacked=True, write=False)
     init, step = prog.init, prog.step
     build_s = time.perf_counter() - t0
     sw = timed_loop(init, step, env, args.iterations)

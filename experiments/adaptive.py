@@ -16,9 +16,14 @@ every setting runs once per seed (one sweep); the table gives each setting's mea
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
-from study import (
+
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.study import (  # noqa: E402
     SEEDS_NOTE,
     base_config,
     by_setting,

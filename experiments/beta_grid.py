@@ -12,9 +12,14 @@ Starts are means of the first 10 iterations, peaks and ends 10-iteration trailin
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
-from study import (
+
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.study import (  # noqa: E402
     SEEDS_NOTE,
     base_config,
     by_setting,

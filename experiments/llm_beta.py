@@ -38,11 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from study import markdown, parser, smooth
 
-import klrl
-from klrl.algo.textmetrics import distinct_n, rep_n
-from klrl.rewards.text import POSITIVE, positivity_score, words
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import klrl  # noqa: E402
+from experiments.study import markdown, parser, smooth  # noqa: E402
+from klrl.algo.textmetrics import distinct_n, rep_n  # noqa: E402
+from klrl.rewards.text import POSITIVE, positivity_score, words  # noqa: E402
 
 # ---- the reward that records its completions (one call per iteration: the sweep's [S, B] batch) ----
 
@@ -195,9 +198,9 @@ def base_of(ns) -> klrl.RunConfig:
     from klrl.cli.args import config_from_args
 
     cfg = config_from_args(ns)
-    here = Path(__file__).resolve().parent
-    if str(here) not in sys.path:
-        sys.path.insert(0, str(here))
+    # the reward names this module "llm_beta" (as the stored results record it): klrl imports that name,
+    # which is this module, run by path or imported as experiments.llm_beta
+    sys.modules.setdefault(Path(__file__).stem, sys.modules[__name__])
     upd: dict[str, dict[str, Any]] = {
         "task": {"name": "text"},
         "model": {"path": cfg.model.path or default_gguf(), "value_model": "head"},

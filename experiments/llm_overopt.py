@@ -9,7 +9,8 @@ The study, in three steps, one process:
    the response (klrl's positivity lexicon score, a polar word flipped within two words after a negator),
    minus a repetition term (``REP_COEF`` x the share of repeated words) and minus a fluency term under the
    reference model (``NLL_COEF`` x the response's per-token negative log-likelihood under SmolLM2 above
-   ``NLL_FREE`` nats). It rewards saying something positive in fluent, non-repetitive English.
+   ``NLL_FREE`` nats). It rewards saying something positive in fluent, non-repetitive English. It lives in
+   ``llm_overopt_gold.py``, which the report imports too.
 2. **Proxy**: a Bradley-Terry reward model trained with :func:`klrl.rewards.train.train` (what
    ``klrl reward-model`` runs) on pairs of the reference's own samples (two responses to each of the first
    ``rm_prompts`` prompts; each sample paired with two others, the preferred one chosen by the gold, each
@@ -53,13 +54,12 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REP_COEF = 1.0  # gold: minus this x the share of repeated words
-NLL_COEF = 0.5  # gold: minus this x (per-token NLL under the reference - NLL_FREE), when positive
-NLL_FREE = 4.0  # nats/token the gold forgives (the reference's own samples: median ~3.5)
+from experiments.llm_overopt_gold import NLL_COEF, NLL_FREE, REP_COEF, gold_parts  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
 
 PRESETS: dict[str, dict[str, Any]] = {
     # sized from the pilot to run in <= 90 min on a 2-core CPU: no critic (RLOO over groups of 4 responses
@@ -81,22 +81,6 @@ KEYS = ("reward/task", "kl/exact_seq_sum", "kl/k1_seq_sum", "ctrl/beta", "ctrl/k
         "eval/ref_ppl", "loss/value", "loss/policy", "grad/policy_norm", "grad/critic_norm",
         "value/explained_variance", "reward/running_std", "policy/entropy", "response/length",
         "ppo/clip_frac", "guard/skipped")  # fmt: skip
-
-
-# ---- the gold ------------------------------------------------------------------------------------------
-def gold_parts(text: str, ref_logprob: float, length: int) -> dict[str, float]:
-    """``gold = sentiment - REP_COEF * repeated - NLL_COEF * max(0, nll - NLL_FREE)`` of one response:
-    ``sentiment`` :func:`klrl.rewards.text.positivity_score` (``(n_pos - n_neg) / sqrt(n_words)``,
-    negation-aware), ``repeated`` the share of its words that repeat an earlier word of it, ``nll`` its
-    per-token negative log-likelihood under the reference (``-ref_logprob / length``)."""
-    from klrl.rewards.text import positivity_score, words
-
-    ws = words(text)
-    repeated = 1.0 - len(set(ws)) / len(ws) if ws else 0.0
-    nll = -float(ref_logprob) / max(int(length), 1)
-    sentiment = positivity_score(text)
-    gold = sentiment - REP_COEF * repeated - NLL_COEF * max(0.0, nll - NLL_FREE)
-    return {"gold": gold, "sentiment": sentiment, "repeated": repeated, "nll": nll}
 
 
 # ---- the reference's samples and the proxy ----------------------------------------------------------------
@@ -179,7 +163,7 @@ def pair_arrays(task: Any, pairs: list[dict[str, Any]], gold: bool) -> Any:
         )
         seqs["c"].append(c["ids"])
         seqs["r"].append(r["ids"])
-    from llm_beta import pad_ids  # right-padded ids and mask (the pad id is masked out)
+    from experiments.llm_beta import pad_ids  # right-padded ids and mask (the pad id is masked out)
 
     arr = {k: pad_ids(v) for k, v in seqs.items()}
     return Pairs(arr["c"][0], arr["c"][1], arr["r"][0], arr["r"][1], 0)
@@ -347,7 +331,7 @@ def load_gz(path: Path, lines: bool = False) -> Any:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from llm_beta import default_gguf
+    from experiments.llm_beta import default_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -402,7 +386,7 @@ def build_proxy(task: Any, preset: dict[str, Any], ns: argparse.Namespace, res: 
 def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
     if ns.replay:
-        from llm_overopt_report import finish
+        from experiments.llm_overopt_report import finish
 
         return finish(Path(ns.replay))
     if not ns.model_path:
@@ -449,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
     if sweep_dir is not None:
         shutil.rmtree(sweep_dir / "checkpoints", ignore_errors=True)
-    from llm_overopt_report import finish
+    from experiments.llm_overopt_report import finish
 
     return finish(res)
 

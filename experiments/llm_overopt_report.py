@@ -5,7 +5,7 @@
 seeds, and a verdict), ``samples.md`` (responses at the first and the last iteration of each setting) and
 ``llm_overopt.png`` (the gold and the proxy against sqrt(KL), as Gao et al. 2023 plot them, and the runs
 over iterations, with seed bands). The gold of every response is recomputed here from its text and the
-reference's log-probability (:func:`llm_overopt.gold_parts`).
+reference's log-probability (:func:`experiments.llm_overopt_gold.gold_parts`).
 
 Windows: *start* is iteration 0 (the rollout of the initial policy, the reference); *end* is the mean of
 the last ``max(3, N // 6)`` iterations; the controller is judged on the second half.
@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from llm_overopt import gold_parts
-from study import ci95
+
+from experiments.llm_overopt_gold import gold_parts
+from experiments.study import ci95
 
 
 def load(res: Path) -> tuple[dict, list[dict], list[dict]]:

@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(HERE.parent))
 
 REP_COEF = 1.0  # gold: minus this x the share of repeated words
 NLL_COEF = 0.5  # gold: minus this x (judge NLL per token - free), when positive
@@ -327,8 +327,7 @@ def train_proxy(
     """A head-only Bradley-Terry probe (:func:`klrl.rewards.train.train`) on ``n_pairs`` noisy pairs of
     ``pool``; held-out accuracy vs the noise-free gold on ``4 * len(held)`` pairs of ``held``, with a Wilson
     interval (pairs share samples, so the interval is optimistic)."""
-    from llm_overopt import pair_arrays
-
+    from experiments.llm_overopt import pair_arrays
     from klrl.analysis.overopt import wilson
     from klrl.rewards.train import TrainSettings, train
 
@@ -364,8 +363,7 @@ def train_proxy(
 
 def proxy_scores(task: Any, score: list[float], samples: list[dict[str, Any]]) -> np.ndarray:
     """The proxy ``score . h_last`` of each sample's response ids (the function it was trained with)."""
-    from llm_beta import pad_ids
-
+    from experiments.llm_beta import pad_ids
     from klrl.rewards.train import last_hidden
 
     if not samples:
@@ -401,7 +399,7 @@ def extend_bon(prep: dict[str, Any], preset: dict[str, Any], res: Path, k: int, 
     """The stored held-out pool extended to ``k`` draws per prompt (the stored draws kept byte for byte: the
     new ones continue :func:`pools`' keys, so a pool sampled at ``k`` at once holds the same responses),
     judged and scored by both stored proxies like the first; ``pool_heldout`` and ``bon.json`` rewritten."""
-    from llm_overopt import dump_gz, load_gz
+    from experiments.llm_overopt import dump_gz, load_gz
 
     task, held = prep["task"], load_gz(res / "pool_heldout.jsonl.gz", lines=True)
     have, chunk = max(s["draw"] for s in held) + 1, POOL_CHUNK
@@ -526,7 +524,7 @@ def grid_table(res: Path, timing: dict[str, Any], preset: dict[str, Any]) -> dic
     """Per fixed beta at the turn arm's lr, over every arm stored in ``res`` (``timing``: each arm's configs)
     with a held-out evaluation at ``grid_iterations``: per seed, the gold's gain, the judge NLL's ratio to the
     reference's and the exact KL there (nats/seq)."""
-    from llm_overopt import load_gz
+    from experiments.llm_overopt import load_gz
 
     step, out = preset["grid_iterations"], {}
     for name, t in timing.items():
@@ -645,7 +643,7 @@ def exact_kl(
 ) -> np.ndarray:
     """``sum_t KL(pi(.|x, y<t) || pi_ref(.|x, y<t))`` nats per response (``rows``: ``ids``, ``prompt_idx``
     into ``toks``/``masks``), over the full vocabulary, ``params`` the policy's merged parameters."""
-    from llm_beta import pad_ids
+    from experiments.llm_beta import pad_ids
 
     out = []
     for s in range(0, len(rows), chunk):
@@ -701,7 +699,7 @@ def eval_policy(
     """One response (temperature 1, the same key for every policy: common random numbers, so two policies
     that differ little draw nearly the same responses) to each held-out prompt under ``params``: the means
     of their gold parts, proxies and distinct-2, and their exact KL (mean and sd over responses)."""
-    from llm_overopt_report import distinct2
+    from experiments.llm_overopt_report import distinct2
 
     toks, masks = prompt_arrays(task, True)
     rows_of = [(i, 0) for i in range(min(preset["heldout"], len(toks)))]
@@ -798,7 +796,7 @@ def plan(preset: dict[str, Any], arm_members: dict[str, int]) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from llm_beta import default_gguf
+    from experiments.llm_beta import default_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -850,7 +848,7 @@ def preset_of(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def collect(results: list[Any], members: list[Any]) -> tuple[list[dict], list[dict]]:
-    from llm_overopt import read_jsonl
+    from experiments.llm_overopt import read_jsonl
 
     runs, samples = [], []
     for j, (cfg, r) in enumerate(zip(members, results, strict=True)):
@@ -894,8 +892,7 @@ def gold_summary(samples: list[dict[str, Any]]) -> dict[str, float]:
 
 def prepare(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[str, Any]:
     """Steps 1-5: the task, the judge, the pools, the gold, the proxies and best-of-n (stored in ``res``)."""
-    from llm_overopt import dump_gz
-
+    from experiments.llm_overopt import dump_gz
     from klrl.api import build_task
 
     base = base_config(ns, preset)
@@ -932,8 +929,7 @@ def prepare(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[s
 def reuse(ns: argparse.Namespace, preset: dict[str, Any], res: Path) -> dict[str, Any]:
     """Steps 1-5 as stored in ``res`` by an earlier run (the same pools, gold and proxies, so every arm of
     the study trains against the same proxy): the task and the judge are loaded, nothing is sampled."""
-    from llm_overopt import load_gz
-
+    from experiments.llm_overopt import load_gz
     from klrl.api import build_task
 
     study = json.loads((res / "study.json").read_text())
@@ -967,7 +963,7 @@ def train_arms(
     ns: argparse.Namespace, preset: dict[str, Any], prep: dict[str, Any], res: Path
 ) -> dict[str, Any]:
     """Steps 6-7: every arm's sweep against the strong proxy, then its held-out evaluations."""
-    from llm_overopt import dump_gz, with_proxy
+    from experiments.llm_overopt import dump_gz, with_proxy
 
     task = prep["task"]
     proxied = with_proxy(task, task.policy_params, prep["proxies"]["strong"]["score"])
@@ -1017,7 +1013,7 @@ def train_arms(
 def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
     if ns.replay:
-        from llm_turn_report import finish
+        from experiments.llm_turn_report import finish
 
         return finish(Path(ns.replay))
     preset = preset_of(ns)
@@ -1056,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in [k for k in timing if isinstance(timing[k], dict)]:
             study["timing"][name] = {**timing[name], "command": command, "sizes": preset, "invocation": this}
         (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
-        from llm_turn_report import finish
+        from experiments.llm_turn_report import finish
 
         return finish(res)
     timing.update(this)
@@ -1075,7 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing": timing,
     }
     (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
-    from llm_turn_report import finish
+    from experiments.llm_turn_report import finish
 
     return finish(res)
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if not __package__:  # run by path (python experiments/NAME.py): the repo root, for klrl uninstalled
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from klrl.analysis.aggregate import NOT_SETTING, setting_key  # noqa: E402
 from klrl.analysis.results import load_run, member_names, sweep_axes  # noqa: E402

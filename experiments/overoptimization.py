@@ -13,9 +13,14 @@ gives each beta's mean over seeds beside the per-seed rows.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
-from study import (
+
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.study import (  # noqa: E402
     SEEDS_NOTE,
     base_config,
     by_setting,
@@ -31,8 +36,7 @@ from study import (
     settings_markdown,
     write_table,
 )
-
-from klrl.analysis.plots import fit_gao
+from klrl.analysis.plots import fit_gao  # noqa: E402
 
 
 def gao(results) -> dict:

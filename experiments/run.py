@@ -1,9 +1,9 @@
 """Run klrl from the command line: ``python experiments/run.py [--section.field value ...]``.
 
-A thin wrapper of the ``klrl`` command (``klrl train | sweep | study | resume | report``, also
-``python -m klrl``): :func:`klrl.cli.legacy_main` translates these flags into a command (no flags or
-``--study`` -> ``klrl study``, ``--sweep`` -> ``klrl sweep``, ``--resume`` -> ``klrl resume``, ``--report``
--> ``klrl report``, configuration flags alone -> ``klrl train``) and runs it.
+``klrl study`` and its sibling commands (``klrl train | sweep | study | resume | report``, also
+``python -m klrl``): :func:`klrl.cli.legacy_main` parses these flags once, picks the command they ask
+for (no flags or ``--study`` -> ``klrl study``, ``--sweep`` -> ``klrl sweep``, ``--resume`` -> ``klrl
+resume``, ``--report`` -> ``klrl report``, configuration flags alone -> ``klrl train``) and runs it.
 
 With no configuration flags (or with ``--study`` plus overrides): the default experiment, a short beta study
 on the testbed, offline, on CPU: fixed beta in {0.01, 0.1, 1.0} and one proportional controller
@@ -33,10 +33,11 @@ a run or sweep directory, prints its path and exits (:func:`klrl.analysis.report
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if not __package__:  # run by path (python experiments/NAME.py): the repo root, for klrl uninstalled
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:

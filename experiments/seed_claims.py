@@ -18,10 +18,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from adaptive import rows as adaptive_rows
-from study import ci95, first, last, proxy_key, smooth
 
-from klrl.analysis.results import load_sweep
+if not __package__:  # run by path (python experiments/NAME.py): experiments.* from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.adaptive import rows as adaptive_rows  # noqa: E402
+from experiments.study import ci95, first, last, proxy_key, smooth  # noqa: E402
+from klrl.analysis.results import load_sweep  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import klrl  # noqa: E402
-from klrl.analysis.diagnosis import final_regime, timeline  # noqa: E402
-from klrl.cli.args import build_parser, config_from_args, fail  # noqa: E402
-from klrl.config import ConfigError  # noqa: E402
-from klrl.io.logging import new_run_dir  # noqa: E402
+import klrl
+from klrl.analysis.diagnosis import final_regime, timeline
+from klrl.cli.args import build_parser, config_from_args, fail
+from klrl.config import ConfigError
+from klrl.io.logging import new_run_dir
 
 
 def parser(description: str, iterations: int) -> argparse.ArgumentParser:

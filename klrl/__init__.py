@@ -2,42 +2,68 @@
 
 One iteration (rollout -> scoring -> KL shaping -> advantages -> PPO epochs x
 minibatches -> beta controller) is one jitted function ``step(state, env)``.
+
+The public names are imported on first use (PEP 562: :func:`__getattr__`), so that ``import klrl`` (and
+the command line's ``klrl --help``, :mod:`klrl.cli`) does not import jax; ``klrl.X`` is the object it
+always was (:data:`_NAMES`: where each one lives).
 """
 
 import importlib
-
-from klrl import tasks  # noqa: F401  (tasks: registers them)
-from klrl.algo import advantages, control, kl, losses, shaping
-from klrl.algo.control import Controller, ControllerState
-from klrl.analysis.report import write_report
-from klrl.analysis.results import RunResult, load_run, load_sweep
-from klrl.api import run, sweep
-from klrl.config import (
-    ConfigError,
-    ControllerConfig,
-    KLConfig,
-    ModelConfig,
-    OptimConfig,
-    PPOConfig,
-    RunConfig,
-    SamplingConfig,
-    TaskConfig,
-    TrainConfig,
-)
-from klrl.io.samples import samples  # the function (reads samples.jsonl back)
-from klrl.models.gpt import GPT
-from klrl.models.rollout import Rollout, generate
-from klrl.rewards.model import RewardModel, load_reward_model
-from klrl.step.train import Phases, Train, TrainState, make_train
+import importlib.util
 
 __version__ = "0.1.0"
 
+_CONFIGS = ("ConfigError", "ControllerConfig", "KLConfig", "ModelConfig", "OptimConfig", "PPOConfig",
+            "RunConfig", "SamplingConfig", "TaskConfig", "TrainConfig")  # fmt: skip
+# public name -> (module, attribute in it; None: the module itself)
+_NAMES = {
+    "advantages": ("klrl.algo.advantages", None),
+    "control": ("klrl.algo.control", None),
+    "kl": ("klrl.algo.kl", None),
+    "losses": ("klrl.algo.losses", None),
+    "shaping": ("klrl.algo.shaping", None),
+    "plots": ("klrl.analysis.plots", None),  # matplotlib: about a second at import
+    "tasks": ("klrl.tasks", None),
+    "Controller": ("klrl.algo.control", "Controller"),
+    "ControllerState": ("klrl.algo.control", "ControllerState"),
+    "write_report": ("klrl.analysis.report", "write_report"),
+    "RunResult": ("klrl.analysis.results", "RunResult"),
+    "load_run": ("klrl.analysis.results", "load_run"),
+    "load_sweep": ("klrl.analysis.results", "load_sweep"),
+    "run": ("klrl.api", "run"),
+    "sweep": ("klrl.api", "sweep"),
+    **{n: ("klrl.config", n) for n in _CONFIGS},
+    "samples": ("klrl.io.samples", "samples"),  # the function (reads samples.jsonl back)
+    "GPT": ("klrl.models.gpt", "GPT"),
+    "Rollout": ("klrl.models.rollout", "Rollout"),
+    "generate": ("klrl.models.rollout", "generate"),
+    "RewardModel": ("klrl.rewards.model", "RewardModel"),
+    "load_reward_model": ("klrl.rewards.model", "load_reward_model"),
+    "Phases": ("klrl.step.train", "Phases"),
+    "Train": ("klrl.step.train", "Train"),
+    "TrainState": ("klrl.step.train", "TrainState"),
+    "make_train": ("klrl.step.train", "make_train"),
+}
+
 
 def __getattr__(name: str):
-    """``klrl.analysis.plots`` is imported on first use: matplotlib costs about a second at import."""
-    if name == "plots":
-        return importlib.import_module("klrl.analysis.plots")
-    raise AttributeError(f"module 'klrl' has no attribute {name!r}")
+    """``klrl.NAME``: imported on first use, then kept in the module (the next lookup is a plain one).
+    A sub-module or package of klrl (``klrl.config``, ``klrl.api``) is imported as ``import klrl.NAME``
+    would, as importing the whole API once made them attributes."""
+    if name in _NAMES:
+        module, attr = _NAMES[name]
+        value = importlib.import_module(module)
+        value = value if attr is None else getattr(value, attr)
+    elif not name.startswith("_") and importlib.util.find_spec(f"klrl.{name}") is not None:
+        value = importlib.import_module(f"klrl.{name}")
+    else:
+        raise AttributeError(f"module 'klrl' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_NAMES})
 
 
 __all__ = [

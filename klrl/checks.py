@@ -15,12 +15,13 @@
 3. **The devices** (:func:`check_devices`, :func:`check_device_count`): the batch, minibatches and
    groups split over the data devices, and the devices asked for are there.
 
-:func:`klrl.api.run` and :func:`klrl.api.sweep` call :func:`check_config` at their entry and
-:func:`check_program` (2 and 3; the device split before the parts, whose reward is traced on one
-device's share of the batch) on the task they built; nothing below them checks again (``make_train``
-trusts its input). The command line (:mod:`klrl.cli`) calls the same functions
-earlier, on the shape of the built-in task (:func:`klrl.tasks.base.builtin_task_shape`), before
-anything is built. A failure is a :class:`ConfigError` naming the field or the part.
+:func:`klrl.api.run` and :func:`klrl.api.sweep` call :func:`preflight` at their entry (the model paths
+resolved, 1, and 2 on the shape of a built-in task, :func:`klrl.tasks.base.builtin_task_shape`, before
+anything is built) and :func:`check_program` (2 and 3; the device split before the parts, whose reward
+is traced on one device's share of the batch) on the task they built; nothing below them checks again
+(``make_train`` trusts its input). The command line (:mod:`klrl.cli`) runs :func:`preflight` itself
+(before it joins a distributed run; ``klrl ... --check`` runs it alone) and tells the API
+(``checked=True``). A failure is a :class:`ConfigError` naming the field or the part.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from klrl.config import ConfigError, RunConfig
 from klrl.config.relevance import check_relevance
 from klrl.config.sweep import check_members
 from klrl.models.base import CausalLM
+from klrl.models.catalog import MODEL_FIELDS, resolve_model_paths
 from klrl.models.gpt import GPT
 from klrl.models.rollout import Rollout
 from klrl.rewards.host import HostReward as TextReward
@@ -47,12 +49,15 @@ from klrl.step.parallel import mesh_from_config
 from klrl.step.parts import build_models
 from klrl.step.train import check_adapters
 from klrl.tasks.base import OWN_MODEL_TASKS, HostReward, JaxReward, Task, builtin_task_shape
+from klrl.tasks.text import check_model_paths
 
 __all__ = [
     "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
     "check_export", "check_lora_widths", "check_model_fields", "check_task", "check_text_reward",
-    "text_reward",
+    "preflight", "text_reward",
 ]  # fmt: skip
+MODES = ("run", "sweep")  # preflight's modes: one run, or a sweep's stacked members
+BUILTIN_TASKS = (*OWN_MODEL_TASKS, "text")  # the tasks whose shape is known unbuilt (builtin_task_shape)
 
 
 def _check(cond: bool, name: str, rule: str) -> None:
@@ -90,6 +95,49 @@ def check_config(
     check_lora_widths(members[0])
     if members[0].log.wandb and not _installed("wandb"):  # before anything compiles
         raise ConfigError("log.wandb: the wandb package is not installed (pip install 'klrl[wandb]')")
+
+
+def preflight(
+    members: list[RunConfig],
+    mode: str,
+    *,
+    write: bool = True,
+    resume: Any = None,
+    sweep_devices: int = 1,
+    task_given: bool = False,
+    log: Any = None,
+) -> list[RunConfig]:
+    """Every check of ``members`` (``mode``: ``"run"``, one member, or ``"sweep"``) that needs neither a
+    built task nor a device, once: a Hub name in a ``model.*`` path resolved to its snapshot in the local
+    Hugging Face cache (:func:`klrl.models.catalog.resolve_model_paths`; ``log(line)`` once per name
+    resolved), :func:`check_config`, then per member the checkpoint paths that must exist
+    (:func:`klrl.tasks.text.check_model_paths`), the ``model.*`` fields the run reads
+    (:func:`check_model_fields`) and a built-in task's vocabulary and lengths (:func:`check_task` on
+    :func:`klrl.tasks.base.builtin_task_shape`; the last two not for a task the caller brings,
+    ``task_given``). Returns the members resolved. :func:`klrl.api.run` and :func:`klrl.api.sweep` run
+    it at their entry; ``klrl ... --check`` runs it alone. A failure is a :class:`ConfigError`."""
+    if mode not in MODES:
+        raise ValueError(f"preflight: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    stacked = mode == "sweep"
+    resolved = [resolve_model_paths(m) for m in members]
+    lines = [
+        f"model.{f}: {getattr(old.model, f)} is {getattr(m.model, f)} (the local Hugging Face cache)"
+        for old, m in zip(members, resolved, strict=True)
+        for f in MODEL_FIELDS
+        if getattr(old.model, f) != getattr(m.model, f)
+    ]
+    for line in dict.fromkeys(lines) if log is not None else ():  # once each, whatever the members
+        log(line)
+    check_config(resolved, stacked=stacked, write=write, resume=resume, sweep_devices=sweep_devices,
+                 task_given=task_given)  # fmt: skip
+    if not task_given:
+        for m in resolved:
+            check_model_paths(m)  # a missing checkpoint before anything is built
+            check_model_fields(m, stacked=stacked)  # a model path the run would not read
+        for m in resolved:
+            if m.task.name in BUILTIN_TASKS:  # (a task registered elsewhere: checked once it is built)
+                check_task(m, builtin_task_shape(m))
+    return resolved
 
 
 def _installed(module: str) -> bool:

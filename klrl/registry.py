@@ -7,7 +7,12 @@ register themselves where they are written (``@CONTROLLERS.register("pi")`` in
 live here, in a leaf module that imports nothing of klrl, so the config (which validates names),
 the plots and the report can read them without importing the implementations (no import cycle).
 A registry knows its implementation module (``home``) and imports it on first lookup, so
-:meth:`Registry.names` is complete whoever asks first. These registries are the only lists of the
+:meth:`Registry.names` is complete whoever asks first. klrl's own entries are *declared* here, with
+their metadata (:data:`BUILTIN`): their names and metadata are read without importing the
+implementations (which import jax), so ``klrl train --help`` and a config's checks stay fast; the
+implementation registers under the declared name without metadata (``@CONTROLLERS.register("pi")``),
+and only an implementation (:meth:`Registry.get`) imports the home module. An entry registered outside
+klrl (a user's) brings its metadata to ``register`` as before. These registries are the only lists of the
 names: the config's help strings and checks, the metric aliases, the plots' labels and the tests
 read them (``names(where=...)`` filters by metadata, ``describe()`` lists them for a help string).
 """
@@ -22,10 +27,12 @@ from typing import Any
 class Registry:
     """``name -> (implementation, metadata)``, in registration order."""
 
-    def __init__(self, kind: str, home: str):
+    def __init__(self, kind: str, home: str, declared: tuple[tuple[str, dict[str, Any]], ...] = ()):
         self.kind = kind  # what the entries are, for messages: "controller", "KL estimator", ...
         self.home = home  # the module (or package) whose import registers the built-in entries
         self._items: dict[str, tuple[Any, dict[str, Any]]] = {}
+        # the built-in entries' names and metadata, known before ``home`` is imported (in its order)
+        self._declared: dict[str, dict[str, Any]] = {name: dict(meta) for name, meta in declared}
 
     def register(self, name: str, **meta: Any) -> Callable[[Any], Any]:
         """Decorator: register ``fn`` as ``name`` with ``meta``; returns ``fn`` unchanged."""
@@ -33,7 +40,9 @@ class Registry:
         def deco(fn: Any) -> Any:
             if name in self._items and self._items[name][0] is not fn:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
-            self._items[name] = (fn, dict(meta))
+            if name in self._declared and meta:
+                raise ValueError(f"{self.kind} {name!r}: its metadata is declared in klrl.registry (BUILTIN)")
+            self._items[name] = (fn, self._declared.get(name, dict(meta)))
             return fn
 
         return deco
@@ -45,11 +54,17 @@ class Registry:
     def _load(self) -> None:
         importlib.import_module(self.home)
 
+    def _metas(self) -> dict[str, dict[str, Any]]:
+        """``name -> metadata`` of every entry, the declared ones first (the home imported only when
+        nothing is declared: then only the implementations know the names)."""
+        if not self._declared:
+            self._load()
+        return {**self._declared, **{n: m for n, (_, m) in self._items.items()}}
+
     def names(self, where: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, ...]:
         """The names in registration order; with ``where``, those whose metadata it accepts
         (``ADVANTAGES.names(where=lambda m: m["grouped"])``)."""
-        self._load()
-        return tuple(n for n, (_, m) in self._items.items() if where is None or where(m))
+        return tuple(n for n, m in self._metas().items() if where is None or where(m))
 
     def describe(self, where: Callable[[dict[str, Any]], bool] | None = None) -> str:
         """``'a, b (its help), c'``: the names with their ``help`` metadata, for help strings."""
@@ -71,21 +86,59 @@ class Registry:
         return self.entry(name)[0]
 
     def meta(self, name: str) -> dict[str, Any]:
+        if name in self._declared and name not in self._items:  # (a registered entry's: its own)
+            return self._declared[name]
         return self.entry(name)[1]
 
     def entry(self, name: str) -> tuple[Any, dict[str, Any]]:
         self._load()
+        if name in self._declared and name not in self._items:  # (the home lost its implementation)
+            raise ValueError(
+                f"{self.kind} {name!r}: declared in klrl.registry, not registered by {self.home}"
+            )
         if name not in self._items:
             raise ValueError(f"unknown {self.kind} {name!r}; expected one of {', '.join(self._items)}")
         return self._items[name]
 
 
-CONTROLLERS = Registry("controller", "klrl.algo.control")
-ESTIMATORS = Registry("KL estimator", "klrl.algo.kl")
-ADVANTAGES = Registry("advantage estimator", "klrl.algo.advantages")
-TASKS = Registry("task", "klrl.tasks")
-FAMILIES = Registry("model family", "klrl.models")
-REWARDS = Registry("built-in reward", "klrl.rewards.text")
+# klrl's own entries: registry -> ((name, metadata), ...), in registration order (a controller's index in
+# that order is checkpointed: ControllerParams.kind). The implementations register these names bare.
+BUILTIN: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    # label: the gains the plots print; help: for --ctrl.kind; adaptive=False: never moves beta
+    "controller": (
+        ("fixed", {"adaptive": False}),
+        ("proportional", {"label": lambda c: f"horizon={c.horizon:g}", "help": "Ziegler 2019"}),
+        ("band", {"label": lambda c: f"band={c.band:g} x{c.factor:g}", "help": "PPO paper"}),
+        ("pi", {"label": lambda c: f"kp={c.kp:g} ki={c.ki:g}"}),
+        ("dual", {"label": lambda c: f"lr={c.lr:g}", "help": "Lagrangian"}),
+    ),
+    # inputs: what the estimator reads (logp or logits); chunked: its term on the chunked logits path
+    "KL estimator": (
+        *((n, {"inputs": "logp"}) for n in ("k1", "k2", "k3", "abs")),
+        ("full", {"inputs": "logits", "chunked": "kl"}),
+    ),
+    # critic: trains a value model; grouped: compares the responses to one prompt (ppo.group_size >= 2)
+    "advantage estimator": (
+        ("gae", {"critic": True, "grouped": False, "help": "value function"}),
+        ("grpo", {"critic": False, "grouped": True, "help": "group-normalised"}),
+        ("rloo", {"critic": False, "grouped": True, "help": "leave-one-out"}),
+    ),
+    "task": (
+        ("peer", {"help": "a PPO-shaped benchmark without language"}),
+        ("wordclass", {"help": "fraction of positive words"}),
+        ("testbed", {"help": "proxy reward model, exact gold"}),
+        ("text", {"help": "a pretrained model.path on the data section's prompts"}),
+    ),
+    # factory: a function of its parameters that returns the reward function
+    "built-in reward": (("positivity", {}), ("length", {"factory": True}), ("arithmetic", {})),
+}
+
+CONTROLLERS = Registry("controller", "klrl.algo.control", BUILTIN["controller"])
+ESTIMATORS = Registry("KL estimator", "klrl.algo.kl", BUILTIN["KL estimator"])
+ADVANTAGES = Registry("advantage estimator", "klrl.algo.advantages", BUILTIN["advantage estimator"])
+TASKS = Registry("task", "klrl.tasks", BUILTIN["task"])
+FAMILIES = Registry("model family", "klrl.models")  # (read once a model is: its metadata are loaders)
+REWARDS = Registry("built-in reward", "klrl.rewards.text", BUILTIN["built-in reward"])
 
 
 def is_adaptive(kind: str) -> bool:

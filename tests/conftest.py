@@ -91,6 +91,18 @@ def hf_import(name: str):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _public_names_bound():
+    """``klrl.run``, ``klrl.sweep``, ... bound before any test patches them, as importing klrl bound them
+    before it became lazy (PEP 562): a test that patches ``klrl.api.run`` and then ``klrl.run`` saves, and
+    later restores, the real function, not the patched one it would otherwise look up first."""
+    import klrl
+
+    for name in klrl.__all__:
+        if name != "plots":  # (matplotlib: imported by the tests that draw)
+            getattr(klrl, name)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def klrl_cache_env(tmp_path_factory):
     """Every cache lookup of the session (and of its subprocesses) lands in a temporary directory."""
     path = str(tmp_path_factory.mktemp("klrl-cache-env"))

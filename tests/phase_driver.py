@@ -37,7 +37,7 @@ def mark(name: str) -> None:
 
 
 def main() -> None:
-    import klrl.api as runner
+    import klrl.loop.build as runner
     import klrl.step.train as train_mod
     from klrl.io import checkpoint as ckpt
     from klrl.io import logging as io_logging

@@ -85,8 +85,9 @@ def sweep_check(cfg, task) -> dict:
     its group; member 0 is the run of ``gpt:1,1,1``."""
     import jax
 
-    from klrl.api import build_program, sweep
+    from klrl.api import sweep
     from klrl.config.sweep import grid
+    from klrl.loop.build import make_program
 
     base = cfg.replace(train={"devices": 0, "mesh": "1,2,2"})
     members = grid(base, {"train.seed": [cfg.train.seed, cfg.train.seed + 1]})
@@ -95,7 +96,7 @@ def sweep_check(cfg, task) -> dict:
     for i in range(3):
         for k, v in runs[0].metrics.items():
             out[f"sweep/metric/{i}/{k}"] = np.asarray(v[i])
-    prog, _ = build_program(members, task, stacked=True, write=False, sweep_devices=2)
+    prog, _ = make_program(members, task, stacked=True, write=False, sweep_devices=2)
     state = prog.init()
     kernel = state.params["policy"]["h0"]["qkv"]["kernel"]
     mesh = kernel.sharding.mesh

@@ -86,7 +86,7 @@ def test_one_make_train_per_program_and_each_members_own_init(tiny_cfg, tiny_tas
     its own ``make_train(member).init(seed)`` gives (with its learning rate set), as before the merge."""
     import jax
 
-    import klrl.api
+    import klrl.loop.build
     from klrl.distributed import to_host
     from klrl.step.parts import set_learning_rate
     from klrl.step.train import make_train
@@ -97,14 +97,14 @@ def test_one_make_train_per_program_and_each_members_own_init(tiny_cfg, tiny_tas
         calls.append(a[0])
         return make_train(*a, **k)
 
-    monkeypatch.setattr(klrl.api, "make_train", counting)
+    monkeypatch.setattr(klrl.loop.build, "make_train", counting)
     base = tiny_cfg
     members = [
         base,
         base.replace(kl={"beta": 0.3}, train={"seed": 5}, optim={"lr": 3e-4}),
         base.replace(ctrl={"kind": "proportional", "target": 2.0, "horizon": 50.0}, kl={"beta": 0.02}),
     ]
-    prog, _ = klrl.api.build_program(members, tiny_task, stacked=True, write=False)
+    prog, _ = klrl.loop.build.make_program(members, tiny_task, stacked=True, write=False)
     assert len(calls) == 1 and prog.stacked and prog.configs == members
     stacked = to_host(prog.init())
     for i, m in enumerate(members):
@@ -118,7 +118,7 @@ def test_one_make_train_per_program_and_each_members_own_init(tiny_cfg, tiny_tas
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert a.dtype == np.asarray(b).dtype and np.array_equal(a, np.asarray(b)), m
     calls.clear()
-    prog, _ = klrl.api.build_program([base], tiny_task, stacked=False, write=False)
+    prog, _ = klrl.loop.build.make_program([base], tiny_task, stacked=False, write=False)
     assert len(calls) == 1 and not prog.stacked and prog.shardings is not None
 
 
@@ -267,7 +267,7 @@ def test_a_model_path_the_task_does_not_train_is_refused_before_anything_is_buil
     """``model.path`` on a task that trains klrl's own GPT used to train, then crash in ``save_policy``
     after the last iteration, leaving a partial ``policy/``: refused at the entry (a built-in task, before
     it is built) or once the task is built (a task given to klrl.run), before anything compiles."""
-    import klrl.api
+    import klrl.loop.build
     from klrl.config import ConfigError
 
     def reached(*a, **k):
@@ -275,8 +275,8 @@ def test_a_model_path_the_task_does_not_train_is_refused_before_anything_is_buil
 
     gguf = str(ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf")
     cfg = tiny_cfg.replace(model={"path": gguf}, train={"out_dir": str(tmp_path), "name": "r"})
-    monkeypatch.setattr(klrl.api, "make_train", reached)
-    monkeypatch.setattr(klrl.api, "build_task", reached)
+    monkeypatch.setattr(klrl.loop.build, "make_train", reached)
+    monkeypatch.setattr(klrl.loop.build, "build_task", reached)
     for name in ("testbed", "wordclass"):
         with pytest.raises(ConfigError, match=rf"^model\.path: task {name} does not read it"):
             klrl.run(cfg.replace(task={"name": name}))
@@ -288,7 +288,7 @@ def test_a_model_path_the_task_does_not_train_is_refused_before_anything_is_buil
 def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path, monkeypatch):
     """``klrl.run`` resolves a Hub name as the CLI does: the run is built from the cached snapshot (the
     config ``build_task`` sees names it); one not cached is one line saying where klrl looked."""
-    import klrl.api
+    import klrl.loop.build
     from klrl.config import ConfigError
 
     cache = tmp_path / "hub"
@@ -304,7 +304,7 @@ def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path,
         seen.append(cfg.model.path)
         raise RuntimeError("built")
 
-    monkeypatch.setattr(klrl.api, "build_task", stop)
+    monkeypatch.setattr(klrl.loop.build, "build_task", stop)
     # klrl's defaults (tiny_cfg sizes klrl's own GPT: model.n_layers has no effect on a text task)
     cfg = klrl.RunConfig().replace(task={"name": "text"}, train={"out_dir": str(tmp_path / "runs")})
     with pytest.raises(ConfigError, match=r"^model\.path: Org/Missing: .*not in the local Hugging Face"):

@@ -471,3 +471,128 @@ def test_help_per_command_and_the_gpt_fields_apart() -> None:
     # hidden flags still parse (a report's own message names them; a resume checks them against the run)
     ns = _command_parser("report").parse_args(["RUN", "--kl.beta", "1"])
     assert getattr(ns, "kl.beta") == "1"
+
+
+# ---- the front door: --help without jax, --check, one parse of experiments/run.py's flags ---------------
+_NO_JAX = (
+    "import sys\n"
+    "from klrl.cli import main\n"
+    "try:\n"
+    "    main(sys.argv[1:])\n"
+    "except SystemExit as e:\n"
+    "    assert e.code in (0, None), e.code\n"
+    "heavy = sorted(m for m in ('jax', 'jaxlib', 'flax', 'optax', 'orbax') if m in sys.modules)\n"
+    "assert not heavy, heavy\n"
+)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["train", "--help"], ["sweep", "--help"], ["study", "--help"], ["resume", "--help"],
+     ["report", "--help"], ["models", "--help"], ["export", "--help"], ["generate", "--help"],
+     ["eval", "--help"], ["reward-model", "--help"]],
+)  # fmt: skip
+def test_help_does_not_import_jax(argv) -> None:
+    """``klrl --help`` and the training commands' ``--help`` import neither jax nor the training stack
+    (a lazy ``klrl/__init__``, the command line's imports inside its functions, the registries' built-in
+    names declared in klrl.registry): they answer in a fraction of a second."""
+    p = subprocess.run([sys.executable, "-c", _NO_JAX, *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=TIMEOUT)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "usage" in p.stdout
+
+
+def test_the_help_names_the_distributed_timeout_default() -> None:
+    from klrl import distributed
+    from klrl.cli.commands import DISTRIBUTED_TIMEOUT_S
+
+    assert DISTRIBUTED_TIMEOUT_S == distributed.DEFAULT_TIMEOUT_S
+
+
+@pytest.mark.parametrize(
+    "argv,members",
+    [(["train"], 1), (["study"], 4), (["sweep", "kl.beta=0.1,1", "train.seed=0,1"], 4),
+     (["train", "--kl.beta", "0.3", "--ctrl.kind", "fixed"], 1)],
+)  # fmt: skip
+def test_check_runs_the_preflight_alone(argv, members, tmp_path, monkeypatch, capsys) -> None:
+    """``--check``: every check that needs no compiled code, then one line and exit 0; nothing is run,
+    built or written (no run directory, no task cache)."""
+    import klrl.cli.commands as C
+
+    def reached(*a, **k):
+        raise AssertionError("--check reached the run")
+
+    monkeypatch.setattr(C, "run_one", reached)
+    monkeypatch.setattr(C, "run_sweep", reached)
+    monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert C.main([*argv, "--check", "--train.out_dir", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip().splitlines()[-1] == f"check: ok ({members} member{'s' if members > 1 else ''})"
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv,want",
+    [(["train", "--sampling.top_k", "100000"], "error: sampling.top_k: must be <= the task's vocabulary"),
+     (["train", "--model.path", "/no/such/model"], "error: model.path: /no/such/model: no such file"),
+     (["train", "--model.reward_path", "/no/rm"], "error: model.reward_path: task testbed does not read"),
+     (["study", "--lora.rank", "10000"], "error: lora.rank"),
+     (["sweep", "kl.beta=0.1,1", "--sweep-devices", "4"], "error: sweep: 2 members do not split over 4")],
+)  # fmt: skip
+def test_check_fails_as_the_run_would(argv, want, tmp_path, monkeypatch, capsys) -> None:
+    """``--check`` refuses what the command would refuse, with its one line and exit status 2."""
+    import klrl.cli.commands as C
+
+    monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
+    line = one_line_error(capsys, C.main, [*argv, "--check", "--train.out_dir", str(tmp_path / "runs")])
+    assert line.startswith(want), line
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_the_script_parses_its_flags_once(monkeypatch, tmp_path, capsys) -> None:
+    """``python experiments/run.py`` is ``klrl study`` (and its siblings, by its flags) with one parser:
+    the command's own parser is never built, and ``--check`` answers as the command's does."""
+    import klrl.cli.commands as C
+    from klrl.cli import legacy_main
+
+    def second(*a, **k):
+        raise AssertionError("a second parser was built")
+
+    monkeypatch.setattr(C, "_command_parser", second)
+    monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # (train.out_dir: runs/ here)
+    capsys.readouterr()
+    assert legacy_main(["--check"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "check: ok (4 members)"  # the study
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+    out = ["--train.out_dir", str(tmp_path / "runs")]
+    assert legacy_main(["--check", "--kl.beta", "0.2", *out]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "check: ok (1 member)"  # a run
+    assert legacy_main(["--check", "--sweep", "kl.beta=0.1,1", *out]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "check: ok (2 members)"
+
+
+def test_the_preflight_runs_once(monkeypatch, tmp_path) -> None:
+    """The command line runs :func:`klrl.checks.preflight` once and tells the API (``checked=True``),
+    which then does not run it again."""
+    import klrl.api
+    import klrl.checks
+    import klrl.cli.commands as C
+
+    calls, seen = [], {}
+    real = klrl.checks.preflight
+
+    def counting(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+
+    def fake_run(cfg, **k):
+        seen.update(k)
+        raise KeyboardInterrupt  # (launch.guarded: "interrupted", exit 130)
+
+    monkeypatch.setattr(klrl.checks, "preflight", counting)
+    monkeypatch.setattr(klrl.api, "run", fake_run)
+    monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))
+    assert C.main(["train", "--train.out_dir", str(tmp_path / "runs")]) == 130
+    assert calls == ["run"] and seen["checked"] is True

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +33,7 @@ def _positivity_subset(text: str) -> float | None:
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
 def test_smallest_study_runs_and_records_each_members_samples(tmp_path):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import llm_beta
+    from experiments import llm_beta
 
     argv = [
         "--model.path", str(GGUF), "--data.limit", "8", "--data.prompt_len", "16",

@@ -8,17 +8,15 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from experiments import llm_overopt
+
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf"
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import llm_overopt  # noqa: E402
 
 
 def test_gold_by_hand():

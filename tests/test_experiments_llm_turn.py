@@ -4,18 +4,16 @@ brute force over subsets, and every preset's arms as valid sweeps."""
 from __future__ import annotations
 
 import math
-import sys
 from itertools import combinations
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from experiments import llm_turn
+
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf"
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import llm_turn  # noqa: E402
 
 
 def test_gold_by_hand():
@@ -131,7 +129,7 @@ def test_best_of_n_extended_holds_the_pool_sampled_at_once(tmp_path, monkeypatch
     assert llm_turn.main([*common, "--results", str(tmp_path / "ext")]) == 0
     assert json.loads((tmp_path / "ext" / "bon.json").read_text())["n"] == [1, 2, 4]
     assert llm_turn.main([*common, "--results", str(tmp_path / "ext"), "--reuse", "--bon-k", "8"]) == 0
-    from llm_overopt import load_gz
+    from experiments.llm_overopt import load_gz
 
     once, ext = (load_gz(tmp_path / d / "pool_heldout.jsonl.gz", lines=True) for d in ("once", "ext"))
     same = lambda v: v if isinstance(v, (str, list)) else pytest.approx(v, rel=1e-4, abs=1e-5)
@@ -162,7 +160,7 @@ def test_the_recipe_picks_from_the_grid_and_runs_with_the_judge_in_the_step(tmp_
     ok = {b: r for b, r in ch["grid"].items() if np.mean(r["judge_ratio"]) <= 1.1}
     best = max(ok, key=lambda b: np.mean(ok[b]["gold_gain"]))
     assert ch["beta"] == float(best) and ch["target"] == pytest.approx(np.mean(ok[best]["kl"]), abs=0.01)
-    from llm_overopt import load_gz
+    from experiments.llm_overopt import load_gz
 
     runs = load_gz(res / "recipe_metrics.json.gz")["runs"]
     assert len(runs) == 2 and all(r["kind"] == "pi" and r["beta0"] == ch["beta"] for r in runs)

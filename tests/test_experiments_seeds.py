@@ -7,21 +7,16 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from experiments import merge_seeds, study
 from klrl.analysis.results import load_sweep
 from klrl.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import merge_seeds  # noqa: E402
-import study  # noqa: E402
-
 T975_2 = 4.302652729911275  # t_{0.975, 2}, from a table
 
 
@@ -151,7 +146,7 @@ def test_small_beta_claims_median_range_and_flat_count_by_hand():
     """The beta = 0.001 claims over every run (issue 30): the gold peak iteration as median and range
     (a mean +- t-interval over 17, 18, 35, 122 would hide their shape), and per 100-iteration block
     the KL slope with the runs on which it is flat (|slope| < 5 nats/seq per 100 iterations)."""
-    import seed_claims
+    from experiments import seed_claims
 
     runs = [_Run(0, 0, 17, 0.0), _Run(5, 0, 122, 0.12), _Run(6, 0, 35, 0.02), _Run(0, 3, 18, -0.08)]
     q = seed_claims.small_beta_claims(runs)

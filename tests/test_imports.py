@@ -13,25 +13,30 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_readme import README, package_map  # the README's package map, as tests/test_readme.py reads it
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# package -> the packages (layers) its modules may import, besides its own: issue 29's table
+# package -> the packages (layers) its modules import, besides its own, in the README's package map
+# order: a layer imports only layers above it, and every allowance is used (an import that goes away
+# takes its allowance with it: test_every_allowance_is_used)
 _TABLE = {
-    "cli": "api loop analysis step tasks rewards models data algo io config registry distributed",
-    "api": "loop analysis step tasks rewards models data algo io config registry distributed",
-    "loop": "analysis step tasks rewards models data algo io config registry distributed",
-    "analysis": "io algo config registry",
-    "step": "tasks rewards models data algo io config registry distributed",
-    "tasks": "rewards models data algo io config registry",
-    "rewards": "models data algo io config registry",
-    "models": "data algo config registry",
-    "data": "config registry",
-    "algo": "config registry",
-    "io": "config registry distributed",
-    "config": "registry",
-    "distributed": "",
     "registry": "",
+    "config": "registry",
+    "data": "config",
+    "algo": "registry config",
+    "models": "registry config data",
+    "distributed": "",
+    "io": "config distributed",
+    "rewards": "registry config data models io",
+    "tasks": "registry config data algo models rewards",
+    "step": "registry config algo models distributed io rewards tasks",
+    "analysis": "registry config io",
+    "loop": "registry config algo models distributed io rewards tasks step analysis",
+    "api": "config algo models distributed io rewards tasks step analysis loop",
+    "cli": "config data algo models distributed io rewards tasks analysis loop api",
 }
+LAYERS = list(_TABLE)  # bottom first, as the README lists them
 ALLOWED: dict[str, set[str]] = {k: {k, *v.split()} for k, v in _TABLE.items()}
 # the modules at the root of klrl/ (klrl/NAME.py) and the layer each belongs to
 ROOT_LAYERS = {"api": "api", "checks": "api", "registry": "registry", "distributed": "distributed"}
@@ -40,7 +45,10 @@ EXEMPT = {"klrl", "klrl.__main__"}  # the package root (the public API) and ``py
 # imports inside a function: optional dependencies, imported where they are needed (first-level names)
 OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython", "wandb"}
 # the command line imports inside its functions, so that ``klrl --help`` does not import jax
+# (:func:`test_the_command_line_starts_without_jax`; tests/test_cli.py runs it)
 FAST_START = ("klrl/cli/",)
+# what ``klrl --help`` and ``klrl COMMAND --help`` must not import at module level, directly or not
+HEAVY = {"jax", "jaxlib", "flax", "optax", "orbax", "chex", "tensorboardX", "matplotlib", "safetensors"}
 # (file, imported module) -> why it is imported inside a function
 INNER_ALLOWED = {
     ("klrl/io/checkpoint.py", "orbax.checkpoint._src"): "a private orbax module, patched only where this "
@@ -81,8 +89,9 @@ def _statements(tree: ast.AST, type_checking: bool = False):
     yield from visit(tree, False)
 
 
-def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
-    """The klrl modules one import statement names (``from klrl.x import y``: y may be a module)."""
+def _targets(node: ast.Import | ast.ImportFrom, modules: set[str], top: str = "klrl") -> list[str]:
+    """The klrl modules (or ``top``'s) one import statement names (``from klrl.x import y``: y may be a
+    module)."""
 
     def resolve(name: str) -> str | None:
         while name and name not in modules:
@@ -90,8 +99,8 @@ def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
         return name or None
 
     if isinstance(node, ast.Import):
-        found = [resolve(a.name) for a in node.names if a.name.split(".")[0] == "klrl"]
-    elif node.module and node.level == 0 and node.module.split(".")[0] == "klrl":
+        found = [resolve(a.name) for a in node.names if a.name.split(".")[0] == top]
+    elif node.module and node.level == 0 and node.module.split(".")[0] == top:
         found = []
         for a in node.names:
             full = f"{node.module}.{a.name}"
@@ -163,26 +172,43 @@ def layer(module: str, packages: set[str]) -> str | None:
     return ROOT_LAYERS.get(parts[1])
 
 
-def layering_violations(root: Path = ROOT) -> list[str]:
-    """``file:line: import (from -> to)`` for every import of a klrl module outside :data:`ALLOWED`."""
+def layer_imports(root: Path = ROOT):
+    """``(file, line, target, from layer, to layer)`` for every import of a klrl module (``TYPE_CHECKING``
+    blocks included) in a module of a layer; a module of no layer as ``(file, None, None, None, None)``."""
     files = _sources(root)
     modules = set(files)
     packages = {m for m, f in files.items() if f.name == "__init__.py"}
-    out = []
     for here, f in files.items():
         if here in EXEMPT:
             continue
         rel = f.relative_to(root)
         src = layer(here, packages)
         if src not in ALLOWED:
-            out.append(f"{rel}: a module of no layer (add it to ROOT_LAYERS or move it into a package)")
+            yield rel, None, None, None, None
             continue
         for node, _ in _statements(ast.parse(f.read_text()), type_checking=True):
             for target in _targets(node, modules):
-                dst = layer(target, packages)
-                if dst not in ALLOWED[src]:
-                    out.append(f"{rel}:{node.lineno}: imports {target} ({src} -> {dst or 'no layer'})")
+                yield rel, node.lineno, target, src, layer(target, packages)
+
+
+def layering_violations(root: Path = ROOT) -> list[str]:
+    """``file:line: import (from -> to)`` for every import of a klrl module outside :data:`ALLOWED`."""
+    out = []
+    for rel, line, target, src, dst in layer_imports(root):
+        if src is None:
+            out.append(f"{rel}: a module of no layer (add it to ROOT_LAYERS or move it into a package)")
+        elif dst not in ALLOWED[src]:
+            out.append(f"{rel}:{line}: imports {target} ({src} -> {dst or 'no layer'})")
     return out
+
+
+def used_layers(root: Path = ROOT) -> dict[str, set[str]]:
+    """Layer -> the other layers its modules import (the table as the code has it)."""
+    used: dict[str, set[str]] = {k: set() for k in ALLOWED}
+    for _, _, _, src, dst in layer_imports(root):
+        if src is not None and dst is not None and dst != src:
+            used[src].add(dst)
+    return used
 
 
 def optional_modules(root: Path = ROOT) -> set[str]:
@@ -292,6 +318,45 @@ def test_only_the_command_line_attaches_a_report():
     assert "klrl.analysis.report" in plots and {layer(m, packages) for m in plots} == {"analysis"}, plots
 
 
+# --- experiments/ --------------------------------------------------------------------------------------
+
+
+def experiments_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
+    """experiments/ as a package: module -> the ``experiments.*`` modules it imports, and the problems:
+    an import of a sibling by its bare name (it needs experiments/ on ``sys.path``) or a ``sys.path``
+    edit outside the one guarded block of a script run by path (``if not __package__:``)."""
+    found = sorted((root / "experiments").glob("*.py"))
+    files = {f"experiments.{f.stem}".removesuffix(".__init__"): f for f in found}
+    modules, stems = set(files), {f.stem for f in files.values()}
+    edges, bad = {}, []
+    for m, f in files.items():
+        tree, rel = ast.parse(f.read_text()), f.relative_to(root)
+        nodes = [node for node, _ in _statements(tree, type_checking=True)]
+        edges[m] = {t for node in nodes for t in _targets(node, modules, "experiments")} - {m}
+        for node in nodes:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            bad += [f"{rel}:{node.lineno}: import {n}" for n in names if n.split(".")[0] in stems]
+        guarded = {
+            id(c)
+            for g in ast.walk(tree)
+            if isinstance(g, ast.If) and ast.unparse(g.test) == "not __package__"
+            for c in ast.walk(g)
+        }
+        for c in ast.walk(tree):
+            if isinstance(c, ast.Attribute) and ast.unparse(c) == "sys.path" and id(c) not in guarded:
+                bad.append(f"{rel}:{c.lineno}: sys.path")
+    return edges, bad
+
+
+def test_experiments_is_a_package_without_cycles_or_path_edits():
+    assert (ROOT / "experiments" / "__init__.py").is_file()
+    edges, bad = experiments_graph()
+    assert ("experiments.study" in edges["experiments.adaptive"]) and edges["experiments.llm_turn"]
+    assert not bad, "\n".join(bad)
+    cycle = find_cycle(edges)
+    assert cycle is None, " -> ".join(cycle)
+
+
 # --- the test's own logic on a fake tree -------------------------------------------------------------
 
 
@@ -352,10 +417,31 @@ def test_layering_on_a_fake_tree(tmp_path):
 
 
 def test_the_table_points_downward():
-    """The table is itself acyclic (a layer's allowed layers never allow it back) and names only layers."""
+    """The table is itself acyclic (a layer imports only layers listed above it) and names only layers."""
+    for i, k in enumerate(LAYERS):
+        assert ALLOWED[k] - {k} <= set(LAYERS[:i]), (k, sorted(ALLOWED[k] - set(LAYERS[:i]) - {k}))
     assert find_cycle({k: v - {k} for k, v in ALLOWED.items()}) is None
     assert all(v <= set(ALLOWED) and k in v for k, v in ALLOWED.items())
     assert set(ROOT_LAYERS.values()) <= set(ALLOWED)
+
+
+def test_every_allowance_is_used():
+    """An allowance no import uses is stale (it would let a new upward import pass unseen): drop it."""
+    used = used_layers()
+    unused = {k: sorted(v - {k} - used[k]) for k, v in ALLOWED.items() if v - {k} - used[k]}
+    assert not unused, f"allowed, imported by no module: {unused}"
+
+
+def test_the_readme_lists_the_layers_in_the_table_order():
+    """The README's package map is the import order: its entries' layers, bottom first, are the table's
+    (root modules of one layer side by side: ``klrl/checks.py`` and ``klrl/api.py``)."""
+
+    def entry_layer(entry: str) -> str:
+        name = entry.removeprefix("klrl/").rstrip("/")
+        return ROOT_LAYERS[name.removesuffix(".py")] if name.endswith(".py") else name
+
+    order = [entry_layer(e) for e in package_map(README.read_text())]
+    assert [x for i, x in enumerate(order) if i == 0 or x != order[i - 1]] == LAYERS, order
 
 
 def test_inner_imports_on_a_fake_tree(tmp_path):
@@ -395,3 +481,41 @@ def test_the_allow_list_names_imports_that_exist():
                 inner |= {(f.relative_to(ROOT).as_posix(), a.name) for a in node.names}
     assert set(INNER_ALLOWED) <= inner, set(INNER_ALLOWED) - inner
     assert all(len(why) > 20 for why in INNER_ALLOWED.values())
+
+
+def top_level_edges(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the klrl modules it imports at module level (``TYPE_CHECKING`` left out), with the
+    packages they are in (importing ``klrl.a.b`` runs ``klrl/a/__init__.py``), the root ``klrl`` too."""
+    files = _sources(root)
+    modules = set(files)
+    out = {}
+    for m, f in files.items():
+        deps = {t for node, inner in _statements(ast.parse(f.read_text())) if not inner
+                for t in _targets(node, modules)}  # fmt: skip
+        for t in list(deps):
+            parts = t.split(".")
+            deps |= {".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in modules}
+        out[m] = deps - {m}
+    return out
+
+
+def heavy_at_top(modules: set[str], root: Path = ROOT) -> list[str]:
+    """``module: name`` for every :data:`HEAVY` import at the top of ``modules``."""
+    files, out = _sources(root), []
+    for m in sorted(modules):
+        for node, inner in _statements(ast.parse(files[m].read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            out += [f"{m}: {n}" for n in names if not inner and n.split(".")[0] in HEAVY]
+    return out
+
+
+def test_the_command_line_starts_without_jax():
+    """FAST_START's promise: ``from klrl.cli import main`` (the ``klrl`` script) reaches, at module level,
+    only modules that import nothing of :data:`HEAVY` at their top: the package root is lazy (PEP 562),
+    the command line imports the training stack inside its functions, and what the parsers read (the
+    config, the registries' declared names, the run-directory readers) is light."""
+    reached = closure(top_level_edges(), "klrl.cli") | {"klrl"}
+    assert {"klrl.cli.commands", "klrl.cli.args", "klrl.cli.legacy", "klrl.config"} <= reached, reached
+    assert not {"klrl.api", "klrl.checks", "klrl.cli.launch", "klrl.tasks", "klrl.algo.kl"} & reached, reached
+    bad = heavy_at_top(reached)
+    assert not bad, "modules the command line imports at start-up import heavy packages:\n" + "\n".join(bad)

@@ -52,6 +52,8 @@ FREE_STRINGS = {
     "data.split",
     "data.eval_path",
     "reward.fn",  # (tested below: test_bad_reward_fn)
+    "train.hooks",  # module:function specs (tested in test_user_hooks: a bad spec is one line, exit 2)
+    "train.metric_fns",
     "reward.weights",
     "log.wandb_project",
     "log.wandb_name",
@@ -71,6 +73,7 @@ def nothing_is_built(monkeypatch, tmp_path):
     """Any case that reaches a task build, a compile or a run fails; caches and runs go to tmp."""
     import klrl
     import klrl.api
+    import klrl.loop.build
     import klrl.step.train
 
     def reached(what):
@@ -79,8 +82,8 @@ def nothing_is_built(monkeypatch, tmp_path):
 
         return f
 
-    for obj, name in ((klrl.api, "build_task"), (klrl.api, "run"), (klrl, "run"),
-                      (klrl.step.train, "make_train"), (klrl.api, "build_program"), (klrl.api, "sweep"),
+    for obj, name in ((klrl.loop.build, "build_task"), (klrl.api, "run"), (klrl, "run"),
+                      (klrl.step.train, "make_train"), (klrl.api, "make_program"), (klrl.api, "sweep"),
                       (klrl, "sweep")):  # fmt: skip
         monkeypatch.setattr(obj, name, reached(f"{obj.__name__}.{name}"))
     monkeypatch.setenv("KLRL_CACHE", str(tmp_path / "cache"))

@@ -26,7 +26,7 @@ def _sigterm_after(monkeypatch, n_calls: int) -> None:
     """The sweep's step sends SIGTERM to this process on its ``n_calls``-th call."""
     import klrl.api as S
 
-    real = S.build_program
+    real = S.make_program
 
     def patched(*a, **kw):
         prog, task = real(*a, **kw)
@@ -41,7 +41,7 @@ def _sigterm_after(monkeypatch, n_calls: int) -> None:
         prog.step = counting
         return prog, task
 
-    monkeypatch.setattr(S, "build_program", patched)
+    monkeypatch.setattr(S, "make_program", patched)
 
 
 def test_sweep_sigterm_then_resume_is_bit_identical(tiny_task, cache_dir, jax_cache, tmp_path, monkeypatch):

@@ -169,11 +169,11 @@ def test_first_iteration_policy_equals_the_reference(lora_train):
 
 
 def test_sweep_members_share_one_base(tiny_cfg, tiny_task):
-    import klrl.api
+    import klrl.loop.build
 
     base = tiny_cfg.replace(lora={"rank": 4}, train={"iterations": 1})
     members = [base.replace(kl={"beta": b}) for b in (0.01, 0.1, 1.0)]
-    prog, _ = klrl.api.build_program(members, tiny_task, stacked=True, write=False)
+    prog, _ = klrl.loop.build.make_program(members, tiny_task, stacked=True, write=False)
     state = prog.init()
     ref_shapes = [x.shape for x in jax.tree.leaves(state.ref_params)]
     assert ref_shapes == [x.shape for x in jax.tree.leaves(tiny_task.policy_params)]  # no members' axis

@@ -352,7 +352,7 @@ def test_a_reward_adapter_round_trips_and_scores_as_transformers(name, tmp_path)
 
 
 def test_adapter_line_says_what_was_loaded():
-    """The log line of ``model.adapter`` (klrl.api.build_program prints it): path, r, lora_alpha, the
+    """The log line of ``model.adapter`` (klrl.loop.build.make_program prints it): path, r, lora_alpha, the
     target modules and the number of tensors (the golden: 2 layers x 7 modules x A and B = 28)."""
     from klrl.models.peft import adapter_line
 

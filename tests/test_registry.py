@@ -151,3 +151,41 @@ def test_chex_shape_checks_at_the_public_maths():
     chex.assert_shape(kl.estimate("k3", x, x, x), (2, 3))  # right shapes pass
     np.testing.assert_array_equal(np.asarray(shaping.shaped_rewards(jnp.ones(2), x, x + 1, 0.1, "reward")),
                                   [[0, 0, 1], [0, 0, 1]])  # fmt: skip
+
+
+def test_the_declared_built_ins_are_the_ones_their_homes_register():
+    """klrl's own entries are declared in klrl.registry (names and metadata, read without importing the
+    implementations); each is registered, bare, by its home module, in the declared order."""
+    from klrl.registry import BUILTIN
+
+    for reg in (CONTROLLERS, ESTIMATORS, ADVANTAGES, TASKS, REWARDS):
+        declared = tuple(name for name, _ in BUILTIN[reg.kind])
+        assert reg.names()[: len(declared)] == declared
+        for name, meta in BUILTIN[reg.kind]:
+            fn, got = reg.entry(name)
+            assert got == meta and fn.__module__.startswith(reg.home), (reg.kind, name, fn.__module__)
+    r = Registry("widget", "klrl.registry", (("a", {"x": 1}),))
+    assert r.names() == ("a",) and r.meta("a") == {"x": 1}
+    with pytest.raises(ValueError, match="declared in klrl.registry, not registered"):
+        r.get("a")
+    with pytest.raises(ValueError, match="its metadata is declared in klrl.registry"):
+        r.register("a", x=2)(len)
+    r.register("a")(len)
+    assert r.entry("a") == (len, {"x": 1})
+
+
+def test_names_and_metadata_are_read_without_importing_the_implementations():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from klrl.registry import ADVANTAGES, CONTROLLERS, ESTIMATORS, REWARDS, TASKS, is_adaptive\n"
+        "from klrl.config import RunConfig\n"
+        "RunConfig()\n"
+        "names = [r.describe() for r in (ADVANTAGES, CONTROLLERS, ESTIMATORS, REWARDS, TASKS)]\n"
+        "assert not is_adaptive('fixed') and 'testbed' in TASKS, names\n"
+        "homes = ('klrl.algo.control', 'klrl.algo.kl', 'klrl.algo.advantages', 'klrl.tasks', 'jax')\n"
+        "assert not [m for m in homes if m in sys.modules], [m for m in homes if m in sys.modules]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

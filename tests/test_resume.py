@@ -72,7 +72,7 @@ class _Killed(BaseException):
 def _killed_at_the_first_step(monkeypatch) -> None:
     import klrl.api as api
 
-    real = api.build_program
+    real = api.make_program
 
     def patched(*a, **kw):
         prog, task = real(*a, **kw)
@@ -83,7 +83,7 @@ def _killed_at_the_first_step(monkeypatch) -> None:
         prog.step = step
         return prog, task
 
-    monkeypatch.setattr(api, "build_program", patched)
+    monkeypatch.setattr(api, "make_program", patched)
 
 
 # ---- item 5: a sweep killed before its first checkpoint ---------------------------------------------

@@ -216,12 +216,12 @@ FIRST_CALL_MESSAGES = {
 @pytest.fixture
 def nothing_compiles(monkeypatch):
     """``make_train`` (the compile's entry) fails the test if a run reaches it."""
-    import klrl.api
+    import klrl.loop.build
 
     def reached(*a, **k):
         raise AssertionError("make_train was reached: the reward function was not checked before compiling")
 
-    monkeypatch.setattr(klrl.api, "make_train", reached)
+    monkeypatch.setattr(klrl.loop.build, "make_train", reached)
 
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
@@ -261,9 +261,9 @@ def test_a_resume_checks_the_function_before_compiling(capsys, tmp_path, monkeyp
     run = tmp_path / "r"
     before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
     f.write_text(FIRST_CALL.replace("def ok(", "def ok_(").replace("def conversational(", "def ok("))
-    import klrl.api
+    import klrl.loop.build
 
-    monkeypatch.setattr(klrl.api, "make_train", lambda *a, **k: pytest.fail("make_train was reached"))
+    monkeypatch.setattr(klrl.loop.build, "make_train", lambda *a, **k: pytest.fail("make_train was reached"))
     line = _fails(capsys, ["--resume", str(run), "--train.iterations", "2"])
     assert f"reward function {f}:ok: raised TypeError: string indices must be integers" in line, line
     assert "completions are plain strings" in line

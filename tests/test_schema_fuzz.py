@@ -88,6 +88,7 @@ def nothing_is_built(monkeypatch, tmp_path):
     import klrl
     import klrl.api
     import klrl.cli.launch
+    import klrl.loop.build
     import klrl.step.train
 
     def reached(what):
@@ -96,8 +97,8 @@ def nothing_is_built(monkeypatch, tmp_path):
 
         return f
 
-    for obj, name in ((klrl.api, "build_task"), (klrl.api, "run"), (klrl, "run"), (klrl.api, "sweep"),
-                      (klrl.step.train, "make_train"), (klrl.api, "build_program"),
+    for obj, name in ((klrl.loop.build, "build_task"), (klrl.api, "run"), (klrl, "run"), (klrl.api, "sweep"),
+                      (klrl.step.train, "make_train"), (klrl.api, "make_program"),
                       (klrl.cli.launch, "run_one"), (klrl.cli.launch, "run_sweep")):  # fmt: skip
         monkeypatch.setattr(obj, name, reached(f"{obj.__name__}.{name}"))
     import klrl.cli.commands

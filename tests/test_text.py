@@ -154,10 +154,11 @@ def test_text_task_counts_templated_and_truncated_prompts_in_a_log_line_not_a_wa
 
 
 def test_the_run_logs_the_prompt_note_once_its_checks_have_passed(capsys, tmp_path, monkeypatch):
-    """The note of the prompts cut to the budget is logged by build_program after check_program and
+    """The note of the prompts cut to the budget is logged by make_program after check_program and
     make_train's adapter checks (not with train.quiet), so a user error found by the checks stays the
     one line on stderr."""
     import klrl.api
+    import klrl.loop.build
     from klrl.config import ConfigError
     from klrl.data.prompts import FILES
 
@@ -167,7 +168,7 @@ def test_the_run_logs_the_prompt_note_once_its_checks_have_passed(capsys, tmp_pa
     def stop(*a, **k):
         raise Built
 
-    monkeypatch.setattr(klrl.api, "Program", stop)  # what follows the notes: not needed here
+    monkeypatch.setattr(klrl.loop.build, "Program", stop)  # what follows the notes: not needed here
     cfg = RunConfig.from_dict(
         {"model": {"path": str(GGUF)}, "task": {"name": "text"}, "data": {"prompt_len": 16, "limit": 4}}
     )
@@ -179,10 +180,12 @@ def test_the_run_logs_the_prompt_note_once_its_checks_have_passed(capsys, tmp_pa
     for quiet, want in ((False, [note]), (True, [])):
         lines = []
         with pytest.raises(Built):
-            klrl.api.build_program([cfg.replace(train={"quiet": quiet})], stacked=False, log=lines.append)
+            klrl.loop.build.make_program(
+                [cfg.replace(train={"quiet": quiet})], stacked=False, log=lines.append
+            )
         assert [x for x in lines if x.startswith("prompts ")] == want
     with pytest.raises(Built):  # no log given: stderr
-        klrl.api.build_program([cfg], stacked=False)
+        klrl.loop.build.make_program([cfg], stacked=False)
     assert note in capsys.readouterr().err
 
     def bad(*a, **k):

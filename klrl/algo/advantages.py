@@ -128,7 +128,7 @@ def whiten_rewards(rewards: Array, mask: Array, axis_name: str | None = None) ->
 # ---- the registry: one signature for the trainer --------------------------------------------------
 
 
-@ADVANTAGES.register("gae", critic=True, grouped=False, help="value function")
+@ADVANTAGES.register("gae")
 def gae_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     """:func:`gae` of the shaped per-token rewards with ``ppo.gamma``, ``ppo.lam``; with
     ``ppo.whiten_rewards`` the rewards first pass through :func:`whiten_rewards` (TRL's order)."""
@@ -138,14 +138,14 @@ def gae_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     return gae(rewards, x.values, x.mask, cfg.gamma, cfg.lam)
 
 
-@ADVANTAGES.register("grpo", critic=False, grouped=True, help="group-normalised")
+@ADVANTAGES.register("grpo")
 def grpo_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     """:func:`grpo` of the sequence returns, broadcast over the response; no returns (no critic)."""
     a = grpo(x.seq_returns, cfg.group_size, cfg.group_std)
     return a[:, None] * x.mask, jnp.zeros_like(x.mask)
 
 
-@ADVANTAGES.register("rloo", critic=False, grouped=True, help="leave-one-out")
+@ADVANTAGES.register("rloo")
 def rloo_estimator(x: AdvantageInputs, cfg: Any) -> tuple[Array, Array]:
     """:func:`rloo` of the sequence returns, broadcast over the response; no returns (no critic)."""
     a = rloo(x.seq_returns, cfg.group_size)

@@ -144,31 +144,32 @@ def dual_step(beta: Array, kl: Array, p: ControllerParams) -> Array:
 
 
 # The registry of controllers: each kind is one ``lax.switch`` branch
-# ``(beta, integral, kl, n, params) -> (beta, integral)``, registered here with a ``label`` (the gains
-# plots and reports print), a ``help`` (``ctrl.kind``'s help string) and ``adaptive=False`` for the
-# one kind that never moves beta; its index is its registration order (:func:`kinds`). A new kind is
-# one more decorated function (plus its test); its knobs are fields of ControllerConfig/Params.
-@CONTROLLERS.register("fixed", adaptive=False)
+# ``(beta, integral, kl, n, params) -> (beta, integral)``, registered here under a name declared in
+# klrl.registry (BUILTIN) with a ``label`` (the gains plots and reports print), a ``help`` (``ctrl.kind``'s
+# help string) and ``adaptive=False`` for the one kind that never moves beta; its index is its
+# registration order (:func:`kinds`). A new kind is one more decorated function (plus its test; a
+# built-in's name and metadata in klrl.registry); its knobs are fields of ControllerConfig/Params.
+@CONTROLLERS.register("fixed")
 def _b_fixed(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return beta, integral
 
 
-@CONTROLLERS.register("proportional", label=lambda c: f"horizon={c.horizon:g}", help="Ziegler 2019")
+@CONTROLLERS.register("proportional")
 def _b_prop(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return proportional_step(beta, kl, n, p), integral
 
 
-@CONTROLLERS.register("band", label=lambda c: f"band={c.band:g} x{c.factor:g}", help="PPO paper")
+@CONTROLLERS.register("band")
 def _b_band(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return band_step(beta, kl, p), integral
 
 
-@CONTROLLERS.register("pi", label=lambda c: f"kp={c.kp:g} ki={c.ki:g}")
+@CONTROLLERS.register("pi")
 def _b_pi(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return pi_step(beta, integral, kl, p)
 
 
-@CONTROLLERS.register("dual", label=lambda c: f"lr={c.lr:g}", help="Lagrangian")
+@CONTROLLERS.register("dual")
 def _b_dual(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return dual_step(beta, kl, p), integral
 

@@ -112,7 +112,7 @@ def log_ratio(logp: ArrayLike, ref_logp: ArrayLike, clamp: ArrayLike = 0.0) -> A
     return _clip(_f32(logp) - _f32(ref_logp), clamp)
 
 
-@ESTIMATORS.register("k1", inputs="logp")
+@ESTIMATORS.register("k1")
 def k1(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """k1 = lr = log(pi / pi_ref).
 
@@ -126,7 +126,7 @@ def k1(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     return _finish(_masked_log_ratio(logp, ref_logp, mask, clamp), mask, clamp)
 
 
-@ESTIMATORS.register("k2", inputs="logp")
+@ESTIMATORS.register("k2")
 def k2(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """k2 = 0.5 * lr^2.
 
@@ -140,7 +140,7 @@ def k2(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     return _finish(0.5 * jnp.square(lr), mask, clamp)
 
 
-@ESTIMATORS.register("k3", inputs="logp")
+@ESTIMATORS.register("k3")
 def k3(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """k3 = (rho - 1) - log rho, rho = pi_ref / pi = exp(-lr).
 
@@ -162,7 +162,7 @@ def k3(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     return _finish(jnp.expm1(-lr) + lr, mask, clamp)
 
 
-@ESTIMATORS.register("abs", inputs="logp")
+@ESTIMATORS.register("abs")
 def kl_abs(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """|lr| = |log(pi / pi_ref)|.
 
@@ -173,7 +173,7 @@ def kl_abs(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLi
     return _finish(jnp.abs(_masked_log_ratio(logp, ref_logp, mask, clamp)), mask, clamp)
 
 
-@ESTIMATORS.register("full", inputs="logits", chunked="kl")
+@ESTIMATORS.register("full")
 def full_kl(logits: ArrayLike, ref_logits: ArrayLike, mask: ArrayLike, clamp: ArrayLike = 0.0) -> Array:
     """Exact per-position KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)).
 

@@ -2,8 +2,10 @@
 ``python experiments/run.py`` translated into it (:func:`legacy_main`, :mod:`klrl.cli.legacy`).
 
 :mod:`klrl.cli.args` builds the parser and the config from the flags, :mod:`klrl.cli.launch` runs and
-prints, :mod:`klrl.cli.export` is ``klrl export``. The modules here import the rest of klrl inside
-their functions, when a command needs it (so that a parse error or ``--help`` does not wait for it)."""
+prints, :mod:`klrl.cli.export` is ``klrl export``. :mod:`~klrl.cli.commands`,
+:mod:`~klrl.cli.args` and :mod:`~klrl.cli.legacy` import the rest of klrl inside their functions, when a
+command needs it, and the other modules here are imported only by the command they serve, so that a
+parse error or ``klrl --help`` / ``klrl train --help`` does not import jax (tests/test_imports.py)."""
 
 from klrl.cli.commands import main
 from klrl.cli.legacy import legacy_main

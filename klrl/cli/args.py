@@ -28,7 +28,6 @@ from klrl.config import SECTIONS, ConfigError, RunConfig, aliases, field_names
 from klrl.config.fields import GPT_ONLY
 from klrl.config.schema import ALIASES, closest, short
 from klrl.io.readers import RunDirError, read_json, read_text, special_kind
-from klrl.tasks.pretrain import cache_root
 
 _FLOAT = re.compile(r"^-(\d|\.\d|inf|nan|infinity)", re.IGNORECASE)
 SWEEP_SYNTAX = "expected --sweep section.field=v1,v2 (e.g. --sweep kl.beta=0.01,0.1)"
@@ -314,6 +313,7 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
 def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
     """The directories a run writes: ``train.out_dir`` (a new run) and the task's cache (named by the
     field or the environment variable it came from)."""
+    from klrl.tasks.pretrain import cache_root
 
     if new_run:
         check_writable_dir(cfg.train.out_dir, "train.out_dir")

@@ -18,11 +18,13 @@ A Hub name in a ``model.*`` path (``--model.path HuggingFaceTB/SmolLM2-135M-Inst
 the local Hugging Face cache, offline (:func:`klrl.models.catalog.resolve_model_paths`); the run's
 ``config.json`` records the snapshot's path.
 
-``python experiments/run.py [flags]`` is this command with its flags translated
-(:mod:`klrl.cli.legacy`). Every check that needs no compiled code (the config, the paths a run writes,
-the task's vocabulary and lengths, the ``--distributed`` arguments, a damaged run directory) runs before
-anything is built, with :mod:`klrl.checks`' functions where the API has the same rule; a failure is one
-line on stderr and exit status 2. Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
+``python experiments/run.py [flags]`` is this command, chosen by its flags (:mod:`klrl.cli.legacy`).
+Every check that needs no compiled code (the config, the paths a run writes, the ``--distributed``
+arguments, a damaged run directory, then :func:`klrl.checks.preflight`: the model paths and fields, the
+task's vocabulary and lengths) runs before anything is built, once (the API is told: ``checked=True``);
+a failure is one line on stderr and exit status 2. ``--check`` (every command that trains) runs those
+checks alone: ``check: ok (N members)`` and exit 0, or the error and exit 2; nothing is built or written.
+Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
 """
 
@@ -30,14 +32,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from klrl.analysis.report import ReportError, maybe_write_report, write_report
 from klrl.analysis.results import load_sweep
-from klrl.checks import check_device_count, check_lora_widths, check_model_fields, check_task
 from klrl.cli.args import (
     SWEEP_SYNTAX,
     build_parser,
@@ -51,50 +52,50 @@ from klrl.cli.args import (
     overrides_of,
     parse,
 )
-from klrl.cli.export import main as export_main
-from klrl.cli.generate import eval_main, generate_main
-from klrl.cli.launch import check_reward_fns, run_one, run_sweep
-from klrl.cli.reward_model import main as reward_model_main
+from klrl.cli.flags import PARSERS
 from klrl.config import ConfigError, RunConfig, config_warnings
-from klrl.config.relevance import check_relevance
 from klrl.config.schema import closest
-from klrl.config.sweep import check_members, check_overrides, grid, parse_axis
-from klrl.distributed import DEFAULT_TIMEOUT_S, ENV_COORDINATOR, initialize, timeout_from_env
 from klrl.io.readers import RunDirError, read_run
-from klrl.io.resume import RESUME_MUTABLE
-from klrl.models.catalog import MODEL_FIELDS, find_models, resolve_model_paths
-from klrl.tasks.base import builtin_task_shape
-from klrl.tasks.pretrain import cache_root
-from klrl.tasks.text import check_model_paths
 
 __all__ = ["COMMANDS", "DESCRIPTION", "execute", "main"]
 
-COMMANDS = (
-    "train",
-    "sweep",
-    "study",
-    "resume",
-    "report",
-    "export",
-    "generate",
-    "eval",
-    "models",
-    "reward-model",
-)
+# the subcommands, one row each: name, one-line help, an example (from which the usage text is made)
+TABLE = (
+    ("train", "one training run:", "klrl train --kl.beta 0.1 --train.iterations 50"),
+    ("sweep", "a grid as one program:", "klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1"),
+    ("study", "the default beta study:", "klrl study --train.iterations 50"),
+    ("resume", "continue from a checkpoint:", "klrl resume runs/NAME --train.iterations 200"),
+    ("report", "write report.md for a run:", "klrl report runs/NAME"),
+    ("export", "a checkpoint's policy:", "klrl export runs/NAME OUT_DIR [--step N]"),
+    ("generate", "completions of a run or model:", "klrl generate runs/NAME --prompt 'Hi' [--n 4]"),
+    ("eval", "rewards, exact KL, judge NLL:", "klrl eval runs/NAME --prompts P.jsonl [--judge M]"),
+    ("models", "pretrained models it can see:", "klrl models   (their paths, for --model.path)"),
+    ("reward-model", "a Bradley-Terry reward model:",
+     "klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)"),
+)  # fmt: skip
+COMMANDS = tuple(name for name, _, _ in TABLE)
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
+# klrl.distributed.DEFAULT_TIMEOUT_S, for --distributed-timeout's help (klrl.distributed imports jax;
+# tests/test_cli.py holds the two equal)
+DISTRIBUTED_TIMEOUT_S = 120.0
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                 errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG}  # fmt: skip
 # the flags besides the config fields, and their defaults (a namespace lacking one gets it)
 FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep", []), ("sweep_devices", 1),
-                 ("study", False), ("quiet", False), ("distributed", False), ("coordinator", None),
-                 ("num_processes", None), ("process_id", None), ("distributed_timeout", None))  # fmt: skip
+                 ("study", False), ("quiet", False), ("check", False), ("distributed", False),
+                 ("coordinator", None), ("num_processes", None), ("process_id", None),
+                 ("distributed_timeout", None))  # fmt: skip
 
 
 # ---- flags -----------------------------------------------------------------------------------------
 def distributed_args(p: argparse.ArgumentParser) -> None:
-    """``--quiet`` and the ``--distributed`` flags (every command that trains)."""
+    """``--quiet``, ``--check`` and the ``--distributed`` flags (every command that trains)."""
     p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
+    p.add_argument("--check", action="store_true",
+                   help="run every check that needs no compiled code (klrl.checks.preflight), print one "
+                        "line and exit: 0 if they pass, 2 and the error otherwise; nothing is built or "
+                        "written")  # fmt: skip
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-process run (jax.distributed) before anything else; "
                         "auto-detected on Cloud TPU, Slurm, ...")  # fmt: skip
@@ -107,7 +108,7 @@ def distributed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-timeout", metavar="SECONDS", type=float, default=None,
                    help="--distributed: the longest wait for the coordinator and the other "
                         "processes, then one line and exit 2 "
-                        f"($KLRL_DISTRIBUTED_TIMEOUT; default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+                        f"($KLRL_DISTRIBUTED_TIMEOUT; default {DISTRIBUTED_TIMEOUT_S:g})")  # fmt: skip
 
 
 def sweep_args(p: argparse.ArgumentParser) -> None:
@@ -151,6 +152,7 @@ def _study_members(cfg: RunConfig, overridden: bool) -> list[RunConfig]:
 
 
 def _sweep_members(cfg: RunConfig, specs: list[str]) -> tuple[list[RunConfig], dict[str, Any]]:
+    from klrl.config.sweep import check_members, grid, parse_axis
 
     for spec in specs:
         if "=" not in spec:
@@ -210,6 +212,8 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
         if not ns.sweep:
             fail(f"sweep: no axis given; {SWEEP_SYNTAX}")
         members, axes = _sweep_members(cfg, ns.sweep)
+    from klrl.config.relevance import check_relevance
+
     if members is not None:  # a flag the study or the sweep sets per member, or no member reads: refused
         _check_overrides(ns, cfg, members, "the study" if mode == "study" else "--sweep")
     try:  # a field without effect (a resume: the flags given; its config.json is the run's own)
@@ -219,28 +223,11 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
     return cfg, members, axes
 
 
-def _resolve_models(cfg: RunConfig, members: list[RunConfig] | None) -> tuple[RunConfig, Any]:
-    """Hub names in the ``model.*`` paths -> their snapshots in the local Hugging Face cache (one line
-    each on stdout); a name that is not there: one line saying where klrl looked, exit 2."""
-    try:
-        new = resolve_model_paths(cfg)
-        new_members = None if members is None else [resolve_model_paths(m) for m in members]
-    except ConfigError as e:
-        fail(str(e))
-    lines = [
-        f"model.{f}: {getattr(old.model, f)} is {getattr(m.model, f)} (the local Hugging Face cache)"
-        for old, m in zip([cfg, *(members or [])], [new, *(new_members or [])], strict=True)
-        for f in MODEL_FIELDS
-        if getattr(old.model, f) != getattr(m.model, f)
-    ]
-    for line in dict.fromkeys(lines):  # once each, whatever the number of members
-        print(line)
-    return new, new_members
-
-
 def _check_overrides(ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig], by: str) -> None:
     """The flags (and ``--config`` fields) beside a study or sweep are used by its members
     (:func:`klrl.config.sweep.check_overrides`)."""
+    from klrl.config.sweep import check_overrides
+
     default = RunConfig().to_dict()
     changed = [f"{s}.{k}" for s, fs in cfg.to_dict().items() for k, v in fs.items() if v != default[s][k]]
     try:
@@ -267,33 +254,35 @@ def _check_distributed(ns: argparse.Namespace) -> bool:
     return bool(want)
 
 
-def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig]) -> None:
-    """The paths a run writes, the model files, the task's vocabulary and lengths (the built-in task's
-    shape, :func:`klrl.checks.check_task`), the reward functions; then the config's warnings."""
+def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None
+                  ) -> list[RunConfig]:  # fmt: skip
+    """The paths a run writes, then :func:`klrl.checks.preflight` (the only place the model paths, the
+    ``model.*`` fields and the built-in task's vocabulary and lengths are checked; a Hub name resolved is
+    one line on stdout), the reward functions; then the config's warnings. Returns the members resolved."""
+    from klrl.checks import preflight
+    from klrl.cli.launch import check_reward_fns
 
     check_paths(cfg, new_run=mode != "resume")
-    try:
-        for m in members:
-            check_model_paths(m)  # a missing checkpoint before anything is built
-            check_model_fields(m, stacked=mode in ("sweep", "study"))  # a model path the run would not read
-        check_lora_widths(cfg)  # a LoRA rank wider than klrl's GPT's layers, before anything is built
-    except ConfigError as e:
-        fail(str(e))
     if mode == "resume":
         check_run_dir_writable(ns.resume, "--resume")
     try:
-        for m in members:
-            check_task(m, builtin_task_shape(m))
+        members = preflight(members or [cfg], "run" if members is None else "sweep",
+                            sweep_devices=ns.sweep_devices, resume=ns.resume if mode == "resume" else None,
+                            log=print)  # fmt: skip
     except ConfigError as e:
         fail(str(e))
     check_reward_fns(cfg)
     for w in config_warnings(cfg):  # after every check: an error is the only line on stderr
         print(f"warning: {w}", file=sys.stderr)
+    return members
 
 
 def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunConfig) -> None:
     """``--distributed``: join the other processes (before anything touches a device); then a run's
     ``train.devices`` against the devices there are (:func:`klrl.checks.check_device_count`)."""
+    from klrl.checks import check_device_count
+    from klrl.distributed import ENV_COORDINATOR, initialize, timeout_from_env
+
     if distributed:
         try:
             timeout = ns.distributed_timeout or timeout_from_env()
@@ -318,6 +307,8 @@ def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunCo
 
 # ---- the executor ----------------------------------------------------------------------------------
 def _report(run_dir: str, ns: argparse.Namespace) -> int:
+    from klrl.analysis.report import ReportError, write_report
+
     check_report_alone(ns)
 
     if Path(run_dir).is_dir():
@@ -330,31 +321,58 @@ def _report(run_dir: str, ns: argparse.Namespace) -> int:
 
 
 def execute(mode: str, ns: argparse.Namespace) -> int:
-    """Run ``mode`` (one of :data:`COMMANDS`) with the parsed flags ``ns``."""
+    """Run ``mode`` (one of :data:`COMMANDS`) with the parsed flags ``ns`` (``--check``: the checks alone)."""
     # (``--config`` is checked where it is read: klrl.io.readers, a shell's ``<(...)`` allowed)
     check_special(ns.report if mode == "report" else ns.resume, "RUN_DIR")  # before anything opens it
     if mode == "report":
         return _report(ns.report, ns)
     cfg, members, axes = _configs(mode, ns)
     check_special_fields(members or [cfg])
-    cfg, members = _resolve_models(cfg, members)
     if ns.sweep_devices != 1 and mode != "sweep":
         fail("--sweep-devices: needs --sweep")
     if ns.sweep_devices < 1:
         fail(f"--sweep-devices: must be >= 1 (got {ns.sweep_devices})")
     distributed = _check_distributed(ns)
-    _check_inputs(mode, ns, cfg, members or [cfg])
+    checked = _check_inputs(mode, ns, cfg, members)
+    cfg, members = checked[0], None if members is None else checked
+    if ns.check:  # nothing joined, built, compiled or written
+        if not distributed and members is None:
+            _join(ns, False, True, cfg)
+        print(f"check: ok ({len(checked)} member{'s' if len(checked) != 1 else ''})")
+        return 0
     _join(ns, distributed, members is None, cfg)
+    return _launch(mode, ns, cfg, members, axes)
 
+
+def _launch(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None,
+            axes: Any) -> int:  # fmt: skip
+    """The run or sweep of checked configs (:mod:`klrl.cli.launch`), with a report at its end."""
+    from klrl.analysis.report import maybe_write_report
+
+    resume = ns.resume if mode == "resume" else None
     try:
         if members is not None:
-            resume = ns.resume if mode == "resume" else None
             return run_sweep(members, axes, ns.sweep_devices, resume, maybe_write_report)
-        return run_one(cfg, ns.resume if mode == "resume" else None, maybe_write_report)
+        return run_one(cfg, resume, maybe_write_report)
     except OSError as e:
         if e.errno in _USER_ERRNOS:
             fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
         raise
+
+
+def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
+    """:func:`klrl.cli.launch.run_one` (imported when a run starts: jax and the training stack)."""
+    from klrl.cli import launch
+
+    return launch.run_one(cfg, resume, report)
+
+
+def run_sweep(members: list[RunConfig], axes: Any, sweep_devices: int, resume: str | None,
+              report: Any = None) -> int:  # fmt: skip
+    """:func:`klrl.cli.launch.run_sweep` (imported when a sweep starts)."""
+    from klrl.cli import launch
+
+    return launch.run_sweep(members, axes, sweep_devices, resume, report)
 
 
 # ---- the entry point -------------------------------------------------------------------------------
@@ -371,6 +389,8 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
         return build_parser("klrl report: write report.md and its plots for a run or sweep directory",
                             extra=extra, prog=f"klrl {cmd}", shown=lambda name: False)  # fmt: skip
     if cmd == "resume":  # only what a resume may change (klrl.io.resume.check_resumable)
+        from klrl.io.readers import RESUME_MUTABLE
+
         shown = lambda name: name in RESUME_MUTABLE or name.startswith(("diag.", "log."))
         return build_parser(f"klrl resume: continue a run or sweep from its newest checkpoint, bit for bit. "
                             f"{DESCRIPTION}", extra=extra, prog=f"klrl {cmd}", shown=shown,
@@ -380,21 +400,14 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
 
 
 def _usage() -> str:
-    return (
-        "usage: klrl {train,sweep,study,resume,report,export,generate,eval,models,reward-model} [flags]  "
-        "(klrl COMMAND --help lists the flags)\n\n"
-        "  train    one training run:             klrl train --kl.beta 0.1 --train.iterations 50\n"
-        "  sweep    a grid as one program:        klrl sweep kl.beta=0.01,0.1,1 train.seed=0,1\n"
-        "  study    the default beta study:       klrl study --train.iterations 50\n"
-        "  resume   continue from a checkpoint:   klrl resume runs/NAME --train.iterations 200\n"
-        "  report   write report.md for a run:    klrl report runs/NAME\n"
-        "  export   a checkpoint's policy:        klrl export runs/NAME OUT_DIR [--step N]\n"
-        "  generate completions of a run or model: klrl generate runs/NAME --prompt 'Hi' [--n 4]\n"
-        "  eval     rewards, exact KL, judge NLL: klrl eval runs/NAME --prompts P.jsonl [--judge M]\n"
-        "  models   pretrained models it can see: klrl models   (their paths, for --model.path)\n"
-        "  reward-model  a Bradley-Terry reward model:\n"
-        "           klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)\n"
-    )
+    """The top-level usage text, made from :data:`TABLE`."""
+    lines = [f"usage: klrl {{{','.join(COMMANDS)}}} [flags]  (klrl COMMAND --help lists the flags)", ""]
+    for name, text, example in TABLE:
+        if len(name) > 8:  # a long name: the example on its own line
+            lines += [f"  {name}  {text}", f"{'':11}{example}"]
+        else:
+            lines.append(f"  {name:<8} {text:<29} {example}")
+    return "\n".join(lines) + "\n"
 
 
 def models_main(argv: list[str]) -> int:
@@ -406,6 +419,9 @@ def models_main(argv: list[str]) -> int:
     if argv and argv[0] not in ("-h", "--help"):
         fail(f"{argv[0]}: klrl models takes no flags or arguments")
     p.parse_args(argv)  # --help
+    from klrl.models.catalog import find_models
+    from klrl.tasks.pretrain import cache_root
+
     found, looked = find_models(klrl_cache=cache_root())
     print(f"{len(found)} pretrained model{'s' if len(found) != 1 else ''} (pass the path as --model.path):")
     for f in found:
@@ -413,6 +429,17 @@ def models_main(argv: list[str]) -> int:
     print("looked in: " + "; ".join(f"{what} {', '.join(map(str, dirs))}" for what, dirs in looked.items()))
     print("a Hub name (--model.path Org/Name) is read from the Hugging Face cache; klrl downloads nothing")
     return 0
+
+
+# the commands with a parser of their own: name -> "module:function" (imported only when it runs)
+STANDALONE = {"export": "klrl.cli.export:main", "models": "klrl.cli.commands:models_main",
+              "generate": "klrl.cli.generate:generate_main", "eval": "klrl.cli.generate:eval_main",
+              "reward-model": "klrl.cli.reward_model:main"}  # fmt: skip
+
+
+def _standalone(cmd: str) -> Any:
+    module, _, name = STANDALONE[cmd].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,16 +451,10 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"expected a command: {', '.join(COMMANDS)}")
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "export":
-        return export_main(rest)
-    if cmd == "models":
-        return models_main(rest)
-    if cmd == "generate":
-        return generate_main(rest)
-    if cmd == "eval":
-        return eval_main(rest)
-    if cmd == "reward-model":
-        return reward_model_main(rest)
+    if cmd in STANDALONE:  # commands with their own parser (imported when run); the rest share build_parser's
+        if cmd in PARSERS and ("-h" in rest or "--help" in rest):  # the help without the command's module
+            PARSERS[cmd]().parse_known_args(rest)
+        return _standalone(cmd)(rest)
     if cmd not in COMMANDS:
         near = closest(cmd.lstrip("-"), COMMANDS)
         hint = f"; did you mean klrl {near}?" if near else ""

@@ -41,7 +41,6 @@ sibling directory and renamed when complete, so it never holds half an export.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -53,6 +52,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from klrl.cli.args import check_special, fail
+from klrl.cli.flags import BASE, export_parser  # (BASE: a LoRA run's float base in OUT_DIR)
 from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
 from klrl.io.checkpoint import CheckpointError, version
@@ -67,7 +67,6 @@ from klrl.tasks.text import check_model_paths
 FORMAT = "klrl-gpt"
 SAFETENSORS = "model.safetensors"
 ADAPTER = "adapter"  # a LoRA run's adapters in PEFT's format, inside OUT_DIR
-BASE = "base"  # a LoRA run's float base (--base), inside OUT_DIR: BASE/<model name>/
 
 
 class ExportError(ValueError):
@@ -262,26 +261,7 @@ def load_gpt(out_dir: str | Path) -> tuple[dict, Any]:
 def main(argv: list[str]) -> int:
     """``klrl export RUN_DIR OUT_DIR [--step N] [--base | --no-base]``."""
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # one line, exit 2
-            fail(f"klrl export: {message}")
-
-    p = Parser(prog="klrl export", description="write a run's policy (a checkpoint) as a model directory")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run (or sweep member) directory")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) directory to write")
-    p.add_argument(
-        "--step", type=int, default=None, help="the checkpoint (iteration) to export (default: the latest)"
-    )
-    p.add_argument(
-        "--base",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=f"a LoRA run: also write the float base as an HF directory in OUT_DIR/{BASE}/NAME/ and record "
-        "its absolute path as the adapter's base_model_name_or_path, so that peft's "
-        "AutoPeftModelForCausalLM.from_pretrained(OUT_DIR/adapter) loads it (default: yes when model.path "
-        "is a .gguf, which peft cannot load; an HF directory is recorded by its absolute path, one in the "
-        "Hugging Face cache by its Hub id)",
-    )
+    p = export_parser()
     ns = p.parse_args(argv)
     check_special(ns.run_dir, "RUN_DIR")
     check_special(ns.out_dir, "OUT_DIR")

@@ -54,6 +54,7 @@ import numpy as np
 from klrl.algo import kl as kl_lib
 from klrl.algo.logprobs import token_logprobs
 from klrl.cli.args import fail
+from klrl.cli.flags import generate_parser
 from klrl.cli.sources import Source, SourceError, load_reference, load_source
 from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
@@ -70,74 +71,8 @@ from klrl.tasks.text import is_sequence_classifier
 
 
 # ---- flags -----------------------------------------------------------------------------------------
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except where there is none to show (None, '', a flag that is off)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, "", argparse.SUPPRESS) or action.nargs == 0:
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        fail(f"{self.prog}: {message}")
-
-
-def parser(cmd: str) -> argparse.ArgumentParser:
-    what = {"generate": "sample completions of prompts", "eval": "sample and score: rewards, exact KL, judge"}
-    p = _Parser(prog=f"klrl {cmd}", allow_abbrev=False, description=what[cmd], formatter_class=HelpFormatter)
-    a = p.add_argument
-    a(
-        "source",
-        metavar="SOURCE",
-        help="a run directory, a checkpoint, an export, an HF dir, a .gguf or a Hub name",
-    )
-    a(
-        "--prompts",
-        metavar="FILE",
-        default=None,
-        help="a prompt file (.jsonl/.json/.csv/.parquet/.txt, klrl:NAME)",
-    )
-    if cmd == "generate":
-        a("--prompt", metavar="TEXT", action="append", default=None, help="a prompt (repeatable)")
-    a("--n", type=int, default=1, help="completions per prompt")
-    a("--max-new-tokens", "--sampling.response_len", dest="max_new_tokens", type=int, default=None,
-      help="tokens per completion at most (default: the run's sampling.response_len, else 64)")  # fmt: skip
-    a("--temperature", "--sampling.temperature", dest="temperature", type=float, default=1.0,
-      help="sampling temperature (0: greedy)")  # fmt: skip
-    a("--seed", type=int, default=0, help="the sampling seed")
-    a("--step", type=int, default=None, help="a run's checkpoint (default: the latest)")
-    a("--out", metavar="FILE.jsonl", default=None, help="write the rows there (a new file; default: stdout)")
-    a("--batch-size", type=int, default=8, help="completions sampled at once")
-    a("--data.chat_template", dest="chat_template", default=None, metavar="BOOL",
-      help="wrap prompts in the chat template (default: the run's, else true)")  # fmt: skip
-    a(
-        "--data.prompt_len",
-        dest="prompt_len",
-        type=int,
-        default=None,
-        help="prompt budget (default: the run's, else 64)",
-    )
-    a("--data.field", dest="field", default=None, help="the prompt column (default: the run's, else prompt)")
-    if cmd == "eval":
-        a("--reward.fn", dest="reward_fn", default=None, help="reward functions (as PPO's reward.fn)")
-        a("--reward.weights", dest="reward_weights", default="", help="their weights (as PPO's)")
-        a("--reward-model", "--model.reward_path", dest="reward_model", default=None, metavar="DIR",
-          help="a reward model directory (klrl reward-model)")  # fmt: skip
-        a("--ref", "--model.ref_path", dest="ref", default=None, metavar="MODEL",
-          help="the reference of the exact KL (default: a run's model.path)")  # fmt: skip
-        a(
-            "--judge",
-            default=None,
-            metavar="MODEL",
-            help="a model whose NLL per token of the completions is reported",
-        )
-    return p
-
-
 def parse_args(cmd: str, argv: list[str]) -> argparse.Namespace:
-    p = parser(cmd)
+    p = generate_parser(cmd)
     ns, rest = p.parse_known_args(argv)
     if rest:
         flags = [s for act in p._actions for s in act.option_strings if s.startswith("--")]

@@ -1,7 +1,7 @@
 """What ``klrl train/sweep/study/resume`` (:mod:`klrl.cli.commands`) do once the config is built: the
 reward functions load (a check of the environment), then the run or sweep itself (:func:`klrl.api.run`,
-:func:`klrl.api.sweep`) with the user's mistakes as one line and exit 2 (:func:`guarded`), and its
-summary printed."""
+:func:`klrl.api.sweep`, told that :func:`klrl.checks.preflight` has run: ``checked=True``) with the
+user's mistakes as one line and exit 2 (:func:`guarded`), and its summary printed."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def run_sweep(
     """A sweep as a command (``report``: klrl.sweep's ``report=``): its summary table and diagnoses
     printed (process 0); the exit status."""
 
-    results = guarded(lambda: api.sweep(members, sweep_devices=sweep_devices, resume=resume, report=report))
+    results = guarded(
+        lambda: api.sweep(members, sweep_devices=sweep_devices, resume=resume, report=report, checked=True)
+    )
     if results is None:
         return 130
     stopped = results[0].info.get("stopped")
@@ -90,7 +92,7 @@ def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
     """One run as a command (``report``: klrl.run's ``report=``): its summary printed (process 0);
     the exit status."""
 
-    result = guarded(lambda: api.run(cfg, resume=resume, report=report))
+    result = guarded(lambda: api.run(cfg, resume=resume, report=report, checked=True))
     if result is None:
         return 130
     stopped = result.info.get("stopped")

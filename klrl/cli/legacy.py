@@ -1,5 +1,5 @@
-"""``python experiments/run.py [flags]``: the ``klrl`` command (:func:`klrl.cli.commands.main`) with the
-flags of that script translated into a command.
+"""``python experiments/run.py [flags]``: ``klrl study`` (no flags) and the other ``klrl`` commands
+(:mod:`klrl.cli.commands`) chosen by that script's flags, parsed once.
 
 * ``--report RUN_DIR`` (alone) -> ``klrl report RUN_DIR``;
 * ``--sweep AXIS ...`` -> ``klrl sweep --sweep AXIS ...``;
@@ -7,13 +7,15 @@ flags of that script translated into a command.
 * ``--study ...``, or no configuration flag at all -> ``klrl study ...``;
 * configuration flags (or ``--config FILE``) alone -> ``klrl train ...``.
 
-The flags are parsed first as the script's own (its ``--help`` lists them all, a parse error is its
-message), and the combinations the commands cannot express are refused here, one line and exit status 2
+The flags are parsed once, as the script's own (its ``--help`` lists them all, a parse error is its
+message); the combinations the commands cannot express are refused, one line and exit status 2
 (``--report`` with any other flag, ``--sweep``/``--study`` with ``--resume``, ``--study`` with ``--sweep``,
-``--sweep-devices`` without ``--sweep``). Then the command runs: the same behaviour, messages and exit
-statuses; among them, a flag beside ``--study`` or ``--sweep`` that the members would ignore (one the
-study or an axis sets per member, a ``ctrl`` knob no member's controller reads) is refused by name
-(:func:`klrl.config.sweep.check_overrides`).
+``--sweep-devices`` without ``--sweep``). Then the command's executor runs on those parsed flags
+(:func:`klrl.cli.commands.execute`): the same behaviour, messages and exit statuses as the command;
+among them, a flag beside ``--study`` or ``--sweep`` that the members would ignore (one the study or an
+axis sets per member, a ``ctrl`` knob no member's controller reads) is refused by name
+(:func:`klrl.config.sweep.check_overrides`). :func:`legacy_argv` writes the equivalent ``klrl`` command
+line.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from klrl.cli import commands  # (commands.execute looked up at the call: tests replace it)
 from klrl.cli.args import build_parser, fail, overrides_of, parse
-from klrl.cli.commands import DESCRIPTION, check_report_alone, distributed_args, main, sweep_args
+from klrl.cli.commands import DESCRIPTION, FLAG_DEFAULTS, check_report_alone, distributed_args, sweep_args
 
 __all__ = ["legacy_argv", "legacy_main"]
 
@@ -75,20 +78,32 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
     return out
 
 
-def legacy_argv(argv: list[str]) -> list[str]:
-    """The ``klrl`` command line of ``python experiments/run.py`` with ``argv`` (module docstring)."""
+def _parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """The command the script's flags ask for, and the flags parsed (module docstring)."""
     ns = parse(build_parser(DESCRIPTION, extra=_legacy_args), argv)
     if ns.report is not None:
         check_report_alone(ns)
-        return ["report", ns.report]
+        return "report", ns
     cmd = _command(ns)
     if ns.sweep_devices != 1 and cmd != "sweep":
         fail("--sweep-devices: needs --sweep")
+    return cmd, ns
+
+
+def legacy_argv(argv: list[str]) -> list[str]:
+    """The ``klrl`` command line of ``python experiments/run.py`` with ``argv`` (module docstring)."""
+    cmd, ns = _parse(argv)
+    if cmd == "report":
+        return ["report", ns.report]
     drop = {k: v for k, v in _MODE_FLAGS.items() if not (cmd == "sweep" and k == "--sweep-devices")}
     return [cmd, *([ns.resume] if cmd == "resume" else []), *_without(argv, drop)]
 
 
 def legacy_main(argv: list[str] | None = None) -> int:
-    """``python experiments/run.py [flags]``: :func:`klrl.cli.commands.main` of :func:`legacy_argv`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return main(legacy_argv(argv))
+    """``python experiments/run.py [flags]``: the command its flags choose, run by
+    :func:`klrl.cli.commands.execute` on the flags parsed once (no flags: ``klrl study``)."""
+    cmd, ns = _parse(sys.argv[1:] if argv is None else list(argv))
+    for flag, default in FLAG_DEFAULTS:  # (every one is a flag of the script: none is missing)
+        if not hasattr(ns, flag):
+            setattr(ns, flag, default)
+    return commands.execute(cmd, ns)

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from klrl.cli.args import check_special, fail, load_config_file
-from klrl.cli.generate import HelpFormatter
+from klrl.cli.flags import DEPRECATED, reward_model_parser
 from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
 from klrl.models import lora as lora_lib
@@ -61,90 +61,11 @@ from klrl.rewards.pairs import PairsError, encode_as_ppo, format_line, read_pair
 from klrl.rewards.train import TrainSettings, save_reward_model, train
 
 RESULT = "reward_model.json"
-# the run's own settings: (field, type, default, help); flag --rm.FIELD (formerly --FIELD-WITH-DASHES)
-SETTINGS = (
-    ("epochs", int, 2, "passes over the training pairs"),
-    ("lr", float, 1e-4, "AdamW learning rate"),
-    ("batch_size", int, 8, "pairs per update"),
-    ("eval_fraction", float, 0.1, "fraction of the pairs held out for the accuracy"),
-    ("seed", int, 0, "the held-out split, the head's init, the shuffling"),
-    ("center_rewards_coef", float, 0.0, "TRL's center_rewards_coefficient"),
-    ("weight_decay", float, 0.0, "AdamW weight decay"),
-)
-# PPO's fields the text format reads: (section.field, type)
-PPO_FIELDS = (
-    ("data.chat_template", "bool"),
-    ("data.prompt_len", "int"),
-    ("data.truncate", "str"),
-    ("sampling.response_len", "int"),
-    ("sampling.use_eos", "bool"),
-)
-DEPRECATED = {
-    **{"--" + f.replace("_", "-"): "--rm." + f for f, *_ in SETTINGS},
-    "--head-only": "--rm.head_only true",
-    "--chat-template": "--data.chat_template",
-}
-
-
-def _bool(s: str) -> bool:
-    v = s.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {s!r}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        fail(f"klrl reward-model: {message}")
-
-
-def parser() -> argparse.ArgumentParser:
-    what = "train a Bradley-Terry reward model (trunk + score head) on preference pairs, on PPO's text"
-    p = _Parser(prog="klrl reward-model", allow_abbrev=False, description=what, formatter_class=HelpFormatter)
-    a = p.add_argument
-    a("--model.path", dest="model_path", default=None, metavar="PATH",
-      help="the base causal LM (default: --config's model.path)")  # fmt: skip
-    a("--pairs", required=True, metavar="FILE", help="JSONL or Parquet: prompt (optional), chosen, rejected")
-    a("--out", required=True, metavar="DIR", help="a new (or empty) directory to write")
-    a("--config", metavar="FILE", default=None,
-      help="the PPO run's config (JSON or YAML): its data.*, sampling.* and model.path")  # fmt: skip
-    g = p.add_argument_group("text format", "PPO's fields (default: --config's, else PPO's defaults)")
-    for name, kind in PPO_FIELDS:
-        sec, f = name.split(".")
-        cls = DataConfig if sec == "data" else SamplingConfig
-        default = cls.__dataclass_fields__[f].default
-        extra = ("--chat-template",) if name == "data.chat_template" else ()
-        if extra:
-            g.add_argument(
-                *extra, dest=name.replace(".", "_"), default=None, type=_bool, help=argparse.SUPPRESS
-            )
-        g.add_argument(f"--{name}", dest=name.replace(".", "_"), default=None,
-                       type=_bool if kind == "bool" else int if kind == "int" else str,
-                       metavar=kind.upper(), help=f"PPO's {name} (default {default!r})")  # fmt: skip
-    g = p.add_argument_group("rm", "the reward model's training")
-    for f, kind, default, hlp in SETTINGS:
-        g.add_argument(
-            f"--rm.{f}", dest=f, type=kind, default=default, metavar=kind.__name__.upper(), help=hlp
-        )
-        g.add_argument("--" + f.replace("_", "-"), dest=f, type=kind, default=default, help=argparse.SUPPRESS)
-    g.add_argument("--rm.head_only", dest="head_only", type=_bool, default=False, metavar="BOOL",
-                   help="train the score head alone on the frozen trunk (a linear probe)")  # fmt: skip
-    g.add_argument("--head-only", dest="head_only", action="store_const", const=True, help=argparse.SUPPRESS)
-    g.add_argument("--max-len", dest="max_len", default=None, help=argparse.SUPPRESS)
-    a("--lora.rank", "--model.lora.rank", dest="lora_rank", type=int, default=0,
-      help="LoRA adapter rank (0: full fine-tuning)")  # fmt: skip
-    a("--lora.alpha", "--model.lora.alpha", dest="lora_alpha", type=float, default=16.0,
-      help="LoRA scale numerator: (alpha / rank) A B")  # fmt: skip
-    a("--lora.targets", "--model.lora.targets", dest="lora_targets", default="",
-      help="regex of the adapted modules ('' = the family's defaults)")  # fmt: skip
-    return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The flags, with a did-you-mean for an unknown one; ``ns.deprecated`` lists the old spellings used."""
-    p = parser()
+    p = reward_model_parser()
     ns, rest = p.parse_known_args(argv)
     if rest:
         flags = [s for act in p._actions for s in act.option_strings if s.startswith("--")]

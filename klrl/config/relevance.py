@@ -115,7 +115,7 @@ ALWAYS_RELEVANT = frozenset({
     "task.name", "task.cache_dir",
     "train.iterations", "train.batch_size", "train.seed", "train.mesh", "train.out_dir", "train.name",
     "train.quiet", "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
-    "train.rollback_metric", "train.metric_aliases", "train.samples_every",
+    "train.rollback_metric", "train.metric_aliases", "train.samples_every", "train.hooks", "train.metric_fns",
     "reward.missing_eos_penalty", "reward.standardize", "log.wandb",
     *(f"diag.{f.name}" for f in dataclasses.fields(SECTIONS["diag"]) if f.name not in _DIAG_ADAPTIVE),
 })  # fmt: skip

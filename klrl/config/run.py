@@ -138,9 +138,22 @@ class TrainConfig:
         "also at the first and last (0 = off)",
     )  # fmt: skip
     samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
+    hooks: str = _f(
+        "", "user hooks, comma-separated module:function, each called as fn(loop, row) after every row "
+        "(klrl.loop.user; '' = none)",
+    )  # fmt: skip
+    metric_fns: str = _f(
+        "", "user metric functions, comma-separated module:function, fn(row, samples) -> {name: float}, "
+        "logged as user/<name> (klrl.loop.user; '' = none)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 1, "train.iterations", "must be >= 1")
+        for name in ("hooks", "metric_fns"):
+            for spec in filter(None, (x.strip() for x in getattr(self, name).split(","))):
+                where, _, attr = spec.rpartition(":")
+                _check(bool(where) and attr.isidentifier(), f"train.{name}",
+                       f"expected module:function, got {spec!r}")  # fmt: skip
         _choice(self.metric_aliases, "train.metric_aliases", ("", "trl", "verl"))
         _check(self.seed >= 0, "train.seed", "must be >= 0")
         _check(self.out_dir != "", "train.out_dir", "must not be empty")

@@ -46,7 +46,7 @@ SWEEPABLE = {
 # per-run bookkeeping: where and how a run is written and shown, not its maths; one value per sweep
 BOOKKEEPING = {
     *(("train", f) for f in ("name", "out_dir", "quiet", "log_every", "checkpoint_every", "keep_checkpoints",
-                             "samples_every", "samples_n", "metric_aliases")),
+                             "samples_every", "samples_n", "metric_aliases", "hooks", "metric_fns")),
     *(("diag", f.name) for f in dataclasses.fields(RunConfig().diag)),
     *(("log", f.name) for f in dataclasses.fields(RunConfig().log)),
 }  # fmt: skip

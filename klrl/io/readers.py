@@ -220,6 +220,27 @@ def read_sweep_members(sweep_dir: str | os.PathLike) -> list[str]:
     return names
 
 
+# fields a resume may change: none of them changes the model, the batch or the maths of an iteration
+RESUME_MUTABLE = frozenset(
+    {
+        "train.iterations",
+        "train.quiet",
+        "train.log_every",
+        "train.samples_every",
+        "train.samples_n",
+        "train.out_dir",
+        "train.name",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.max_consecutive_skips",
+        "train.rollback_metric",
+        "train.rollback_threshold",
+        "train.rollback_factor",
+        "train.max_rollbacks",
+    }
+)
+
+
 def config_diff(a: RunConfig | dict[str, Any], b: RunConfig | dict[str, Any]) -> list[str]:
     """Dotted names of the fields that differ between two configs (or their ``to_dict()``)."""
     da = a.to_dict() if isinstance(a, RunConfig) else a

@@ -32,27 +32,7 @@ from klrl import distributed
 from klrl.config import ConfigError, RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
-from klrl.io.readers import config_diff
-
-# fields a resume may change: none of them changes the model, the batch or the maths of an iteration
-RESUME_MUTABLE = frozenset(
-    {
-        "train.iterations",
-        "train.quiet",
-        "train.log_every",
-        "train.samples_every",
-        "train.samples_n",
-        "train.out_dir",
-        "train.name",
-        "train.checkpoint_every",
-        "train.keep_checkpoints",
-        "train.max_consecutive_skips",
-        "train.rollback_metric",
-        "train.rollback_threshold",
-        "train.rollback_factor",
-        "train.max_rollbacks",
-    }
-)
+from klrl.io.readers import RESUME_MUTABLE, config_diff  # (RESUME_MUTABLE: read by klrl resume --help)
 
 
 def check_resumable(saved: RunConfig | dict[str, Any], cfg: RunConfig) -> None:

@@ -25,7 +25,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ from klrl.loop.metrics import alias_map, learning_rates, member_row
 from klrl.loop.program import Program
 from klrl.loop.stops import skips_message
 from klrl.loop.trackers import WandbTracker
+from klrl.loop.user import MetricFns
 from klrl.rewards.host import RewardFunctionError
 from klrl.step.samples import pop_samples
 
@@ -87,6 +88,7 @@ def drive(
     guard: reliability.RunGuard | None = None,
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
     hooks: Sequence[Hook] = (),
+    metrics: Sequence[Callable[..., dict[str, float]]] = (),
 ) -> tuple[list[RunResult], str | None]:
     """Run ``prog`` to the end (or a stop); returns one :class:`RunResult` per member and the
     reason of a guard/rollback stop (None otherwise). See the module docstring. A failed host reward
@@ -100,7 +102,8 @@ def drive(
     row is recorded (one step late, as rows are), with the run's metrics (``{name: float}``) or, for
     a sweep, ``{name: array over members}``; on process 0 only. ``hooks``: the user's own objects with
     ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`~klrl.loop.hooks.Hook`), told after the
-    built-in ones and the trackers, on every process."""
+    built-in ones and the trackers, on every process; ``metrics``: the user's metric functions
+    (:class:`klrl.loop.user.MetricFns`: ``user/<name>`` in every row, before it is written)."""
     log = log or _stderr
     restore_to = _restore_target(prog, write)
     if resume is not None:
@@ -110,6 +113,8 @@ def drive(
     user = list(hooks)
     hooks = _hooks(loop, resume, restore_to, guard, log, on_step)
     hooks.user += user
+    if metrics:
+        hooks.metric_fns.append(MetricFns(list(metrics), hooks.samples))
     try:
         with hooks.signals:
             while _iteration(loop, hooks):
@@ -136,12 +141,13 @@ class _Hooks:
     progress: ProgressLine
     ready: ReadyTimes
     user: list[Hook]  # the KL sign note, the trackers (log.wandb) and the user's hooks, in this order
+    metric_fns: list[Hook] = field(default_factory=list)  # the user's metric functions (klrl.loop.user)
 
     @property
     def row_order(self) -> list[Hook]:
         """The hooks told of a recorded row, in this order (the samples' decoding before the sink's
         clock; the progress line last)."""
-        return [self.samples, self.rollback, self.sink, self.progress, *self.user]
+        return [self.samples, *self.metric_fns, self.rollback, self.sink, self.progress, *self.user]
 
     @property
     def stopping_order(self) -> list[Hook]:

@@ -1,5 +1,5 @@
-"""What :func:`klrl.loop.driver.drive` drives: a :class:`Program` (built by :func:`klrl.api.build_program`
-for a run and a sweep alike); re-exported by :mod:`klrl.loop.driver`."""
+"""What :func:`klrl.loop.driver.drive` drives: a :class:`Program` (built by
+:func:`klrl.loop.build.make_program` for a run and a sweep alike); re-exported by :mod:`klrl.loop.driver`."""
 
 from __future__ import annotations
 

@@ -23,17 +23,23 @@ Shapes and conventions, shared by every family:
 Partitioning: :meth:`CausalLM.partition_rules` is the hook through which a family declares how its
 parameters are placed on a device mesh with the named axes ``fsdp`` and ``tensor`` (see
 :func:`spec_for`).
+
+The families read from checkpoints (GPT-2, Llama, Gemma 3) share one wrapper of their flax module,
+:class:`FlaxLM`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from klrl.models.remat import check_mode
 
 Array = jax.Array
 Params = Any
@@ -143,6 +149,51 @@ def lm_head(params: Params, hidden: Array, embedding: str, tied: bool, dtype: An
     if tied:  # contract with E's width directly: under autodiff `E.T` became a transposed copy of E
         return jnp.einsum("...d,vd->...v", h, p[embedding]["embedding"].astype(dtype)).astype(jnp.float32)
     return jnp.dot(h, p["lm_head"]["kernel"].astype(dtype)).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlaxLM:
+    """A flax module family as a :class:`CausalLM`: the wrapper GPT-2, Llama and Gemma 3 share.
+
+    A family subclasses it as a frozen dataclass with its own ``config`` type and sets ``MODULE``
+    (the flax module class, built ``MODULE(config, dtype, remat)``, whose ``__call__`` takes
+    ``(tokens, positions, mask, cache, index, logits)``), ``EMBEDDING`` (the embedding's parameter
+    name, which the tied head reads) and ``LORA_TARGETS`` (:mod:`klrl.models.lora`); it adds
+    ``hidden_size``, ``max_len``, ``init_cache``, ``partition_rules``, ``hf_config`` and the HF
+    tensor conversion. ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay
+    float32. The config must have ``vocab_size`` and ``tie_word_embeddings``.
+    """
+
+    MODULE: ClassVar[Any]
+    EMBEDDING: ClassVar[str]
+
+    config: Any
+    dtype: Any = jnp.float32
+    remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
+
+    def __post_init__(self):
+        object.__setattr__(self, "remat", check_mode(self.remat))
+
+    @property
+    def module(self) -> Any:
+        return self.MODULE(self.config, self.dtype, self.remat)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def init(self, key: Array):
+        t = jnp.zeros((1, 2), jnp.int32)
+        return self.module.init(key, t, t, jnp.ones((1, 2, 2), bool))
+
+    def apply(self, params, tokens, positions, mask, cache=None, index=None, *, logits=True) -> LMOutput:
+        return self.module.apply(params, tokens, positions, mask, cache, index, logits)
+
+    def head(self, params, hidden: Array) -> Array:
+        """The LM head alone: final hidden states ``[..., D]`` (after the final norm) -> float32
+        logits ``[..., V]``, the same product as :meth:`apply` (``x @ E^T`` tied, else
+        ``x @ lm_head``, in the compute dtype; :func:`lm_head`)."""
+        return lm_head(params, hidden, self.EMBEDDING, self.config.tie_word_embeddings, self.dtype)
 
 
 def param_path(path: tuple) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput, lm_head
+from klrl.models.base import FlaxLM, LMOutput
 from klrl.models.gemma3_io import (
     READING,
     Gemma3Config,
@@ -45,7 +45,7 @@ from klrl.models.gemma3_io import (
 )
 from klrl.models.llama import apply_rope, rope_tables
 from klrl.models.registry import register_family
-from klrl.models.remat import check_mode, remat_block
+from klrl.models.remat import remat_block
 from klrl.models.sharding import split_rows
 
 Array = jax.Array
@@ -162,28 +162,17 @@ class Gemma3Module(nn.Module):
 
 @register_family("gemma3", hf=("gemma3_text",), hf_config=config_from_hf, gguf=READING)
 @dataclasses.dataclass(frozen=True)
-class Gemma3:
+class Gemma3(FlaxLM):
     """A Gemma 3 causal LM implementing :class:`klrl.models.base.CausalLM` (module docstring).
 
     ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay float32.
     """
 
     LORA_TARGETS = "layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"  # klrl.models.lora
+    MODULE = Gemma3Module
+    EMBEDDING = "embed_tokens"  # the tied head: x @ E^T
 
     config: Gemma3Config
-    dtype: Any = jnp.float32
-    remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
-
-    def __post_init__(self):
-        object.__setattr__(self, "remat", check_mode(self.remat))
-
-    @property
-    def module(self) -> Gemma3Module:
-        return Gemma3Module(self.config, self.dtype, self.remat)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def hidden_size(self) -> int:
@@ -193,17 +182,9 @@ class Gemma3:
     def max_len(self) -> int:
         return self.config.max_position_embeddings
 
-    def init(self, key: Array):
-        t = jnp.zeros((1, 2), jnp.int32)
-        return self.module.init(key, t, t, jnp.ones((1, 2, 2), bool))
-
-    def apply(self, params, tokens, positions, mask, cache=None, index=None, *, logits=True) -> LMOutput:
-        return self.module.apply(params, tokens, positions, mask, cache, index, logits)
-
     def head(self, params, hidden: Array) -> Array:
         """The LM head alone (final hidden states -> float32 logits, soft-capped), as in :meth:`apply`."""
-        z = lm_head(params, hidden, "embed_tokens", self.config.tie_word_embeddings, self.dtype)
-        return softcap(z, self.config.final_logit_softcapping)
+        return softcap(super().head(params, hidden), self.config.final_logit_softcapping)
 
     def init_cache(self, batch: int, length: int):
         c = self.config

@@ -23,9 +23,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput, attention_mask, lm_head
+from klrl.models.base import FlaxLM, LMOutput, attention_mask
 from klrl.models.registry import register_family
-from klrl.models.remat import check_mode, remat_block
+from klrl.models.remat import remat_block
 from klrl.models.sharding import split_rows
 
 Array = jax.Array
@@ -159,25 +159,14 @@ class GPT2Module(nn.Module):
 
 @register_family("gpt2", hf=("gpt2",), hf_config=config_from_hf)
 @dataclasses.dataclass(frozen=True)
-class GPT2:
+class GPT2(FlaxLM):
     """GPT-2 implementing :class:`klrl.models.base.CausalLM` (compute ``dtype``, float32 params)."""
 
     LORA_TARGETS = "h/(c_attn|c_proj|c_fc|mlp_c_proj)"  # klrl.models.lora
+    MODULE = GPT2Module
+    EMBEDDING = "wte"  # the tied head: x @ wte^T
 
     config: GPT2Config
-    dtype: Any = jnp.float32
-    remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
-
-    def __post_init__(self):
-        object.__setattr__(self, "remat", check_mode(self.remat))
-
-    @property
-    def module(self) -> GPT2Module:
-        return GPT2Module(self.config, self.dtype, self.remat)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def hidden_size(self) -> int:
@@ -186,18 +175,6 @@ class GPT2:
     @property
     def max_len(self) -> int:
         return self.config.n_positions
-
-    def init(self, key: Array):
-        t = jnp.zeros((1, 2), jnp.int32)
-        return self.module.init(key, t, t, jnp.ones((1, 2, 2), bool))
-
-    def apply(self, params, tokens, positions, mask, cache=None, index=None, *, logits=True) -> LMOutput:
-        return self.module.apply(params, tokens, positions, mask, cache, index, logits)
-
-    def head(self, params, hidden: Array) -> Array:
-        """The LM head alone: final hidden states ``[..., D]`` (after ``ln_f``) -> float32 logits
-        ``[..., V]``, the same product as :meth:`apply` (``x @ wte^T`` tied, else ``x @ lm_head``)."""
-        return lm_head(params, hidden, "wte", self.config.tie_word_embeddings, self.dtype)
 
     def init_cache(self, batch: int, length: int):
         c = self.config

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import LMOutput, attention_mask, lm_head
+from klrl.models.base import FlaxLM, LMOutput, attention_mask
 from klrl.models.llama_gguf import READING
 from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's config API)
     LlamaConfig,
@@ -40,7 +40,7 @@ from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's con
     config_to_hf,
 )
 from klrl.models.registry import register_family
-from klrl.models.remat import check_mode, remat_block
+from klrl.models.remat import remat_block
 from klrl.models.sharding import split_rows
 
 Array = jax.Array
@@ -163,28 +163,17 @@ class LlamaModule(nn.Module):
 
 @register_family("llama", hf=("llama", "mistral", "qwen2"), hf_config=config_from_hf, gguf=READING)
 @dataclasses.dataclass(frozen=True)
-class Llama:
+class Llama(FlaxLM):
     """A Llama/Mistral/Qwen2 causal LM implementing :class:`klrl.models.base.CausalLM`.
 
     ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay float32.
     """
 
     LORA_TARGETS = "layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"  # klrl.models.lora
+    MODULE = LlamaModule
+    EMBEDDING = "embed_tokens"  # the tied head: x @ E^T
 
     config: LlamaConfig
-    dtype: Any = jnp.float32
-    remat: str = "none"  # what the backward keeps of each block (klrl.models.remat)
-
-    def __post_init__(self):
-        object.__setattr__(self, "remat", check_mode(self.remat))
-
-    @property
-    def module(self) -> LlamaModule:
-        return LlamaModule(self.config, self.dtype, self.remat)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def hidden_size(self) -> int:
@@ -193,20 +182,6 @@ class Llama:
     @property
     def max_len(self) -> int:
         return self.config.max_position_embeddings
-
-    def init(self, key: Array):
-        t = jnp.zeros((1, 2), jnp.int32)
-        m = jnp.ones((1, 2, 2), bool)
-        return self.module.init(key, t, t, m)
-
-    def apply(self, params, tokens, positions, mask, cache=None, index=None, *, logits=True) -> LMOutput:
-        return self.module.apply(params, tokens, positions, mask, cache, index, logits)
-
-    def head(self, params, hidden: Array) -> Array:
-        """The LM head alone: final hidden states ``[..., D]`` (after the final norm) -> float32
-        logits ``[..., V]``, the same product as :meth:`apply` (``x @ E^T`` tied, else
-        ``x @ lm_head``, in the compute dtype)."""
-        return lm_head(params, hidden, "embed_tokens", self.config.tie_word_embeddings, self.dtype)
 
     def init_cache(self, batch: int, length: int):
         c = self.config

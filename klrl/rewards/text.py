@@ -81,7 +81,7 @@ def positivity(prompts: list[Any], completions: list[str], **columns: Any) -> li
     return [positivity_score(c) for c in completions]
 
 
-@REWARDS.register("length", factory=True)
+@REWARDS.register("length")
 def length_target(target: float = 20.0, unit: str = "words") -> RewardFn:
     """A reward ``-|n - target| / target``, ``n`` the completion's length in ``unit`` (words or chars)."""
     if not (target > 0 and math.isfinite(target)):

@@ -80,7 +80,7 @@ def make_peer_task(cfg: RunConfig, *, prompt_len: int, vocab: int = 256, seed: i
     )
 
 
-@register_task("peer", help="a PPO-shaped benchmark without language")
+@register_task("peer")
 def make_peer(cfg: RunConfig, log: object = None) -> Task:
     """The peer task of ``cfg`` by name (``task.name=peer``): ``task.prompt_len``, 256 tokens, seed 0;
     it generates its prompts (a ``data`` field set is an error)."""

@@ -261,7 +261,7 @@ def _batch_eval_fn(env, ro, proxy, ev):
     }
 
 
-@register_task("testbed", help="proxy reward model, exact gold")
+@register_task("testbed")
 def make_testbed(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     """The testbed task of ``cfg`` (module docstring): every model trained or read from the cache.
     The task generates its prompts: a ``data`` field set is an error (before anything is built)."""

@@ -232,7 +232,7 @@ def prompt_counts(pool: PromptPool) -> dict[str, int]:
 def _report_counts(cfg: RunConfig, splits: Any) -> dict[str, Any]:
     """The prompt counts of the training (and held-out) pool for ``task.json``, with each pool's
     one-line note where there are any (:func:`klrl.data.prompts.counts_line`) in ``notes``: the run
-    logs them once its checks have passed (:func:`klrl.api.build_program`), so that they never come
+    logs them once its checks have passed (:func:`klrl.loop.build.make_program`), so that they never come
     before the one line of a user error."""
     info: dict[str, Any] = prompt_counts(splits.train)
     lines = [counts_line(splits.train, cfg.data)]
@@ -300,7 +300,7 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     )
 
 
-@register_task("text", help="a pretrained model.path on the data section's prompts")
+@register_task("text")
 def make_text(cfg: RunConfig, log: Any = None) -> Task:
     """``task.name=text``: the pretrained ``model.path`` on the ``data`` section's prompts."""
     return make_text_task(cfg, log)

@@ -69,7 +69,7 @@ def tokenizer(lang: L.Language) -> WordTokenizer:
     return WordTokenizer(tuple(lang.words), pad_id=L.PAD, stop_ids=(L.EOS,))
 
 
-@register_task("wordclass", help="fraction of positive words")
+@register_task("wordclass")
 def make_task(cfg: RunConfig, log: Callable[[str], None] | None = None) -> Task:
     """The wordclass task of ``cfg``; it generates its prompts (a ``data`` field set is an error)."""
     check_unused(cfg.data, "wordclass")

@@ -1,0 +1,53 @@
+"""User hooks (``every=N``) and metric functions (``user/<name>`` in metrics.jsonl), from Python and
+the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import klrl
+from klrl.loop.user import every
+
+
+def _rows(d):
+    return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_n_hook_and_metric_fn_from_python(tiny_cfg, tiny_task, tmp_path):
+    seen = []
+    cfg = tiny_cfg.replace(train={"iterations": 5, "out_dir": str(tmp_path), "name": "r", "quiet": True})
+
+    def mean_kl(row, samples):
+        return {"twice_beta": 2 * row["ctrl/beta"]}
+
+    r = klrl.run(
+        cfg, task=tiny_task, hooks=[every(2, lambda loop, row: seen.append(row.it))], metrics=[mean_kl]
+    )
+    assert seen == [0, 2, 4]
+    rows = _rows(r.dir)
+    assert [x["user/twice_beta"] for x in rows] == pytest.approx([2 * x["ctrl/beta"] for x in rows])
+
+
+def test_metric_fn_from_the_cli_and_a_bad_spec(tiny_cfg, tmp_path, monkeypatch, capsys):
+    from klrl.cli.commands import main
+
+    (tmp_path / "mymod.py").write_text("def fn(row, samples):\n    return {'one': 1.0}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mymod", None)
+    flags = ["--model.n_layers", "1", "--model.d_model", "32", "--model.n_heads", "2",
+             "--task.cache_dir", tiny_cfg.task.cache_dir, "--task.pretrain_steps", "100",
+             "--task.pretrain_batch", "32", "--task.pretrain_len", "16", "--task.prompt_len", "6",
+             "--task.prompt_pool", "256", "--sampling.response_len", "8",
+             "--train.batch_size", str(tiny_cfg.train.batch_size), "--train.iterations", "2",
+             "--train.out_dir", str(tmp_path), "--train.quiet", "true"]  # fmt: skip
+    assert main(["train", *flags, "--train.name", "ok", "--train.metric_fns", "mymod:fn"]) == 0
+    assert [x["user/one"] for x in _rows(tmp_path / "ok")] == [1.0, 1.0]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", *flags, "--train.name", "bad", "--train.metric_fns", "mymod:nope"])
+    code = e.value.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: train.metric_fns:"), err
