@@ -76,7 +76,9 @@ def run(
     ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``), told after
     the built-in hooks (metrics, checkpoints, samples, progress, trackers). ``checked``: ``cfg`` already
     passed :func:`klrl.checks.preflight` (mode ``"run"``, the same ``write`` and ``resume``) and is not
-    checked again.
+    checked again. ``metrics``: functions ``fn(row_metrics, samples) -> {name: float}`` whose values are
+    written with each row as ``user/<name>`` (:mod:`klrl.loop.user`; ``train.metric_fns`` names them
+    as ``module:function``, ``train.hooks`` names hooks).
 
     SIGTERM/SIGINT finish the current iteration, checkpoint and return
     (``result.info['stopped']`` names the signal). :class:`klrl.loop.reliability.RunStopped` is raised
@@ -145,7 +147,8 @@ def sweep(
     members}`` as it is recorded (e.g. for a live plot). The result is a list with
     ``.to_frame()`` (:func:`klrl.analysis.results.to_frame`). ``sweep_devices``: the device groups
     the members are split over (the rest of the devices split each member's batch). ``hooks``: as
-    :func:`run`'s (``row.members[j]``: member ``j``'s row); ``checked``: as :func:`run`'s (mode ``"sweep"``).
+    :func:`run`'s (``row.members[j]``: member ``j``'s row); ``checked``: as :func:`run`'s (mode ``"sweep"``);
+    ``metrics``: as :func:`run`'s.
     """
     # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
     with reliability.RunGuard(log) as guard:
