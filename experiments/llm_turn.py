@@ -67,36 +67,27 @@ REP_COEF = 1.0  # gold: minus this x the share of repeated words
 NLL_COEF = 0.5  # gold: minus this x (judge NLL per token - free), when positive
 POOL_CHUNK = 64  # the pools' responses are drawn in chunks of this many rows, one key per chunk
 
+_CPU: dict[str, Any] = {  # the CPU sizes every CPU budget shares (the pools, the proxies, the evaluations)
+    "batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
+    "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
+    "turn_betas": "", "turn_iterations": 0, "turn_lr": 2e-3,
+    "frozen_betas": "", "frozen_iterations": 0, "frozen_lr": 1e-4,
+    "ctrl_settle": 0.0, "ctrl_target": 12.0, "ctrl_iterations": 0,
+    "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
+    "recipe_threshold": 1.1,
+    "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4,
+}  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     # sized for <= 90 min on an idle 2-core CPU (see --dry-run and the pilot's timing)
-    "cpu": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
-            "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
-            "turn_betas": "0.01", "turn_iterations": 40, "turn_lr": 2e-3,
-            "frozen_betas": "0.01,1,10", "frozen_iterations": 16, "frozen_lr": 1e-4,
-            "ctrl_settle": 0.0, "ctrl_target": 6.0, "ctrl_iterations": 0,
-            "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
-            "recipe_threshold": 1.1,
-            "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+    "cpu": {**_CPU, "turn_betas": "0.01", "turn_iterations": 40, "frozen_betas": "0.01,1,10",
+            "frozen_iterations": 16, "ctrl_target": 6.0},
     # the controllers against their fixed baseline (item 5), a second CPU budget: --preset cpu-ctrl
-    "cpu-ctrl": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
-                 "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
-                 "turn_betas": "", "turn_iterations": 0, "turn_lr": 2e-3,
-                 "frozen_betas": "", "frozen_iterations": 0, "frozen_lr": 1e-4,
-                 "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 16,
-                 "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
-                 "recipe_threshold": 1.1,
-                 "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+    "cpu-ctrl": {**_CPU, "ctrl_settle": 0.1, "ctrl_iterations": 16},
     # the seeds' recipe end to end (item 5), a third CPU budget: --preset cpu-recipe --arms grid,recipe
     # --reuse. The grid's 0.01 and 0.1 are the turn and ctrl arms' members (the same lr, sizes and seeds),
     # so only beta = 1 is run; the recipe's warm-up beta and KL target are chosen from the grid
-    "cpu-recipe": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 336, "per_prompt": 3,
-                   "pairs_strong": 4000, "pairs_weak": 400, "heldout": 64, "bon_k": 16, "seeds": "0,1,2",
-                   "turn_betas": "", "turn_iterations": 0, "turn_lr": 2e-3,
-                   "frozen_betas": "", "frozen_iterations": 0, "frozen_lr": 1e-4,
-                   "ctrl_settle": 0.0, "ctrl_target": 12.0, "ctrl_iterations": 0,
-                   "grid_betas": "1", "grid_iterations": 16, "recipe_iterations": 32, "recipe_warmup": 8,
-                   "recipe_threshold": 1.1,
-                   "eval_every": 8, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+    "cpu-recipe": {**_CPU, "grid_betas": "1", "grid_iterations": 16, "recipe_iterations": 32,
+                   "recipe_warmup": 8},
     # the full-size study for one GPU
     "gpu": {"batch": 64, "response_len": 48, "prompt_len": 64, "rm_prompts": 8192, "per_prompt": 2,
             "pairs_strong": 16000, "pairs_weak": 1000, "heldout": 256, "bon_k": 64, "seeds": "0,1,2",
@@ -107,14 +98,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "recipe_threshold": 1.1,
             "eval_every": 10, "minibatches": 4, "epochs": 2, "advantage": "gae", "group_size": 1},
     # a few iterations of each arm, one seed: timing and the KL's rate, to size the cpu preset
-    "pilot": {"batch": 16, "response_len": 24, "prompt_len": 40, "rm_prompts": 64, "per_prompt": 2,
-              "pairs_strong": 400, "pairs_weak": 100, "heldout": 16, "bon_k": 8, "seeds": "0",
-              "turn_betas": "0.01", "turn_iterations": 4, "turn_lr": 2e-3,
-              "frozen_betas": "10", "frozen_iterations": 4, "frozen_lr": 1e-4,
-              "ctrl_settle": 0.0, "ctrl_target": 6.0, "ctrl_iterations": 0,
-              "grid_betas": "", "grid_iterations": 0, "recipe_iterations": 0, "recipe_warmup": 0,
-              "recipe_threshold": 1.1,
-              "eval_every": 2, "minibatches": 2, "epochs": 1, "advantage": "rloo", "group_size": 4},
+    "pilot": {**_CPU, "rm_prompts": 64, "per_prompt": 2, "pairs_strong": 400, "pairs_weak": 100,
+              "heldout": 16, "bon_k": 8, "seeds": "0", "turn_betas": "0.01", "turn_iterations": 4,
+              "frozen_betas": "10", "frozen_iterations": 4, "ctrl_target": 6.0, "eval_every": 2},
     # the smallest study on the tiny test GGUF (tests/test_experiments_llm_turn.py)
     "tiny": {"batch": 4, "response_len": 6, "prompt_len": 12, "rm_prompts": 12, "per_prompt": 2,
              "pairs_strong": 40, "pairs_weak": 10, "heldout": 4, "bon_k": 4, "seeds": "0,1",
