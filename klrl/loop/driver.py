@@ -32,10 +32,10 @@ from typing import Any
 import jax
 
 from klrl import distributed
-from klrl.analysis.results import RunResult, varying_fields
 from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import Progress, new_run_dir
+from klrl.io.results import RunResult, varying_fields
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
 from klrl.loop import frozen, reliability

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from klrl.analysis.results import RunResult, columns
+from klrl.io.results import RunResult, columns
 from klrl.loop.hooks import Hook, Loop, Row, Samples
 from klrl.loop.metrics import with_aliases
 
