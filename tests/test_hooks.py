@@ -26,13 +26,12 @@ from klrl.loop.hooks import (
     Rejected,
     RewardFailure,
     Row,
-    Samples,
     Signals,
 )
 from klrl.loop.program import Program
 from klrl.loop.reliability import StopSignals
+from klrl.loop.samples import SampleLog, Samples
 from klrl.rewards.host import RewardFunctionError
-from klrl.step.samples import SampleLog
 
 
 def _cfg(**train: Any) -> RunConfig:

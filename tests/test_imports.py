@@ -30,7 +30,7 @@ _TABLE = {
     "io": "config distributed",
     "rewards": "registry config data models io",
     "tasks": "registry config data algo models rewards",
-    "step": "registry config algo models distributed io rewards tasks",
+    "step": "registry config algo models distributed rewards tasks",
     "analysis": "registry config io",
     "loop": "registry config algo models distributed io rewards tasks step",
     "api": "config algo models distributed io rewards tasks step analysis loop",

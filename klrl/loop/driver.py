@@ -61,17 +61,16 @@ from klrl.loop.hooks import (
     Rejected,
     RewardFailure,
     Row,
-    Samples,
     Signals,
 )
 from klrl.loop.hostmem import release_freed_memory
 from klrl.loop.metrics import alias_map, learning_rates, member_row
 from klrl.loop.program import Program
+from klrl.loop.samples import Samples, pop_samples
 from klrl.loop.stops import skips_message
 from klrl.loop.trackers import WandbTracker
 from klrl.loop.user import MetricFns
 from klrl.rewards.host import RewardFunctionError
-from klrl.step.samples import pop_samples
 
 __all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
 

@@ -10,7 +10,8 @@ everything else is a hook, each a small class with ``on_step(loop, row)`` (a row
   ``train.metric_aliases``), ``timing.jsonl`` (the wall time between two steps' outputs becoming
   ready, :class:`ReadyTimes`) and the ``on_step`` callback;
 * :class:`ReadyTimes`: when each step's outputs became ready (a watcher thread, no host sync added);
-* :class:`Samples`: the decoded samples (:class:`klrl.step.samples.SampleLog`);
+* :class:`~klrl.loop.samples.Samples` (in :mod:`klrl.loop.samples`, beside the decoding it
+  drives): the decoded samples;
 * :class:`ProgressLine`: the tqdm bar or the plain progress lines;
 * :class:`KLSignNote`: one note when the penalised KL estimate's batch mean is negative and the exact
   KL positive (k1's noise at a small batch);
@@ -55,7 +56,6 @@ from klrl.loop.stops import (
     reward_failure,
     rollback_message,
 )
-from klrl.step.samples import SampleLog, due
 
 
 @dataclass
@@ -115,6 +115,12 @@ class Row:
     members: list[dict[str, float]]
     samples: dict[str, Any] = field(default_factory=dict)
     ready: float | None = None
+
+
+def due(iteration: int, every: int, iterations: int) -> bool:
+    """The cadence of the samples (:class:`klrl.loop.samples.Samples`) and the held-out evaluation
+    (:class:`HeldOut`): iteration 0, every ``every`` iterations and the last one (``every <= 0``: never)."""
+    return every > 0 and (iteration % every == 0 or iteration == iterations - 1)
 
 
 class Hook:
@@ -281,30 +287,6 @@ class MetricsSink(Hook):
         fault.point("row-after", row.it)
         if self.callback is not None and loop.main:
             self.callback(row.it, latest(loop.rows, loop.stacked))
-
-
-class Samples(Hook):
-    """The step's samples, decoded and written every ``train.samples_every`` iterations (None: off)."""
-
-    def __init__(self, log: SampleLog | None):
-        self.log = log
-
-    @classmethod
-    def of(cls, loop: Loop) -> Samples:
-        """For a writing process 0 whose task has a tokenizer and ``train.samples_every > 0``."""
-        prog, tc = loop.prog, loop.configs[0].train
-        if not loop.writers or prog.tokenizer is None or tc.samples_every <= 0:
-            return cls(None)
-        return cls(SampleLog(prog.tokenizer, loop.dirs, loop.writers, tc.samples_every, tc.iterations,
-                             prog.prompt_texts))  # fmt: skip
-
-    def on_step(self, loop: Loop, row: Row) -> None:
-        if self.log is not None:
-            self.log.write(row.it, row.samples, loop.stacked)
-
-    def on_stop(self, loop: Loop) -> None:
-        if self.log is not None:
-            self.log.close()
 
 
 class ProgressLine(Hook):
