@@ -34,7 +34,7 @@ import jax
 from klrl import distributed
 from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import Progress, new_run_dir
+from klrl.io.logging import new_run_dir
 from klrl.io.results import RunResult, varying_fields
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
@@ -241,7 +241,7 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
                         rollback.base_meta, last_saved)  # fmt: skip
     loop.t0 = time.time()
     quiet = tc.quiet or not loop.main
-    progress = ProgressLine(Progress(tc.iterations, tc.log_every, quiet, start=loop.start))
+    progress = ProgressLine.of(tc.iterations, tc.log_every, quiet, loop.start)
     loop.lrs = learning_rates(loop.state, n)  # (read before the first step donates the state)
     signals = Signals(guard.signals if guard is not None else None, log)
     sink = MetricsSink(alias_map(tc.metric_aliases), on_step)

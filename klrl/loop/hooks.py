@@ -2,25 +2,39 @@
 
 The driver steps the program and records each step's row (one step late, see :mod:`klrl.loop.driver`);
 everything else is a hook, each a small class with ``on_step(loop, row)`` (a row was recorded) and
-``on_stop(loop)`` (the loop ended, on every way out), in the manner of Levanter's ``Trainer.add_hook``:
+``on_stop(loop)`` (the loop ended, on every way out), in the manner of Levanter's ``Trainer.add_hook``.
+Each output has one owner, which holds its file and the keys it shows:
 
-* :class:`Checkpoints`: the whole (stacked) state every ``train.checkpoint_every`` iterations and at
-  the end (``every=``), its metadata, where the last one is (:meth:`Checkpoints.where_saved`);
-* :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard event file of each member (with
-  ``train.metric_aliases``), ``timing.jsonl`` (the wall time between two steps' outputs becoming
-  ready, :class:`ReadyTimes`) and the ``on_step`` callback;
+* :class:`Checkpoints`: ``checkpoints/`` (the whole, stacked, state every ``train.checkpoint_every``
+  iterations and at the end, ``every=``) and each checkpoint's metadata (the config, the rows so far,
+  the rollback reference); where the last one is (:meth:`Checkpoints.where_saved`);
+* :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard scalars of each member (every key of the
+  row, and ``train.metric_aliases``' names in the event file only), ``timing.jsonl``
+  (``train/iteration_s``, ``perf/tokens_per_s``: :func:`klrl.loop.metrics.timings`, the wall time
+  between two steps' outputs becoming ready, :class:`ReadyTimes`) and the ``on_step`` callback; at the
+  end :func:`klrl.loop.files.results` closes its writers with the HParams dashboard's final values
+  (:data:`klrl.loop.metrics.FINAL_KEYS`) and writes ``summary.json``
+  (:data:`klrl.io.results.SUMMARY_KEYS`, :meth:`klrl.io.results.RunResult.summary`);
 * :class:`ReadyTimes`: when each step's outputs became ready (a watcher thread, no host sync added);
-* :class:`~klrl.loop.samples.Samples` (in :mod:`klrl.loop.samples`, beside the decoding it
-  drives): the decoded samples;
-* :class:`ProgressLine`: the tqdm bar or the plain progress lines;
-* :class:`KLSignNote`: one note when the penalised KL estimate's batch mean is negative and the exact
-  KL positive (k1's noise at a small batch);
-* :class:`QualityRollback`: the rollback metric's trace, its reference at iteration 0 and the rollback
-  itself (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
-* :class:`HeldOut`: the held-out evaluation of the state before a step, merged into that row;
+* :class:`~klrl.loop.samples.Samples` (in :mod:`klrl.loop.samples`, beside the decoding it drives):
+  ``samples.jsonl`` and TensorBoard's ``samples/text`` (the step's ``_samples/*`` rows, decoded);
+* :class:`ProgressLine`: the tqdm bar or the plain progress lines on stdout, showing
+  :attr:`ProgressLine.KEYS` (a sweep's: member means and beta's range, :func:`sweep_progress`);
+* :class:`KLSignNote`: one note in the log when the penalised KL estimate's batch mean
+  (``kl/reward_<est>_seq_sum``) is negative and the exact KL (``kl/exact_seq_sum``) positive (k1's
+  noise at a small batch);
+* :class:`QualityRollback`: the ``train.rollback_metric`` trace, its reference at iteration 0 and the
+  rollback itself, which moves the rows after it to ``metrics.rolled_back.jsonl`` and
+  ``samples.rolled_back.jsonl`` (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
+* :class:`HeldOut`: the held-out evaluation of the state before a step, its ``eval/heldout/*`` keys
+  (:mod:`klrl.step.evaluate`) merged into that row;
 * :class:`RewardFailure`: a host reward function that failed (on a row the guard rejected, or in the
   held-out evaluation) ends the run with the last good state saved;
 * :class:`Signals`: SIGTERM/SIGINT (:class:`klrl.loop.reliability.StopSignals`), polled by the driver.
+
+Beside them: :class:`klrl.loop.trackers.WandbTracker` (``log.wandb``: W&B) and
+:class:`klrl.loop.user.MetricFns` (``train.metric_fns``: the ``user/*`` keys) and ``train.hooks``
+(:mod:`klrl.loop.user`). :func:`due` is the cadence the samples and the held-out evaluation share.
 
 :class:`Loop` is the state they share (the train state, the rows, the iteration, how the run ended);
 :class:`Row` is one recorded row as the hooks see it.
@@ -43,7 +57,7 @@ import numpy as np
 from klrl import distributed
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import MetricsWriter, Progress, sweep_progress
+from klrl.io.logging import MetricsWriter, Progress
 from klrl.loop import fault, frozen, reliability
 from klrl.loop.files import move_rolled_back
 from klrl.loop.metrics import latest, learning_rates, timings, with_aliases
@@ -289,11 +303,41 @@ class MetricsSink(Hook):
             self.callback(row.it, latest(loop.rows, loop.stacked))
 
 
+def sweep_progress(metrics: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """What a sweep's progress line shows of stacked metrics (a member axis first): the member mean of
+    each metric but beta, whose range across members is the text (``beta 0.01..1 (4 members, mean)``)."""
+    arrays = {k: np.asarray(v, float).reshape(-1) for k, v in metrics.items()}
+    n = len(next(iter(arrays.values()))) if arrays else 0
+    means = {k: float(np.mean(v)) for k, v in arrays.items() if k != "ctrl/beta"}
+    text = f"({n} members, mean)"
+    if "ctrl/beta" in arrays:
+        b = arrays["ctrl/beta"]
+        lo, hi = float(np.min(b)), float(np.max(b))
+        text = (f"beta {lo:.3g}" if lo == hi else f"beta {lo:.3g}..{hi:.3g}") + " " + text
+    return means, text
+
+
 class ProgressLine(Hook):
-    """The progress bar (a terminal) or lines (``train.log_every``); a sweep's shows member means."""
+    """The progress bar (a terminal) or lines (``train.log_every``) showing :attr:`KEYS`; a sweep's
+    shows member means and the range of beta (:func:`sweep_progress`)."""
+
+    # (metric, label); a tuple of them: the first the row has. The KL shown is the exact one
+    # (``kl/exact_seq_sum``, logged with ``kl.exact_metric``), else the k1 sample estimate, which is
+    # negative at small KL; the label says which
+    KEYS = (
+        ("reward/task", "R"),
+        ("reward/gold", "gold"),
+        (("kl/exact_seq_sum", "KL/seq(exact)"), ("kl/k1_seq_sum", "KL/seq(k1)")),
+        ("ctrl/beta", "beta"),
+    )
 
     def __init__(self, progress: Progress):
         self.progress = progress
+
+    @classmethod
+    def of(cls, total: int, every: int, quiet: bool, start: int) -> ProgressLine:
+        """Over a :class:`~klrl.io.logging.Progress` of ``total`` iterations showing :attr:`KEYS`."""
+        return cls(Progress(total, every, quiet, start=start, keys=cls.KEYS))
 
     def on_step(self, loop: Loop, row: Row) -> None:
         if loop.stacked:
