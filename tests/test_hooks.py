@@ -475,6 +475,15 @@ def test_heldout_reward_failure_saves_the_state_as_it_is():
     assert loop.reward_stop == "nan reward (held-out evaluation); last good state: there"
 
 
+def test_the_reward_stop_is_raised_with_the_results():
+    loop = _loop([_cfg()])
+    RewardFailure.raise_stop(loop, ["r"])  # no reward stop: nothing raised
+    loop.reward_stop = "boom; last good state: there"
+    with pytest.raises(RewardFunctionError, match="^boom; last good state: there$") as e:
+        RewardFailure.raise_stop(loop, ["r"])
+    assert e.value.result == ["r"]
+
+
 # ---- signals -----------------------------------------------------------------------------------------
 
 

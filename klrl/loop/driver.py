@@ -70,7 +70,6 @@ from klrl.loop.samples import Samples, pop_samples
 from klrl.loop.stops import skips_message
 from klrl.loop.trackers import WandbTracker
 from klrl.loop.user import MetricFns
-from klrl.rewards.host import RewardFunctionError
 
 __all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
 
@@ -368,8 +367,5 @@ def _finish(loop: Loop, ckpts: Checkpoints) -> tuple[list[RunResult], str | None
             "checkpoint": ckpts.last_saved if ckpts.last_saved >= 0 else None}  # fmt: skip
     out = results(loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, loop.writers,
                   max(loop.i - 1, 0))  # fmt: skip
-    if loop.reward_stop is not None:
-        err = RewardFunctionError(loop.reward_stop)
-        err.result = out
-        raise err
+    RewardFailure.raise_stop(loop, out)
     return out, loop.stop_error

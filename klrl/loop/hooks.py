@@ -70,6 +70,7 @@ from klrl.loop.stops import (
     reward_failure,
     rollback_message,
 )
+from klrl.rewards.host import RewardFunctionError
 
 
 @dataclass
@@ -505,9 +506,12 @@ class Rejected:
 
 
 class RewardFailure(Hook):
-    """A host reward function that failed: on a row the guard rejected (``prog.reward_check``), the run
-    ends with the state (the last good parameters) saved as the state after the rows recorded; in the
-    held-out evaluation (``prog.heldout_check``), with the state as it is."""
+    """A host reward function that failed, end to end: :mod:`klrl.rewards.host` records the failure in
+    its callback; this hook asks for it (:meth:`rejected`, :meth:`heldout_error`), ends the run (on a
+    row the guard rejected, ``prog.reward_check``: with the state, the last good parameters, saved as
+    the state after the rows recorded, :meth:`stop`; in the held-out evaluation,
+    ``prog.heldout_check``: with the state as it is, :meth:`heldout_stop`) and, once the results are
+    written, raises it (:meth:`raise_stop`); the command line turns the error into one line."""
 
     def __init__(self, prog: Program):
         self.check, self.heldout_check = prog.reward_check, prog.heldout_check
@@ -539,3 +543,12 @@ class RewardFailure(Hook):
         ``loop.state`` is the state after ``loop.recorded`` updates."""
         ckpts.save(loop, loop.recorded)
         loop.reward_stop = f"{err} (held-out evaluation); last good state: {ckpts.where_saved()}"
+
+    @staticmethod
+    def raise_stop(loop: Loop, results: Any) -> None:
+        """Raise :class:`~klrl.rewards.host.RewardFunctionError` (``.result``: ``results``) if a reward
+        failure stopped the run (``loop.reward_stop``)."""
+        if loop.reward_stop is not None:
+            err = RewardFunctionError(loop.reward_stop)
+            err.result = results
+            raise err
