@@ -26,13 +26,12 @@ from klrl.loop.hooks import (
     Rejected,
     RewardFailure,
     Row,
-    Samples,
     Signals,
 )
 from klrl.loop.program import Program
 from klrl.loop.reliability import StopSignals
+from klrl.loop.samples import SampleLog, Samples
 from klrl.rewards.host import RewardFunctionError
-from klrl.step.samples import SampleLog
 
 
 def _cfg(**train: Any) -> RunConfig:
@@ -474,6 +473,15 @@ def test_heldout_reward_failure_saves_the_state_as_it_is():
     h.heldout_stop(loop, ck, err)
     assert ck.calls == [("save", 3, "s")]  # the state after the rows recorded
     assert loop.reward_stop == "nan reward (held-out evaluation); last good state: there"
+
+
+def test_the_reward_stop_is_raised_with_the_results():
+    loop = _loop([_cfg()])
+    RewardFailure.raise_stop(loop, ["r"])  # no reward stop: nothing raised
+    loop.reward_stop = "boom; last good state: there"
+    with pytest.raises(RewardFunctionError, match="^boom; last good state: there$") as e:
+        RewardFailure.raise_stop(loop, ["r"])
+    assert e.value.result == ["r"]
 
 
 # ---- signals -----------------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ _TABLE = {
     "io": "config distributed",
     "rewards": "registry config data models io",
     "tasks": "registry config data algo models rewards",
-    "step": "registry config algo models distributed io rewards tasks",
+    "step": "registry config algo models distributed rewards tasks",
     "analysis": "registry config io",
-    "loop": "registry config algo models distributed io rewards tasks step analysis",
+    "loop": "registry config algo models distributed io rewards tasks step",
     "api": "config algo models distributed io rewards tasks step analysis loop",
     "cli": "config data algo models distributed io rewards tasks analysis loop api",
 }
@@ -296,11 +296,18 @@ def test_imports_inside_functions_are_optional_dependencies_or_the_cli():
 def test_results_reads_runs_without_the_training_stack():
     """A run directory is read back with NumPy: klrl.analysis.results and everything it imports stay
     within config, io and the registry, and none of them imports jax, orbax, TensorBoard or matplotlib
-    at module level (so plots, the report and a notebook load runs without building anything)."""
+    at module level (so plots, the report and a notebook load runs without building anything). The
+    run-result type is klrl.io.results (the run loop builds results with it, below analysis); the
+    reader adds load_run and load_sweep on top of it."""
     edges, files, packages = graph(), _sources(), _packages()
     reached = closure(edges, "klrl.analysis.results")
     assert {layer(m, packages) for m in reached} <= {"analysis", "config", "io", "registry"}, reached
     assert [m for m in reached if layer(m, packages) == "analysis"] == ["klrl.analysis.results"]
+    assert {"klrl.io.results", "klrl.io.readers"} <= reached, reached
+    typed = closure(edges, "klrl.io.results")
+    assert {m for m in typed if layer(m, packages) == "io"} == {"klrl.io.results"}, typed
+    # io.results imports the config (which imports the registry) and nothing else
+    assert {layer(m, packages) for m in typed} == {"io", "config", "registry"}, typed
     heavy = {"jax", "flax", "optax", "orbax", "tensorboardX", "matplotlib"}
     for m in reached:
         for node, inner in _statements(ast.parse(files[m].read_text())):

@@ -6,6 +6,8 @@ import json
 import logging
 import math
 
+from klrl.loop.hooks import ProgressLine  # the keys the run loop's progress line shows
+
 
 def test_nonfinite_metrics_are_written_without_warnings(tmp_path, caplog):
     from klrl.io.logging import MetricsWriter
@@ -67,7 +69,7 @@ def test_progress_lines_when_not_a_tty(monkeypatch):
     clock = iter([0.0, 100.0, 101.0, 102.0])  # t0; the first update after a 100 s compile; 1 s each
     monkeypatch.setattr(L.time, "time", lambda: next(clock))
     out = io.StringIO()
-    p = L.Progress(10, every=1, stream=out, start=5)
+    p = L.Progress(10, every=1, stream=out, start=5, keys=ProgressLine.KEYS)
     for i in (5, 6, 7):
         p.update(i, {"reward/task": 0.5, "ctrl/beta": 0.1})
     lines = out.getvalue().splitlines()
@@ -81,7 +83,7 @@ def test_progress_shows_the_exact_kl_where_logged_and_says_which():
     from klrl.io import logging as L
 
     out = io.StringIO()
-    p = L.Progress(10, every=1, stream=out)
+    p = L.Progress(10, every=1, stream=out, keys=ProgressLine.KEYS)
     # the exact KL (+0.017) where the step computes it, not the k1 estimate (-0.10, negative at small KL)
     p.update(0, {"reward/task": 0.5, "kl/k1_seq_sum": -0.1, "kl/exact_seq_sum": 0.017, "ctrl/beta": 0.1})
     p.update(1, {"kl/k1_seq_sum": 0.25})  # kl.exact_metric off: k1, labelled so
@@ -95,7 +97,7 @@ def test_progress_shows_the_exact_kl_where_logged_and_says_which():
 def test_sweep_progress_shows_the_range_of_beta():
     import numpy as np
 
-    from klrl.io.logging import sweep_progress
+    from klrl.loop.hooks import sweep_progress
 
     means, text = sweep_progress(
         {"ctrl/beta": np.array([0.1, 0.01, 1.0]), "reward/task": np.array([1.0, 2, 3])}
@@ -115,7 +117,7 @@ def test_progress_bar_on_a_terminal():
             return True
 
     out = Tty()
-    p = Progress(3, stream=out)
+    p = Progress(3, stream=out, keys=ProgressLine.KEYS)
     for i in range(3):
         p.update(i, {"reward/task": 0.25})
     text = out.getvalue()

@@ -90,7 +90,7 @@ def _word_tok():
 
 
 def test_decode_rows_hand_values() -> None:
-    from klrl.step.samples import decode_rows
+    from klrl.loop.samples import decode_rows
 
     rows = {
         "prompt": np.array([[0, 5, 4], [0, 0, 3]]),
@@ -115,7 +115,7 @@ def test_decode_rows_hand_values() -> None:
 
 
 def test_due_first_every_and_last() -> None:
-    from klrl.step.samples import due
+    from klrl.loop.hooks import due
 
     assert [i for i in range(25) if due(i, 10, 25)] == [0, 10, 20, 24]
     assert [i for i in range(3) if due(i, 10, 3)] == [0, 2]

@@ -6,9 +6,10 @@ A *setting* is a config up to ``train.seed`` (and the fields that only name a ru
 the mean over seeds and the 95% Student-t interval of that mean,
 ``mean +- t_{0.975, n-1} * s / sqrt(n)`` (``s`` the sample standard deviation, ``ddof=1``; no
 interval for ``n < 2``). "Final" values are trailing-window means: the mean of the finite values
-over the last ``w`` iterations. The functions take anything with ``.config`` (a
-:class:`~klrl.config.run.RunConfig`) and ``.metrics`` (``{name: array over iterations}``), i.e. a
-``RunResult``, so this module imports no run code.
+over the last ``w`` iterations (:func:`tail_mean`, defined beside the run-result type in
+:mod:`klrl.io.results`, which the run loop's final metrics use too). The functions take anything
+with ``.config`` (a :class:`~klrl.config.run.RunConfig`) and ``.metrics`` (``{name: array over
+iterations}``), i.e. a ``RunResult``, so this module imports no run code.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from klrl.io.results import finite_mean, tail_mean
 from klrl.registry import CONTROLLERS
 
 LEVEL = 0.95
@@ -132,11 +134,6 @@ def stack(arrays: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def _finite_mean(v: np.ndarray) -> float:
-    ok = np.isfinite(v)
-    return float(v[ok].mean()) if ok.any() else np.nan
-
-
 def trailing_mean(v: Any, w: int) -> np.ndarray:
     """``out[i]`` = mean of the finite values among ``v[max(0, i - w + 1) : i + 1]`` (NaN if none)."""
     v = np.asarray(v, float)
@@ -150,12 +147,6 @@ def trailing_mean(v: Any, w: int) -> np.ndarray:
         return np.where(cnt > 0, (c[hi] - c[lo]) / np.maximum(cnt, 1), np.nan)
 
 
-def tail_mean(v: Any, w: int) -> float:
-    """The final value of a run: the mean of the finite values over its last ``w`` iterations."""
-    v = np.asarray(v, float)
-    return _finite_mean(v[-max(int(w), 1) :]) if len(v) else np.nan
-
-
 def window_means(v: Any, w: int) -> tuple[np.ndarray, np.ndarray]:
     """``(ends, means)``: means over the non-overlapping ``w``-iteration windows ending at
     ``ends = ..., N - 1 - w, N - 1`` (aligned on the last iteration, so the last mean is
@@ -163,7 +154,7 @@ def window_means(v: Any, w: int) -> tuple[np.ndarray, np.ndarray]:
     v = np.asarray(v, float)
     w = max(int(w), 1)
     ends = np.arange(len(v) - 1, w - 2, -w)[::-1]
-    return ends, np.array([_finite_mean(v[e - w + 1 : e + 1]) for e in ends])
+    return ends, np.array([finite_mean(v[e - w + 1 : e + 1]) for e in ends])
 
 
 # ---- Gao et al. (2023) ---------------------------------------------------------------------------

@@ -1,72 +1,47 @@
 """What a run leaves, read back: :class:`RunResult`, :func:`load_run`, :func:`load_sweep`.
 
-A leaf module (it imports only the config and the metrics-file reader), so the run loop, the
-sweep, the plots and the report all read results without importing each other.
+A leaf module (it imports only the config, the metrics-file reader and the run-result type of
+:mod:`klrl.io.results`, whose names it also gives: :class:`RunResult`, :func:`columns`,
+:func:`to_frame`, :func:`member_names`, :func:`sweep_axes`, :func:`varying_fields`,
+:data:`SUMMARY_KEYS`, :data:`LEGACY_NAMES`), so the run loop, the sweep, the plots and the report all
+read results without importing each other.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from klrl.config import RunConfig
 from klrl.io import readers
+from klrl.io.results import (
+    LEGACY_NAMES,
+    MAX_NAME,
+    SUMMARY_KEYS,
+    RunResult,
+    columns,
+    member_names,
+    sweep_axes,
+    to_frame,
+    varying_fields,
+)
 from klrl.registry import is_adaptive
 
-SUMMARY_KEYS = (
-    "reward/task",
-    "kl/k1_seq_sum",
-    "kl/k1_seq_token_mean",
-    "kl/exact_seq_sum",
-    "ctrl/beta",
-    "response/length",
-)
-
-
-@dataclass
-class RunResult:
-    """What a run leaves: ``metrics[name]`` is a NumPy array over iterations."""
-
-    config: RunConfig
-    dir: Path | None
-    metrics: dict[str, np.ndarray]
-    state: Any = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def to_frame(self, metrics: list[str] | None = None) -> Any:
-        """See :func:`to_frame`."""
-        return to_frame(self, metrics)
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        out = {}
-        for k in SUMMARY_KEYS:
-            if k in self.metrics and len(self.metrics[k]):
-                v = self.metrics[k]
-                n = max(1, min(5, len(v) // 5))
-                out[k] = {"start": float(np.mean(v[:n])), "end": float(np.mean(v[-n:]))}
-        return out
-
-
-# metric names of runs stored before issue 12 -> today's names (same values; read by :func:`columns`)
-LEGACY_NAMES = {
-    "kl/seq_sum": "kl/k1_seq_sum",
-    "kl/token_mean": "kl/k1_seq_token_mean",
-    "eval/oracle_ppl": "eval/oracle_ppl_floored",
-    "eval/oracle_impossible_frac": "eval/oracle_floored_frac",
-}
-
-
-def columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Metric rows -> ``{name: array over iterations}``; a name missing from a row is NaN there.
-    Legacy names (:data:`LEGACY_NAMES`) are read under today's name (a row's own value first: a run
-    resumed across the rename has both, row by row)."""
-    keys = list(dict.fromkeys(LEGACY_NAMES.get(k, k) for r in rows for k in r if k != "iteration"))
-    old = {v: k for k, v in LEGACY_NAMES.items()}
-    return {k: np.array([float(r.get(k, r.get(old.get(k, k), np.nan))) for r in rows]) for k in keys}
+__all__ = [
+    "LEGACY_NAMES",
+    "MAX_NAME",
+    "SUMMARY_KEYS",
+    "RunResult",
+    "Sweep",
+    "columns",
+    "load_run",
+    "load_sweep",
+    "member_names",
+    "sweep_axes",
+    "to_frame",
+    "varying_fields",
+]
 
 
 def load_run(run_dir: str | Path) -> RunResult:
@@ -91,32 +66,6 @@ class Sweep(list):
         return to_frame(self, metrics)
 
 
-def to_frame(results: RunResult | list[RunResult], metrics: list[str] | None = None) -> Any:
-    """A long pandas DataFrame of runs: one row per (member, iteration, metric) with columns
-    ``member`` (the member's directory name, else ``member-XX``), ``iteration``, ``metric``,
-    ``value``, and one column per config field that differs between the runs (``kl.beta``, ...).
-    ``metrics`` keeps only those names. Needs pandas (an optional dependency)."""
-    try:
-        import pandas as pd
-    except ImportError as e:  # pragma: no cover - pandas is installed in the test environment
-        raise ImportError("klrl.analysis.results.to_frame needs pandas: pip install pandas") from e
-    runs = [results] if isinstance(results, RunResult) else list(results)
-    vary = [a for a in varying_fields([r.config for r in runs]) if a != "train.name"]
-    parts = []
-    for j, r in enumerate(runs):
-        member = r.dir.name if r.dir is not None else f"member-{j:02d}"
-        for k, v in r.metrics.items():
-            if metrics is not None and k not in metrics:
-                continue
-            v = np.asarray(v, float)
-            cols = {"member": member, "iteration": np.arange(len(v)), "metric": k, "value": v}
-            cols.update({a: [_get(r.config, a)] * len(v) for a in vary})
-            parts.append(pd.DataFrame(cols))
-    if not parts:
-        return pd.DataFrame(columns=["member", "iteration", "metric", "value", *vary])
-    return pd.concat(parts, ignore_index=True)
-
-
 def load_sweep(sweep_dir: str | Path) -> Sweep:
     """Read a sweep from disk: one :class:`RunResult` per member (config and metrics; no state).
 
@@ -125,58 +74,3 @@ def load_sweep(sweep_dir: str | Path) -> Sweep:
     """
     d = Path(sweep_dir)
     return Sweep(load_run(d / n) for n in readers.read_sweep_members(d))
-
-
-def _get(cfg: RunConfig, dotted: str) -> Any:
-    section, name = dotted.split(".", 1)
-    return getattr(getattr(cfg, section), name)
-
-
-def varying_fields(configs: list[RunConfig]) -> list[str]:
-    """The ``section.field`` names whose values differ between ``configs``, sorted."""
-    dicts = [c.to_dict() for c in configs]
-    if not dicts:
-        return []
-    first = dicts[0]
-    return sorted(
-        f"{s}.{k}"
-        for s, fields in first.items()
-        for k, v in fields.items()
-        if any(d[s][k] != v for d in dicts[1:])
-    )
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
-MAX_NAME = 120
-
-
-def _value_text(v: Any) -> str:
-    return repr(v) if isinstance(v, float) else str(v)
-
-
-def member_names(configs: list[RunConfig]) -> list[str]:
-    """A sweep's member directory names after the swept values, ``kl.beta=0.1,train.seed=1``
-    (fields in sorted order, ``train.name`` left out; characters other than ``A-Za-z0-9._=,+-``
-    become ``_``); ``member-XX`` when no field differs, when two names would be equal or when one
-    would be longer than ``MAX_NAME`` characters."""
-    axes = [a for a in varying_fields(configs) if a != "train.name"]
-    fallback = [f"member-{j:02d}" for j in range(len(configs))]
-    if not axes:
-        return fallback
-    names = [_UNSAFE.sub("_", ",".join(f"{a}={_value_text(_get(c, a))}" for a in axes)) for c in configs]
-    if len(set(names)) < len(names) or any(len(n) > MAX_NAME for n in names):
-        return fallback
-    return names
-
-
-def sweep_axes(configs: list[RunConfig]) -> dict[str, list[Any]]:
-    """``{'section.field': [distinct values, in member order]}`` of the fields that differ."""
-    out: dict[str, list[Any]] = {}
-    for a in varying_fields(configs):
-        vals: list[Any] = []
-        for c in configs:
-            v = _get(c, a)
-            if v not in vals:
-                vals.append(v)
-        out[a] = vals
-    return out

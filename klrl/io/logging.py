@@ -21,10 +21,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 from tqdm import tqdm
@@ -212,39 +212,18 @@ def _fmt_s(s: float | None) -> str:
     )
 
 
-def sweep_progress(metrics: dict[str, Any]) -> tuple[dict[str, float], str]:
-    """What a sweep's progress line shows of stacked metrics (a member axis first): the member mean of
-    each metric but beta, whose range across members is the text (``beta 0.01..1 (4 members, mean)``)."""
-    arrays = {k: np.asarray(v, float).reshape(-1) for k, v in metrics.items()}
-    n = len(next(iter(arrays.values()))) if arrays else 0
-    means = {k: float(np.mean(v)) for k, v in arrays.items() if k != "ctrl/beta"}
-    text = f"({n} members, mean)"
-    if "ctrl/beta" in arrays:
-        b = arrays["ctrl/beta"]
-        lo, hi = float(np.min(b)), float(np.max(b))
-        text = (f"beta {lo:.3g}" if lo == hi else f"beta {lo:.3g}..{hi:.3g}") + " " + text
-    return means, text
-
-
 class Progress:
     """Progress with ETA: a tqdm bar on a terminal, plain lines every ``every`` iterations otherwise.
 
     The ETA (:func:`eta_seconds`) is timed from the first :meth:`update` (the first step returned,
     so after the compile) and counts only the iterations this process runs (``start``: those done
-    before a resume)."""
+    before a resume). ``keys``: what a line shows, each entry ``(metric, label)`` or a tuple of them
+    (the first the row has); the run loop's are :attr:`klrl.loop.hooks.ProgressLine.KEYS`."""
 
-    # (metric, label); a tuple of them: the first the row has. The KL shown is the exact one
-    # (``kl/exact_seq_sum``, logged with ``kl.exact_metric``), else the k1 sample estimate, which is
-    # negative at small KL; the label says which
-    KEYS = (
-        ("reward/task", "R"),
-        ("reward/gold", "gold"),
-        (("kl/exact_seq_sum", "KL/seq(exact)"), ("kl/k1_seq_sum", "KL/seq(k1)")),
-        ("ctrl/beta", "beta"),
-    )
-
-    def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None, start: int = 0):
+    def __init__(self, total: int, every: int = 1, quiet: bool = False, stream: Any = None, start: int = 0,
+                 keys: Sequence[Any] = ()):  # fmt: skip
         self.total, self.every, self.quiet, self.start = total, max(int(every), 1), quiet, start
+        self.keys = tuple(keys)
         self.stream = stream or sys.stdout
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.time()
@@ -252,8 +231,8 @@ class Progress:
         self._bar: Any = None
 
     def line(self, done: int, metrics: dict[str, Any], extra: str, eta: float | None) -> str:
-        shown = []  # (metric, label): the first of each KEYS entry the row has
-        for key in self.KEYS:
+        shown = []  # (metric, label): the first of each ``keys`` entry the row has
+        for key in self.keys:
             choices = key if isinstance(key[0], tuple) else (key,)
             shown += [c for c in choices if c[0] in metrics][:1]
         vals = " ".join(f"{n} {float(metrics[k]):.4g}" for k, n in shown)

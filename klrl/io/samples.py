@@ -9,8 +9,8 @@ loses at most a torn last line, which :func:`read_samples` skips.
 
 Read back: :func:`samples` (``klrl.samples``: a run's or a sweep's samples as a pandas DataFrame,
 a list of dicts without pandas) and :func:`report_lines` (the report's samples section: the first
-and the last iteration side by side). The step's side (the rows it returns, their decoding and the
-writing) is :mod:`klrl.step.samples`.
+and the last iteration side by side). The step's side (the rows it returns) is :mod:`klrl.step.samples`,
+their decoding and the writing :mod:`klrl.loop.samples`.
 """
 
 from __future__ import annotations

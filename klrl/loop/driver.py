@@ -32,10 +32,10 @@ from typing import Any
 import jax
 
 from klrl import distributed
-from klrl.analysis.results import RunResult, varying_fields
 from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import Progress, new_run_dir
+from klrl.io.logging import new_run_dir
+from klrl.io.results import RunResult, varying_fields
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
 from klrl.loop import frozen, reliability
@@ -61,17 +61,15 @@ from klrl.loop.hooks import (
     Rejected,
     RewardFailure,
     Row,
-    Samples,
     Signals,
 )
 from klrl.loop.hostmem import release_freed_memory
 from klrl.loop.metrics import alias_map, learning_rates, member_row
 from klrl.loop.program import Program
+from klrl.loop.samples import Samples, pop_samples
 from klrl.loop.stops import skips_message
 from klrl.loop.trackers import WandbTracker
 from klrl.loop.user import MetricFns
-from klrl.rewards.host import RewardFunctionError
-from klrl.step.samples import pop_samples
 
 __all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
 
@@ -242,7 +240,7 @@ def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliabilit
                         rollback.base_meta, last_saved)  # fmt: skip
     loop.t0 = time.time()
     quiet = tc.quiet or not loop.main
-    progress = ProgressLine(Progress(tc.iterations, tc.log_every, quiet, start=loop.start))
+    progress = ProgressLine.of(tc.iterations, tc.log_every, quiet, loop.start)
     loop.lrs = learning_rates(loop.state, n)  # (read before the first step donates the state)
     signals = Signals(guard.signals if guard is not None else None, log)
     sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
@@ -369,8 +367,5 @@ def _finish(loop: Loop, ckpts: Checkpoints) -> tuple[list[RunResult], str | None
             "checkpoint": ckpts.last_saved if ckpts.last_saved >= 0 else None}  # fmt: skip
     out = results(loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, loop.writers,
                   max(loop.i - 1, 0))  # fmt: skip
-    if loop.reward_stop is not None:
-        err = RewardFunctionError(loop.reward_stop)
-        err.result = out
-        raise err
+    RewardFailure.raise_stop(loop, out)
     return out, loop.stop_error

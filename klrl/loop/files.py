@@ -14,11 +14,11 @@ from typing import Any
 
 import jax
 
-from klrl.analysis.results import RunResult, columns, member_names, sweep_axes
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
 from klrl.io.logging import MetricsWriter, hparams_of
+from klrl.io.results import RunResult, columns, member_names, sweep_axes
 from klrl.io.resume import Resume, complete_lines, replace_file
 from klrl.io.samples import trim_samples
 from klrl.loop.metrics import final_metrics
@@ -29,7 +29,7 @@ SAMPLES_ROLLED_BACK = "samples.rolled_back.jsonl"
 
 def member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: bool = False) -> list[Path]:
     """A run's directory, or a sweep's member directories: after the swept values
-    (:func:`klrl.analysis.results.member_names`) for a new sweep, those ``sweep.json`` lists for an
+    (:func:`klrl.io.results.member_names`) for a new sweep, those ``sweep.json`` lists for an
     ``existing`` one (older sweeps: ``member-XX``)."""
     if not stacked:
         return [root]

@@ -2,24 +2,39 @@
 
 The driver steps the program and records each step's row (one step late, see :mod:`klrl.loop.driver`);
 everything else is a hook, each a small class with ``on_step(loop, row)`` (a row was recorded) and
-``on_stop(loop)`` (the loop ended, on every way out), in the manner of Levanter's ``Trainer.add_hook``:
+``on_stop(loop)`` (the loop ended, on every way out), in the manner of Levanter's ``Trainer.add_hook``.
+Each output has one owner, which holds its file and the keys it shows:
 
-* :class:`Checkpoints`: the whole (stacked) state every ``train.checkpoint_every`` iterations and at
-  the end (``every=``), its metadata, where the last one is (:meth:`Checkpoints.where_saved`);
-* :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard event file of each member (with
-  ``train.metric_aliases``), ``timing.jsonl`` (the wall time between two steps' outputs becoming
-  ready, :class:`ReadyTimes`) and the ``on_step`` callback;
+* :class:`Checkpoints`: ``checkpoints/`` (the whole, stacked, state every ``train.checkpoint_every``
+  iterations and at the end, ``every=``) and each checkpoint's metadata (the config, the rows so far,
+  the rollback reference); where the last one is (:meth:`Checkpoints.where_saved`);
+* :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard scalars of each member (every key of the
+  row, and ``train.metric_aliases``' names in the event file only), ``timing.jsonl``
+  (``train/iteration_s``, ``perf/tokens_per_s``: :func:`klrl.loop.metrics.timings`, the wall time
+  between two steps' outputs becoming ready, :class:`ReadyTimes`) and the ``on_step`` callback; at the
+  end :func:`klrl.loop.files.results` closes its writers with the HParams dashboard's final values
+  (:data:`klrl.loop.metrics.FINAL_KEYS`) and writes ``summary.json``
+  (:data:`klrl.io.results.SUMMARY_KEYS`, :meth:`klrl.io.results.RunResult.summary`);
 * :class:`ReadyTimes`: when each step's outputs became ready (a watcher thread, no host sync added);
-* :class:`Samples`: the decoded samples (:class:`klrl.step.samples.SampleLog`);
-* :class:`ProgressLine`: the tqdm bar or the plain progress lines;
-* :class:`KLSignNote`: one note when the penalised KL estimate's batch mean is negative and the exact
-  KL positive (k1's noise at a small batch);
-* :class:`QualityRollback`: the rollback metric's trace, its reference at iteration 0 and the rollback
-  itself (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
-* :class:`HeldOut`: the held-out evaluation of the state before a step, merged into that row;
+* :class:`~klrl.loop.samples.Samples` (in :mod:`klrl.loop.samples`, beside the decoding it drives):
+  ``samples.jsonl`` and TensorBoard's ``samples/text`` (the step's ``_samples/*`` rows, decoded);
+* :class:`ProgressLine`: the tqdm bar or the plain progress lines on stdout, showing
+  :attr:`ProgressLine.KEYS` (a sweep's: member means and beta's range, :func:`sweep_progress`);
+* :class:`KLSignNote`: one note in the log when the penalised KL estimate's batch mean
+  (``kl/reward_<est>_seq_sum``) is negative and the exact KL (``kl/exact_seq_sum``) positive (k1's
+  noise at a small batch);
+* :class:`QualityRollback`: the ``train.rollback_metric`` trace, its reference at iteration 0 and the
+  rollback itself, which moves the rows after it to ``metrics.rolled_back.jsonl`` and
+  ``samples.rolled_back.jsonl`` (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
+* :class:`HeldOut`: the held-out evaluation of the state before a step, its ``eval/heldout/*`` keys
+  (:mod:`klrl.step.evaluate`) merged into that row;
 * :class:`RewardFailure`: a host reward function that failed (on a row the guard rejected, or in the
   held-out evaluation) ends the run with the last good state saved;
 * :class:`Signals`: SIGTERM/SIGINT (:class:`klrl.loop.reliability.StopSignals`), polled by the driver.
+
+Beside them: :class:`klrl.loop.trackers.WandbTracker` (``log.wandb``: W&B) and
+:class:`klrl.loop.user.MetricFns` (``train.metric_fns``: the ``user/*`` keys) and ``train.hooks``
+(:mod:`klrl.loop.user`). :func:`due` is the cadence the samples and the held-out evaluation share.
 
 :class:`Loop` is the state they share (the train state, the rows, the iteration, how the run ended);
 :class:`Row` is one recorded row as the hooks see it.
@@ -42,7 +57,7 @@ import numpy as np
 from klrl import distributed
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import MetricsWriter, Progress, sweep_progress
+from klrl.io.logging import MetricsWriter, Progress
 from klrl.loop import fault, frozen, reliability
 from klrl.loop.files import move_rolled_back
 from klrl.loop.metrics import latest, learning_rates, timings, with_aliases
@@ -55,7 +70,7 @@ from klrl.loop.stops import (
     reward_failure,
     rollback_message,
 )
-from klrl.step.samples import SampleLog, due
+from klrl.rewards.host import RewardFunctionError
 
 
 @dataclass
@@ -115,6 +130,12 @@ class Row:
     members: list[dict[str, float]]
     samples: dict[str, Any] = field(default_factory=dict)
     ready: float | None = None
+
+
+def due(iteration: int, every: int, iterations: int) -> bool:
+    """The cadence of the samples (:class:`klrl.loop.samples.Samples`) and the held-out evaluation
+    (:class:`HeldOut`): iteration 0, every ``every`` iterations and the last one (``every <= 0``: never)."""
+    return every > 0 and (iteration % every == 0 or iteration == iterations - 1)
 
 
 class Hook:
@@ -283,35 +304,41 @@ class MetricsSink(Hook):
             self.callback(row.it, latest(loop.rows, loop.stacked))
 
 
-class Samples(Hook):
-    """The step's samples, decoded and written every ``train.samples_every`` iterations (None: off)."""
-
-    def __init__(self, log: SampleLog | None):
-        self.log = log
-
-    @classmethod
-    def of(cls, loop: Loop) -> Samples:
-        """For a writing process 0 whose task has a tokenizer and ``train.samples_every > 0``."""
-        prog, tc = loop.prog, loop.configs[0].train
-        if not loop.writers or prog.tokenizer is None or tc.samples_every <= 0:
-            return cls(None)
-        return cls(SampleLog(prog.tokenizer, loop.dirs, loop.writers, tc.samples_every, tc.iterations,
-                             prog.prompt_texts))  # fmt: skip
-
-    def on_step(self, loop: Loop, row: Row) -> None:
-        if self.log is not None:
-            self.log.write(row.it, row.samples, loop.stacked)
-
-    def on_stop(self, loop: Loop) -> None:
-        if self.log is not None:
-            self.log.close()
+def sweep_progress(metrics: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """What a sweep's progress line shows of stacked metrics (a member axis first): the member mean of
+    each metric but beta, whose range across members is the text (``beta 0.01..1 (4 members, mean)``)."""
+    arrays = {k: np.asarray(v, float).reshape(-1) for k, v in metrics.items()}
+    n = len(next(iter(arrays.values()))) if arrays else 0
+    means = {k: float(np.mean(v)) for k, v in arrays.items() if k != "ctrl/beta"}
+    text = f"({n} members, mean)"
+    if "ctrl/beta" in arrays:
+        b = arrays["ctrl/beta"]
+        lo, hi = float(np.min(b)), float(np.max(b))
+        text = (f"beta {lo:.3g}" if lo == hi else f"beta {lo:.3g}..{hi:.3g}") + " " + text
+    return means, text
 
 
 class ProgressLine(Hook):
-    """The progress bar (a terminal) or lines (``train.log_every``); a sweep's shows member means."""
+    """The progress bar (a terminal) or lines (``train.log_every``) showing :attr:`KEYS`; a sweep's
+    shows member means and the range of beta (:func:`sweep_progress`)."""
+
+    # (metric, label); a tuple of them: the first the row has. The KL shown is the exact one
+    # (``kl/exact_seq_sum``, logged with ``kl.exact_metric``), else the k1 sample estimate, which is
+    # negative at small KL; the label says which
+    KEYS = (
+        ("reward/task", "R"),
+        ("reward/gold", "gold"),
+        (("kl/exact_seq_sum", "KL/seq(exact)"), ("kl/k1_seq_sum", "KL/seq(k1)")),
+        ("ctrl/beta", "beta"),
+    )
 
     def __init__(self, progress: Progress):
         self.progress = progress
+
+    @classmethod
+    def of(cls, total: int, every: int, quiet: bool, start: int) -> ProgressLine:
+        """Over a :class:`~klrl.io.logging.Progress` of ``total`` iterations showing :attr:`KEYS`."""
+        return cls(Progress(total, every, quiet, start=start, keys=cls.KEYS))
 
     def on_step(self, loop: Loop, row: Row) -> None:
         if loop.stacked:
@@ -479,9 +506,12 @@ class Rejected:
 
 
 class RewardFailure(Hook):
-    """A host reward function that failed: on a row the guard rejected (``prog.reward_check``), the run
-    ends with the state (the last good parameters) saved as the state after the rows recorded; in the
-    held-out evaluation (``prog.heldout_check``), with the state as it is."""
+    """A host reward function that failed, end to end: :mod:`klrl.rewards.host` records the failure in
+    its callback; this hook asks for it (:meth:`rejected`, :meth:`heldout_error`), ends the run (on a
+    row the guard rejected, ``prog.reward_check``: with the state, the last good parameters, saved as
+    the state after the rows recorded, :meth:`stop`; in the held-out evaluation,
+    ``prog.heldout_check``: with the state as it is, :meth:`heldout_stop`) and, once the results are
+    written, raises it (:meth:`raise_stop`); the command line turns the error into one line."""
 
     def __init__(self, prog: Program):
         self.check, self.heldout_check = prog.reward_check, prog.heldout_check
@@ -513,3 +543,12 @@ class RewardFailure(Hook):
         ``loop.state`` is the state after ``loop.recorded`` updates."""
         ckpts.save(loop, loop.recorded)
         loop.reward_stop = f"{err} (held-out evaluation); last good state: {ckpts.where_saved()}"
+
+    @staticmethod
+    def raise_stop(loop: Loop, results: Any) -> None:
+        """Raise :class:`~klrl.rewards.host.RewardFunctionError` (``.result``: ``results``) if a reward
+        failure stopped the run (``loop.reward_stop``)."""
+        if loop.reward_stop is not None:
+            err = RewardFunctionError(loop.reward_stop)
+            err.result = results
+            raise err

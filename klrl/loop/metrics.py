@@ -10,16 +10,15 @@ from typing import Any
 import numpy as np
 
 from klrl import distributed
-from klrl.analysis.aggregate import tail_mean
-from klrl.analysis.results import SUMMARY_KEYS
 from klrl.config import aliases
+from klrl.io.results import SUMMARY_KEYS, tail_mean
 
 FINAL_KEYS = (*SUMMARY_KEYS, "reward/gold", "eval/ref_ppl", "eval/oracle_ppl_floored", "eval/independent_ppl")
 
 
 def final_metrics(metrics: dict[str, np.ndarray], window: int) -> dict[str, float]:
     """The final value of each logged :data:`FINAL_KEYS` metric: the mean of its finite values over
-    the last ``window`` iterations (:func:`klrl.analysis.aggregate.tail_mean`); non-finite ones left out."""
+    the last ``window`` iterations (:func:`klrl.io.results.tail_mean`); non-finite ones left out."""
     out = {}
     for k in FINAL_KEYS:
         if k in metrics and len(metrics[k]):

@@ -28,7 +28,7 @@ class Program:
     # raises klrl.rewards.RewardFunctionError if a host reward function failed (called when an
     # iteration was rejected by the guard); None: the reward cannot fail that way
     reward_check: Callable[[], None] | None = None
-    tokenizer: Any = None  # decodes the step's ``_samples/*`` rows (klrl.step.samples)
+    tokenizer: Any = None  # decodes the step's ``_samples/*`` rows (klrl.loop.samples)
     prompt_texts: Any = None  # the prompt pool as text, if the task has it
     # (state, env) -> {name: scalar (or [members])}: the held-out evaluation (klrl.step.evaluate), run on the
     # state after i updates every data.eval_every iterations and merged into row i; None: off

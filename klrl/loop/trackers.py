@@ -26,9 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from klrl.analysis.results import RunResult, columns
-from klrl.loop.hooks import Hook, Loop, Row, Samples
+from klrl.io.results import RunResult, columns
+from klrl.loop.hooks import Hook, Loop, Row
 from klrl.loop.metrics import with_aliases
+from klrl.loop.samples import Samples
 
 TABLE_COLUMNS = ("iteration", "prompt", "completion", "reward", "kl_seq_sum", "kl_exact_seq_sum",
                  "ref_logprob", "length")  # fmt: skip

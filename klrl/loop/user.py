@@ -64,7 +64,7 @@ class MetricFns(Hook):
     def __init__(self, fns: Sequence[Callable] | dict[str, Callable], samples: Any = None):
         items = fns.items() if isinstance(fns, dict) else ((getattr(f, "__name__", "fn"), f) for f in fns)
         self.fns = list(items)
-        self.samples = samples  # the samples hook (klrl.loop.hooks.Samples) whose decoded rows fns get
+        self.samples = samples  # the samples hook (klrl.loop.samples.Samples) whose decoded rows fns get
 
     def on_step(self, loop: Loop, row: Row) -> None:
         decoded = _samples(getattr(self.samples, "log", None), row)

@@ -290,7 +290,7 @@ class Context:
     optimizer: optax.GradientTransformation
     n_dev: int
     log_target: bool = False  # log ``ctrl/target``: some run of this program has an adaptive controller
-    samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.step.samples)
+    samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.loop.samples)
     ref_init: Any = None  # the reference's own initial parameters (quantised, model.ref_quant), else None
     policy_adapters: Any = None  # the policy's initial adapters (model.adapter), None: fresh (B = 0)
 
