@@ -5,10 +5,12 @@ interleaved run (issue 38, item 7).
 
 One process builds the workload once, runs one rollout, scoring and advantage stage for its batch,
 then compiles, for every ``--remat`` mode, the update phase (``Train.phases.update``: epochs x
-minibatches, as the step runs it) and its two halves on their own: the gradient of one minibatch
-(``jax.grad`` of ``Train.loss``, policy and value model) and one optimiser step (clip, Adam, the
-update applied; the gradient a constant); and once the scoring phase, one forward of the policy over
-one minibatch, the reference's forward over the batch and the 1024 x 1024 fp32 matmul. It then times
+minibatches, as the step runs it; ``update`` with fresh outputs, ``update_donated`` with the
+parameters and Adam state donated, as the step donates them) and its two halves on their own: the
+gradient of one minibatch (``jax.grad`` of ``Train.loss``, policy and value model) and one optimiser
+step (clip, Adam, the update applied; the gradient a constant; ``opt_step`` fresh outputs,
+``opt_step_donated`` donated); and once the scoring phase, one forward of the policy over one
+minibatch, the reference's forward over the batch and the 1024 x 1024 fp32 matmul. It then times
 them round-robin, ``--rounds`` rounds (one call of each per round, medians reported), so that the
 ratios are read within one run on a machine whose speed drifts.
 
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="smollm2", choices=(*common.WORKLOADS, "smollm2-smoke"))
     ap.add_argument("--remat", default="block,dots,none", help="comma-separated model.remat modes")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians reported)")
-    ap.add_argument("--parts", default="update,grad,opt,score,fwd", help="what to time besides the matmul")
+    ap.add_argument("--parts", default="update,update_donated,grad,opt,score,fwd",
+                    help="what to time besides the matmul (update_donated: params and Adam state donated, "
+                    "as the step runs the update; opt: the optimiser step, plain and donated)")
     ap.add_argument("--profile", default="", help="trace one call of this part (e.g. 'grad_mb[block]')")
     args = ap.parse_args(argv)
     modes = args.remat.split(",")
@@ -139,14 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     beta_l = coefs(ctx, state)[1]
 
     fns: dict[str, tuple] = {}  # name -> (compiled, args)
+    feeds: dict[str, object] = {}  # name -> (args, output) -> the next call's args (donated parts)
 
-    def add(name, jitted, *a):
+    def add(name, jitted, *a, feed=None):
         t0 = time.perf_counter()
         c = jitted.lower(*a).compile()
         ca = c.cost_analysis()
         ca = ca[0] if isinstance(ca, list) else ca
         mem = c.memory_analysis()
         fns[name] = (c, a)
+        if feed is not None:
+            feeds[name] = feed
         info[name] = {
             "compile_s": time.perf_counter() - t0,
             "xla_flops": float(ca.get("flops", 0.0)),
@@ -174,6 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         c = tr.context
         if "update" in parts:
             add(f"update[{mode}]", common.build_phases(tr)["update"], state, batch)
+        if "update_donated" in parts:  # as the step runs it: parameters and Adam state donated
+            from jax.sharding import PartitionSpec
+
+            def upd(params, opt_state, rest, batch_, _ph=tr.phases):
+                return _ph.update(rest._replace(params=params, opt_state=opt_state), batch_)
+
+            spec = (PartitionSpec(),) * 4
+            sm = jax.shard_map(upd, mesh=tr.mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)
+            rest = state._replace(params=None, opt_state=None)
+            own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
+            add(f"update_donated[{mode}]", jax.jit(sm, donate_argnums=(0, 1)), *own, rest, batch,
+                feed=lambda a_, out: (out[0], out[1], *a_[2:]))
         if "grad" in parts:
             from klrl.step.update import ppo_loss
 
@@ -191,14 +210,21 @@ def main(argv: list[str] | None = None) -> int:
 
             grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), state.params)
             add("opt_step", jax.jit(opt_step), state.params, grads, state.opt_state)
+            # donated, as inside the update (the step donates its state): no fresh output buffers
+            own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
+            add("opt_step_donated", jax.jit(opt_step, donate_argnums=(0, 2)), own[0], grads, own[1],
+                feed=lambda a_, out: (out[0], a_[1], out[1]))
 
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(args.rounds + 1):  # round 0: a warm-up call of each
         for name, (c, a_) in fns.items():
             t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(c(*a_))
+            out_ = jax.block_until_ready(c(*a_))
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if name in feeds:
+                fns[name] = (c, feeds[name](a_, out_))
+            del out_
             if r:
                 times[name].append(dt)
                 cpu[name].append(dc)
@@ -220,11 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     n_mb = cfg0.ppo.epochs * cfg0.ppo.minibatches
     counted.update({f"grad_mb[{m}]": fl["update"] / n_mb for m in modes})
     counted.update({f"update[{m}]": fl["update"] for m in modes})
+    counted.update({f"update_donated[{m}]": fl["update"] for m in modes})
     for m in modes:
         ex = executed_flops(cfg0, task, m)
         executed = {
             "scoring": ex["scoring"],
             f"update[{m}]": ex["update"],
+            f"update_donated[{m}]": ex["update"],
             f"grad_mb[{m}]": ex["update"] / n_mb,
         }
         for k, f in executed.items():
