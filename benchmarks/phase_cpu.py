@@ -29,7 +29,7 @@ from klrl.tasks.text import value_models
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="smollm2", choices=common.WORKLOADS)
-    ap.add_argument("--remat", default=None, choices=("none", "block", "full"))
+    ap.add_argument("--remat", default=None, choices=("none", "block", "dots", "full"))
     ap.add_argument("--calls", type=int, default=2)
     args = ap.parse_args(argv)
     cfg, task = common.build_workload(args.workload)

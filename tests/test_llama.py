@@ -196,3 +196,50 @@ def test_apply_refuses_other_mask_shapes_in_one_line():
     cache = model.init_cache(2, 8)  # with a cache a [B, T] mask is ambiguous (which slots?): refused
     with pytest.raises(ValueError, match=r"with a cache: \[B, T, S\]"):
         model.apply(params, tokens, pos, jnp.ones((2, 5)), cache, 0)
+
+
+def test_block_rows_layout_gradients_match_the_batched_layout(monkeypatch):
+    """The Block's projections on ``[B T, width]`` rows (issue 38, item 7: XLA:CPU's weight gradients
+    without a transposed cotangent copy) give the gradients of the ``[B, T, width]`` formulation."""
+    import dataclasses
+
+    import flax.linen as nn
+
+    import klrl.models.llama as llama
+
+    class Batched(nn.Module):  # the Block as it was: every Dense on [B, T, width]
+        c: LlamaConfig
+        dtype: object
+
+        @nn.compact
+        def __call__(self, carry, cos, sin, mask, index):
+            x, cache, layer = carry
+            c, dt = self.c, self.dtype
+            b, t, _ = x.shape
+            dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=dt, name=name)  # noqa: E731
+            y = llama.RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
+            q = dense(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(y)
+            k = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(y)
+            v = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(y)
+            q = llama.apply_rope(q.reshape(b, t, c.num_attention_heads, c.head_dim), cos, sin)
+            k = llama.apply_rope(k.reshape(b, t, c.num_key_value_heads, c.head_dim), cos, sin)
+            a = llama.attention(q, k, v.reshape(b, t, -1, c.head_dim), mask, c.head_dim**-0.5, cached=False)
+            x = x + dense(c.hidden_size, c.o_bias, "o_proj")(a)
+            y = llama.RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+            h = nn.silu(dense(c.intermediate_size, c.mlp_bias, "gate_proj")(y))
+            u = dense(c.intermediate_size, c.mlp_bias, "up_proj")(y)
+            x = x + dense(c.hidden_size, c.mlp_bias, "down_proj")(h * u)
+            return (x, cache, layer + 1), None
+
+    model, params = load_hf(DATA / "tiny_llama")
+    g = np.load(DATA / "tiny_llama" / "golden.npz")
+    tokens, mask = jnp.asarray(g["tokens"], jnp.int32), jnp.asarray(g["mask"])
+    for remat in ("none", "block"):
+        m = dataclasses.replace(model, remat=remat)
+        loss = lambda p, m=m: jnp.sum(jnp.sin(forward(m, p, tokens, mask).logits))  # noqa: E731
+        rows = jax.grad(loss)(params)
+        monkeypatch.setattr(llama, "Block", Batched)
+        batched = jax.grad(loss)(params)
+        monkeypatch.undo()
+        for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(batched), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -62,7 +62,7 @@ def test_same_loss_and_gradients_and_fewer_temporaries(name, model, params):
         got[mode] = f(params)
         temp[mode] = f.lower(params).compile().memory_analysis().temp_size_in_bytes
     (l0, g0) = got["none"]
-    for mode in ("block", "full"):
+    for mode in ("block", "dots", "full"):
         lm, gm = got[mode]
         np.testing.assert_allclose(lm, l0, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(gm), jax.tree.leaves(g0), strict=True):
@@ -73,6 +73,7 @@ def test_same_loss_and_gradients_and_fewer_temporaries(name, model, params):
         assert temp["full"] < temp["none"], temp
         assert temp["block"] < temp["none"], temp
         assert temp["full"] <= temp["block"], temp
+        assert temp["block"] <= temp["dots"] < temp["none"], temp  # dots also keeps the attention's
 
 
 def test_modes_and_config():
@@ -87,7 +88,7 @@ def test_modes_and_config():
 
 @pytest.mark.parametrize("logits", ["full", "chunked"])
 def test_the_ppo_loss_gradient_is_the_same_under_remat(logits):
-    """``Train.loss`` (what the update differentiates) of a run with ``model.remat`` block/full has the
+    """``Train.loss`` (what the update differentiates) of a run with ``model.remat`` block/dots/full has the
     value and the gradient of the same run without it (policy with a head and a separate value
     model); the rollout's and the scoring's models are not rematerialised."""
     from klrl.config import RunConfig
@@ -125,7 +126,7 @@ def test_the_ppo_loss_gradient_is_the_same_under_remat(logits):
                 params, mb, 17.0, 4.0, 0.1
             )
         (l0, _), g0 = out[value_model, "none"]
-        for mode in ("block", "full"):
+        for mode in ("block", "dots", "full"):
             (lm, _), gm = out[value_model, mode]
             np.testing.assert_allclose(lm, l0, rtol=1e-6)
             for a, c in zip(jax.tree.leaves(gm), jax.tree.leaves(g0), strict=True):

@@ -111,7 +111,8 @@ class ModelConfig:
     )  # fmt: skip
     remat: str = _f(
         "none",
-        "rematerialisation in the PPO update: none, block (each block keeps only its matmul outputs) "
+        "rematerialisation in the PPO update: none, block (each block keeps only its matmul outputs "
+        "without batch dimensions), dots (every matmul output, the attention's too) "
         "or full (each block keeps only its input; klrl.models.remat)",
     )
     logits: str = _f(
@@ -146,7 +147,7 @@ class ModelConfig:
             v = getattr(self, name)
             _check(v.strip() == v, f"model.{name}", "must not have surrounding spaces")
         _check(not self.value_path or self.path, "model.value_path", "needs model.path")
-        _choice(self.remat, "model.remat", ("none", "block", "full"))
+        _choice(self.remat, "model.remat", ("none", "block", "dots", "full"))
         _choice(self.logits, "model.logits", ("auto", "full", "chunked"))
         _check(self.logits_chunk >= 1, "model.logits_chunk", "must be >= 1")
 

@@ -106,7 +106,11 @@ class Block(nn.Module):
         c, dt = self.c, self.dtype
         b, t, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=dt, kernel_init=_INIT, name=name)
-        y = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
+        # the projections see [B T, width] rows: with [B, T, width] the weight gradients contract two
+        # batch dimensions and XLA:CPU wrote each cotangent a second time, transposed ([width, B T]),
+        # for them (benchmarks/NOTES.md, issue 38 item 7); the values are the same
+        rows = lambda a: a.reshape(b * t, a.shape[-1])
+        y = rows(RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x))
         q = dense(c.num_attention_heads * c.head_dim, c.qkv_bias, "q_proj")(y)
         k = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias, "k_proj")(y)
         v = dense(c.num_key_value_heads * c.head_dim, c.qkv_bias, "v_proj")(y)
@@ -116,11 +120,11 @@ class Block(nn.Module):
         if cache is not None:
             cache, k, v = write_cache(cache, layer, k, v, index)
         a = attention(q, k, v, mask, c.head_dim**-0.5, cached=cache is not None)
-        x = x + dense(c.hidden_size, c.o_bias, "o_proj")(a)
-        y = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        x = x + dense(c.hidden_size, c.o_bias, "o_proj")(rows(a)).reshape(x.shape)
+        y = rows(RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
         g = dense(c.intermediate_size, c.mlp_bias, "gate_proj")(y)
         u = dense(c.intermediate_size, c.mlp_bias, "up_proj")(y)
-        x = x + dense(c.hidden_size, c.mlp_bias, "down_proj")(nn.silu(g) * u)
+        x = x + dense(c.hidden_size, c.mlp_bias, "down_proj")(nn.silu(g) * u).reshape(x.shape)
         return (split_rows(x), cache, layer + 1), None  # rows on fsdp (klrl.step.parallel)
 
 

@@ -9,6 +9,10 @@ of each block's forward (names as MaxText's ``remat_policy``):
   dimensions (q/k/v/o, gate/up/down: ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``,
   MaxText's ``minimal``) and recomputes the rest (norms, RoPE, attention scores and softmax,
   activations) in the backward;
+* ``dots``: each block is one ``jax.checkpoint`` that keeps every matmul output, the attention's
+  batched ones included (scores ``[B, H, T, T]`` and the mixed values:
+  ``jax.checkpoint_policies.dots_saveable``, MaxText's ``save_dot_except_mlp`` family), and recomputes
+  only the elementwise work (norms, RoPE, masking and softmax, SwiGLU);
 * ``full``: each block is one ``jax.checkpoint`` that keeps nothing but its input (the residual
   stream ``[B, T, D]``) and reruns the whole block in the backward (MaxText's ``full``; the
   "remat" of ``docs/scaling.md``): about one more forward of the trunk per update step.
@@ -26,7 +30,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-REMAT_MODES = ("none", "block", "full")
+REMAT_MODES = ("none", "block", "dots", "full")
 
 
 def check_mode(mode: Any) -> str:
@@ -50,7 +54,10 @@ def remat_block(block: type[nn.Module], mode: Any, *, prevent_cse: bool = False)
     mode = check_mode(mode)
     if mode == "none":
         return block
-    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if mode == "block" else None
+    policy = {
+        "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "dots": jax.checkpoint_policies.dots_saveable,
+    }.get(mode)
     return nn.remat(block, policy=policy, prevent_cse=prevent_cse)
 
 
