@@ -359,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="smollm2", choices=("smollm2", "tiny"))
     ap.add_argument("--iterations", type=int, default=3, help="timed iterations (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations after compiling (>= 1)")
-    ap.add_argument("--remat", default=None, choices=("none", "block", "dots", "full"), help="set model.remat")
+    ap.add_argument(
+        "--remat", default=None, choices=("none", "block", "dots", "full"), help="set model.remat"
+    )
     ap.add_argument("--full-sweep", action="store_true", help="also a 4-member full fine-tuning sweep")
     ap.add_argument("--phases", type=int, default=0, help="also N calls of each phase (CPU s; not sweeps)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one configuration, this process

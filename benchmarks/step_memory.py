@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-trim", action="store_true", help="keep the compiler's freed heap (no malloc_trim)")
-    ap.add_argument("--remat", default=None, choices=("none", "block", "dots", "full"), help="set model.remat")
+    ap.add_argument(
+        "--remat", default=None, choices=("none", "block", "dots", "full"), help="set model.remat"
+    )
     args = ap.parse_args(argv)
     out: dict = {"workload": args.workload, "stages": {}}
 

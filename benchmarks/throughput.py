@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="default", choices=common.WORKLOADS)
     ap.add_argument("--iterations", type=int, default=10, help="timed iterations (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations after compiling")
-    ap.add_argument("--remat", default=None, choices=("none", "block", "dots", "full"), help="set model.remat")
+    ap.add_argument(
+        "--remat", default=None, choices=("none", "block", "dots", "full"), help="set model.remat"
+    )
     ap.add_argument("--logits", default=None, choices=("auto", "full", "chunked"), help="set model.logits")
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (less memory)")
     args = ap.parse_args(argv)

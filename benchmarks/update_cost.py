@@ -100,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="smollm2", choices=(*common.WORKLOADS, "smollm2-smoke"))
     ap.add_argument("--remat", default="block,dots,none", help="comma-separated model.remat modes")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians reported)")
-    ap.add_argument("--parts", default="update,update_donated,grad,opt,score,fwd",
-                    help="what to time besides the matmul (update_donated: params and Adam state donated, "
-                    "as the step runs the update; opt: the optimiser step, plain and donated)")
+    ap.add_argument(
+        "--parts",
+        default="update,update_donated,grad,opt,score,fwd",
+        help="what to time besides the matmul (update_donated: params and Adam state donated, "
+        "as the step runs the update; opt: the optimiser step, plain and donated)",
+    )
     ap.add_argument("--profile", default="", help="trace one call of this part (e.g. 'grad_mb[block]')")
     args = ap.parse_args(argv)
     modes = args.remat.split(",")
@@ -191,8 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             sm = jax.shard_map(upd, mesh=tr.mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)
             rest = state._replace(params=None, opt_state=None)
             own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
-            add(f"update_donated[{mode}]", jax.jit(sm, donate_argnums=(0, 1)), *own, rest, batch,
-                feed=lambda a_, out: (out[0], out[1], *a_[2:]))
+            add(
+                f"update_donated[{mode}]",
+                jax.jit(sm, donate_argnums=(0, 1)),
+                *own,
+                rest,
+                batch,
+                feed=lambda a_, out: (out[0], out[1], *a_[2:]),
+            )
         if "grad" in parts:
             from klrl.step.update import ppo_loss
 
@@ -212,8 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             add("opt_step", jax.jit(opt_step), state.params, grads, state.opt_state)
             # donated, as inside the update (the step donates its state): no fresh output buffers
             own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
-            add("opt_step_donated", jax.jit(opt_step, donate_argnums=(0, 2)), own[0], grads, own[1],
-                feed=lambda a_, out: (out[0], a_[1], out[1]))
+            add(
+                "opt_step_donated",
+                jax.jit(opt_step, donate_argnums=(0, 2)),
+                own[0],
+                grads,
+                own[1],
+                feed=lambda a_, out: (out[0], a_[1], out[1]),
+            )
 
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
