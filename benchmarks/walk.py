@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# the layers bottom first (the README's package map, tests/test_imports.py's table); klrl/checks.py: api's
+# the layers bottom first (the README's map, tests/project/test_imports.py's table); klrl/checks.py: api's
 ORDER = "registry config data algo models distributed io rewards tasks step analysis loop api cli".split()
 ROOT = {"checks": "api"}
 STARTS = {"main": ("klrl.cli.commands", "main"), "run_one": ("klrl.cli.launch", "run_one")}

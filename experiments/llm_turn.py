@@ -101,7 +101,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "pilot": {**_CPU, "rm_prompts": 64, "per_prompt": 2, "pairs_strong": 400, "pairs_weak": 100,
               "heldout": 16, "bon_k": 8, "seeds": "0", "turn_betas": "0.01", "turn_iterations": 4,
               "frozen_betas": "10", "frozen_iterations": 4, "ctrl_target": 6.0, "eval_every": 2},
-    # the smallest study on the tiny test GGUF (tests/test_experiments_llm_turn.py)
+    # the smallest study on the tiny test GGUF (tests/experiments/test_experiments_llm_turn.py)
     "tiny": {"batch": 4, "response_len": 6, "prompt_len": 12, "rm_prompts": 12, "per_prompt": 2,
              "pairs_strong": 40, "pairs_weak": 10, "heldout": 4, "bon_k": 4, "seeds": "0,1",
              "turn_betas": "0.01", "turn_iterations": 2, "turn_lr": 1e-3,

@@ -136,8 +136,8 @@ def tiny_task(tiny_cfg):
 @pytest.fixture(scope="session")
 def tiny_gguf_run(tmp_path_factory):
     """A 2-iteration run of the text task on the committed tiny GGUF (``tests/data/tiny_gguf``),
-    checkpointed every iteration; shared by tests/test_text.py (the saved policy) and
-    tests/test_export.py (its export), which only read its directory."""
+    checkpointed every iteration; shared by tests/tasks/test_tasks_text.py (the saved policy) and
+    tests/cli/test_export.py (its export), which only read its directory."""
     import warnings
 
     import klrl

@@ -3,14 +3,15 @@
 ``python tests/digest_run.py CACHE_DIR`` prints one JSON object ``{case: {metric: [5 values]}}``
 (a sweep: a list of such dicts, one per member). Run it with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` for the 4-device cases.
-``tests/test_digest.py`` compares it with ``tests/data/digest.json``; ``--write`` rewrites that file.
+``tests/e2e/test_metrics_digest.py`` compares it with ``tests/data/digest.json``; ``--write`` rewrites
+that file.
 
 History: the file first held sha256 digests of the float32 bits, recorded on the code before the
 refactor of issue 13, and matched bit for bit through session 6 (AMD Zen 4). On a Zen 5 CPU XLA's
 code for the same program rounds differently, so every digest changed with no change of code
 (identical at HEAD and at the commit before the last numerical change). The values are now
 recorded (on Zen 5, at 2dfde6d, whose values there are bit-identical to those of a5a3cae^) and
-compared with a tolerance (``tests/test_digest.py``).
+compared with a tolerance (``tests/e2e/test_metrics_digest.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``python tests/fork_runner.py``: ``klrl ARGS`` in a forked child per request, klrl imported once.
 
 Importing jax and klrl costs about 4 CPU s per process, most of a tiny run killed at a kill point
-(tests/test_kill_points.py runs twenty of them). This process imports them once, with no JAX backend
+(tests/loop/test_kill_points.py runs twenty of them). This process imports them once, with no JAX backend
 started and no thread running (so a fork is safe), then reads one JSON request per line on stdin,
 ``{"argv": [...], "env": {...}, "log": PATH}``: a forked child sets ``env``, sends its stdout and
 stderr to ``log`` and runs ``klrl.cli.main(argv)`` (a process of its own, as ``python -m klrl``:

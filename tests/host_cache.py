@@ -5,7 +5,7 @@ with, which a multi-process run cannot address (orbax: 'Device cpu:0 was not fou
 jax.local_devices()'); until it restores to host NumPy itself, :func:`install` replaces it (in
 ``pretrain`` and ``wordclass``) by a reader of the same files to host arrays (same values). The
 entry must exist (the session's ``tiny_task`` fixture builds it before the drivers start).
-Used by ``tests/sharding_run.py`` and the driver of ``tests/test_distributed.py``.
+Used by ``tests/sharding_run.py`` and the driver of ``tests/distributed/test_distributed.py``.
 """
 
 from __future__ import annotations

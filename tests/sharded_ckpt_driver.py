@@ -1,4 +1,4 @@
-"""Run by tests/test_checkpoint_sharded.py in a subprocess with 8 fake CPU devices
+"""Run by tests/io/test_checkpoint_sharded.py in a subprocess with 8 fake CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``): ``python sharded_ckpt_driver.py CASE DIR``.
 
 A train-state-like pytree (a tiny Llama's parameters and the optax Adam state after one update),

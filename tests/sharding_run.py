@@ -1,4 +1,4 @@
-"""Driver of tests/test_sharding.py (run in a subprocess with forced host devices).
+"""Driver of tests/step/test_parallel.py (run in a subprocess with forced host devices).
 
 ``python tests/sharding_run.py CFG_JSON OUT_NPZ JOBS [N_PROC PROC_ID PORT]``: for each job
 ``family:data,fsdp,tensor`` (``gpt`` is the task's klrl GPT, ``llama`` a tiny random Llama)

@@ -151,7 +151,7 @@ def k3(logp: ArrayLike, ref_logp: ArrayLike, mask: ArrayLike, clamp: ArrayLike =
     ``O(lr^4)`` against k1's ``O(lr^2)``), but not once they differ: ``rho`` is
     unbounded where ``pi`` is small, and on random 16-token pairs with logits of
     standard deviation 1 k3's variance is the higher in about half the pairs, at 3
-    in all (``tests/test_kl.py`` measures both regimes). As a loss term its expected gradient is
+    in all (``tests/algo/test_kl.py`` measures both regimes). As a loss term its expected gradient is
     ``E_pi[(1 - rho) grad log pi] = grad KL(pi_ref || pi)``: the gradient of the
     *forward* KL, not of ``KL(pi || pi_ref)``.
 

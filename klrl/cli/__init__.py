@@ -5,7 +5,7 @@
 prints, :mod:`klrl.cli.export` is ``klrl export``. :mod:`~klrl.cli.commands`,
 :mod:`~klrl.cli.args` and :mod:`~klrl.cli.legacy` import the rest of klrl inside their functions, when a
 command needs it, and the other modules here are imported only by the command they serve, so that a
-parse error or ``klrl --help`` / ``klrl train --help`` does not import jax (tests/test_imports.py)."""
+parse error or ``klrl --help`` / ``klrl train --help`` does not import jax (tests/project/test_imports.py)."""
 
 from klrl.cli.commands import main
 from klrl.cli.legacy import legacy_main

@@ -76,7 +76,7 @@ TABLE = (
 COMMANDS = tuple(name for name, _, _ in TABLE)
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 # klrl.distributed.DEFAULT_TIMEOUT_S, for --distributed-timeout's help (klrl.distributed imports jax;
-# tests/test_cli.py holds the two equal)
+# tests/cli/test_cli.py holds the two equal)
 DISTRIBUTED_TIMEOUT_S = 120.0
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,

@@ -9,7 +9,7 @@ set to a value other than its default while a condition holds is refused by :fun
 
 Every field of the schema is in :data:`IRRELEVANT`, :data:`ALWAYS_RELEVANT` (it has an effect whatever
 the other fields) or :data:`NOT_REFUSED` (it can be irrelevant, but that is checked elsewhere or
-deliberately allowed, with the reason): ``tests/test_relevance.py`` walks the schema, so a new field
+deliberately allowed, with the reason): ``tests/config/test_relevance.py`` walks the schema, so a new field
 without a decision fails it.
 """
 

@@ -9,7 +9,7 @@ dropped (atomically, :func:`replace_file`) and recomputed: a step is a pure func
 the config, so they come back bit for bit. Likewise rows written after the newest complete checkpoint
 (the loop writes them while that checkpoint's save is in flight, or before the next one is due) are
 dropped and recomputed from it: every row on disk is either counted by a complete checkpoint or
-recomputable, whatever moment a ``kill -9`` came (tests/test_kill_points.py).
+recomputable, whatever moment a ``kill -9`` came (tests/loop/test_kill_points.py).
 
 A step directory that holds no finished save (empty, foreign files, a copy cut short:
 :func:`klrl.io.checkpoint.is_finished`) is not a checkpoint: the run resumes from the newest

@@ -2,7 +2,7 @@
 no clean-up, no flush, orbax's background save cut where it is) when the training loop reaches that
 boundary. Unset (always, outside the tests), :func:`point` is one dictionary look-up.
 
-The phases (tests/test_kill_points.py kills at each of them):
+The phases (tests/loop/test_kill_points.py kills at each of them):
 
 * ``row-before:I`` / ``row-after:I``: before / after row ``I`` is written to ``metrics.jsonl`` (every
   member's);

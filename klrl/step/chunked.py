@@ -24,7 +24,7 @@ With ``checkpoint=True`` each chunk is one ``jax.checkpoint``: its backward reco
 logits, so the gradient of the PPO loss holds one chunk's ``[chunk, V]`` buffers at a time, not
 ``[B, T, V]`` (peak memory ``O(chunk V)`` instead of ``O(B T V)``; cost: the head's forward twice).
 Values agree with the full-logits path to float32 rounding (the matmuls have other shapes), which
-``tests/test_chunked.py`` checks for the values and the gradients.
+``tests/step/test_chunked.py`` checks for the values and the gradients.
 
 ``model.logits`` (:class:`klrl.config.run.ModelConfig`) chooses the path: ``full`` (today's
 ``[B, T, V]`` logits), ``chunked``, or ``auto`` (chunked from :data:`CHUNK_MIN_VOCAB` tokens on; the

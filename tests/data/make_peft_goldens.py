@@ -1,5 +1,5 @@
 """Regenerate the PEFT LoRA goldens under tests/data/peft/ with torch + transformers + peft (never
-needed by klrl or its tests; ``tests/test_peft.py`` reads what this writes).
+needed by klrl or its tests; ``tests/models/test_peft.py`` reads what this writes).
 
     pip install torch==2.13.0 && pip install transformers peft   # in the venv, once
     python tests/data/make_peft_goldens.py
