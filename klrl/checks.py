@@ -38,6 +38,7 @@ from klrl.algo.advantages import needs_critic
 from klrl.config import ConfigError, RunConfig
 from klrl.config.relevance import check_relevance
 from klrl.config.sweep import check_members
+from klrl.loop.user import from_config as user_hooks
 from klrl.models.base import CausalLM
 from klrl.models.catalog import MODEL_FIELDS, resolve_model_paths
 from klrl.models.gpt import GPT
@@ -112,7 +113,8 @@ def preflight(
     Hugging Face cache (:func:`klrl.models.catalog.resolve_model_paths`; ``log(line)`` once per name
     resolved), :func:`check_config`, then per member the checkpoint paths that must exist
     (:func:`klrl.tasks.text.check_model_paths`), the ``model.*`` fields the run reads
-    (:func:`check_model_fields`) and a built-in task's vocabulary and lengths (:func:`check_task` on
+    (:func:`check_model_fields`), the user's ``train.hooks`` and ``train.metric_fns`` (each imported:
+    :func:`klrl.loop.user.from_config`) and a built-in task's vocabulary and lengths (:func:`check_task` on
     :func:`klrl.tasks.base.builtin_task_shape`; the last two not for a task the caller brings,
     ``task_given``). Returns the members resolved. :func:`klrl.api.run` and :func:`klrl.api.sweep` run
     it at their entry; ``klrl ... --check`` runs it alone. A failure is a :class:`ConfigError`."""
@@ -130,6 +132,8 @@ def preflight(
         log(line)
     check_config(resolved, stacked=stacked, write=write, resume=resume, sweep_devices=sweep_devices,
                  task_given=task_given)  # fmt: skip
+    for m in resolved:
+        user_hooks(m)  # train.hooks and train.metric_fns: each module:function imports and is a function
     if not task_given:
         for m in resolved:
             check_model_paths(m)  # a missing checkpoint before anything is built

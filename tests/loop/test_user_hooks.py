@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import klrl
+from klrl.config.sweep import grid
 from klrl.loop.user import every
 
 
@@ -31,6 +32,23 @@ def test_every_n_hook_and_metric_fn_from_python(tiny_cfg, tiny_task, tmp_path):
     assert [x["user/twice_beta"] for x in rows] == pytest.approx([2 * x["ctrl/beta"] for x in rows])
 
 
+def test_a_metric_fn_in_a_sweep_sees_each_members_row(tiny_cfg, tiny_task, tmp_path):
+    base = tiny_cfg.replace(train={"iterations": 3, "quiet": True})
+    members = grid(base, {"kl.beta": [0.05, 0.2]})
+    seen = []
+
+    def beta_and_samples(row, samples):
+        seen.append(row["ctrl/beta"])
+        return {"beta_copy": row["ctrl/beta"], "tenfold": 10 * row["ctrl/beta"]}
+
+    res = klrl.sweep(members, task=tiny_task, out_dir=tmp_path / "sweep", metrics=[beta_and_samples])
+    assert len(seen) == 3 * 2  # each iteration, each member
+    for r, beta in zip(res, [0.05, 0.2], strict=True):
+        rows = _rows(r.dir)
+        assert [x["user/beta_copy"] for x in rows] == pytest.approx([beta] * 3)
+        assert [x["user/tenfold"] for x in rows] == pytest.approx([10 * beta] * 3)
+
+
 def test_metric_fn_from_the_cli_and_a_bad_spec(tiny_cfg, tmp_path, monkeypatch, capsys):
     from klrl.cli.commands import main
 
@@ -51,3 +69,34 @@ def test_metric_fn_from_the_cli_and_a_bad_spec(tiny_cfg, tmp_path, monkeypatch, 
     code = e.value.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: train.metric_fns:"), err
+
+
+def test_a_hook_from_the_cli_and_check_refuses_a_bad_one(tiny_cfg, tmp_path, monkeypatch, capsys):
+    from klrl.cli.commands import main
+
+    log = tmp_path / "calls.txt"
+    (tmp_path / "myhooks.py").write_text(
+        "def note(loop, row):\n"
+        f"    open({str(log)!r}, 'a').write(f'{{row.it}} {{row.members[0][\"ctrl/beta\"]:.4g}}\\n')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("myhooks", None)
+    flags = ["--model.n_layers", "1", "--model.d_model", "32", "--model.n_heads", "2",
+             "--task.cache_dir", tiny_cfg.task.cache_dir, "--task.pretrain_steps", "100",
+             "--task.pretrain_batch", "32", "--task.pretrain_len", "16", "--task.prompt_len", "6",
+             "--task.prompt_pool", "256", "--sampling.response_len", "8", "--kl.beta", "0.3",
+             "--train.batch_size", str(tiny_cfg.train.batch_size), "--train.iterations", "3",
+             "--train.out_dir", str(tmp_path), "--train.quiet", "true"]  # fmt: skip
+    assert main(["train", *flags, "--train.name", "ok", "--train.hooks", "myhooks:note"]) == 0
+    assert log.read_text().splitlines() == ["0 0.3", "1 0.3", "2 0.3"]  # after every row
+    for bad, why in [
+        ("myhooks:nope", "myhooks has no function 'nope'"),
+        ("nosuch_mod_x:f", "does not import"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(["train", *flags, "--check", "--train.name", "bad", "--train.hooks", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: train.hooks:"), err
+        assert why in err, err
+        assert not (tmp_path / "bad").exists()  # --check builds and writes nothing
