@@ -11,12 +11,14 @@ function is traced (``sys.setprofile``) from the start of ``klrl.cli.commands.ma
 A call's caller is the nearest klrl frame below it (library frames skipped); a module is *entered* when a
 function of it is called from another module; a *climb* is an entry from a lower layer (the layers in
 the order of the README's package map). One JSON object on stdout: ``modules_visited`` (and the list, in
-the order first entered), ``packages``, ``entries`` per module, ``api_entries``, ``climbs`` (and
+the order first entered), ``rooms_passed`` (the modules that call into another one, the rest being leaves
+that are only used), ``packages``, ``entries`` per module, ``api_entries``, ``climbs`` (and
 ``climb_pairs``), ``stack_at_step`` (the klrl frames when the step is traced)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import pkgutil
@@ -35,6 +37,7 @@ class _Reached(Exception):
     """The step is being traced: the walk is over."""
 
 
+@functools.cache
 def module_of(filename: str, root: Path) -> str | None:
     """The klrl module a code object's file is (None: not klrl's)."""
     try:
@@ -107,6 +110,8 @@ def trace(argv: list[str], start: str) -> tuple[list[tuple[str | None, str]], li
 def summary(calls: list[tuple[str | None, str]], stack: list[str], start: str) -> dict[str, Any]:
     """The walk's numbers (see the module docstring)."""
     visited = list(dict.fromkeys(m for _, m in calls))
+    # the rooms passed through: modules that call into another module (the rest are leaves, only used)
+    rooms = list(dict.fromkeys(c for c, m in calls if c is not None and c != m))
     entries: dict[str, int] = {}
     climbs: dict[str, int] = {}
     for caller, mod in calls:
@@ -118,6 +123,8 @@ def summary(calls: list[tuple[str | None, str]], stack: list[str], start: str) -
     return {
         "start": start,
         "modules_visited": len(visited),
+        "rooms_passed": len(rooms),
+        "rooms": rooms,
         "packages": sorted({m.split(".")[1] if "." in m else "klrl" for m in visited}),
         "calls": len(calls),
         "api_entries": entries.get("klrl.api", 0),
