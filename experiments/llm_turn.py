@@ -88,13 +88,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # so only beta = 1 is run; the recipe's warm-up beta and KL target are chosen from the grid
     "cpu-recipe": {**_CPU, "grid_betas": "1", "grid_iterations": 16, "recipe_iterations": 32,
                    "recipe_warmup": 8},
-    # the full-size study for one GPU
+    # the full-size study for one GPU, sized to <= 10 min by --dry-run's FLOP count at an assumed 100 TFLOP/s
+    # (not piloted: no GPU yet)
     "gpu": {"batch": 64, "response_len": 48, "prompt_len": 64, "rm_prompts": 8192, "per_prompt": 2,
             "pairs_strong": 16000, "pairs_weak": 1000, "heldout": 256, "bon_k": 64, "seeds": "0,1,2",
-            "turn_betas": "0,0.001,0.01", "turn_iterations": 120, "turn_lr": 1e-3,
-            "frozen_betas": "0.01,1,10", "frozen_iterations": 60, "frozen_lr": 1e-4,
-            "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 60,
-            "grid_betas": "0.01,0.1,1", "grid_iterations": 40, "recipe_iterations": 120, "recipe_warmup": 20,
+            "turn_betas": "0,0.001,0.01", "turn_iterations": 100, "turn_lr": 1e-3,
+            "frozen_betas": "0.01,1,10", "frozen_iterations": 50, "frozen_lr": 1e-4,
+            "ctrl_settle": 0.1, "ctrl_target": 12.0, "ctrl_iterations": 40,
+            "grid_betas": "0.01,0.1,1", "grid_iterations": 30, "recipe_iterations": 90, "recipe_warmup": 20,
             "recipe_threshold": 1.1,
             "eval_every": 10, "minibatches": 4, "epochs": 2, "advantage": "gae", "group_size": 1},
     # a few iterations of each arm, one seed: timing and the KL's rate, to size the cpu preset
@@ -739,27 +740,19 @@ def judge_train(samples: list[dict[str, Any]], judge: Judge, free: float, per_it
 N_PARAMS = 134.5e6  # SmolLM2-135M
 CPU_GFLOPS = {
     "rollout": 40.0,
-    "scoring": 169.0,
-    "update": 105.0,
-}  # measured: benchmarks/throughput.py (smollm2)
+    "scoring": 164.0,
+    "update": 151.0,
+}  # measured on SmolLM2: benchmarks/throughput.py (rollout), benchmarks/update_cost.py (scoring, the update
+# donated with the projections on rows; benchmarks/NOTES.md, issue 38 item 7)
 
 
 def plan(preset: dict[str, Any], arm_members: dict[str, int]) -> dict[str, Any]:
-    """Sizes and the estimated time: FLOPs ``2 N`` per token for the rollout and each scoring forward
-    (policy, reference, proxy), ``6 N x epochs`` for the update, at the rates measured on this CPU
-    (:data:`CPU_GFLOPS`); pools and evaluations counted the same way."""
+    """Sizes, FLOPs and the estimated time: ``2 N`` FLOPs per token for the rollout and each scoring
+    forward (policy, reference, proxy), ``6 N x epochs`` for the update, at the rates measured on this CPU
+    (:data:`CPU_GFLOPS`); pools and evaluations counted the same way (the judge: 270 M parameters)."""
     tok = preset["prompt_len"] + preset["response_len"]
-    per_it = (
-        preset["batch"]
-        * tok
-        * N_PARAMS
-        * (
-            2 / CPU_GFLOPS["rollout"]
-            + 6 / CPU_GFLOPS["scoring"]
-            + 6 * preset["epochs"] / CPU_GFLOPS["update"]
-        )
-        / 1e9
-    )
+    per_token = {"rollout": 2 * N_PARAMS, "scoring": 6 * N_PARAMS, "update": 6 * preset["epochs"] * N_PARAMS}
+    per_it = sum(preset["batch"] * tok * f / CPU_GFLOPS[k] for k, f in per_token.items()) / 1e9
     iters = {k: preset[f"{k}_iterations"] for k in arm_members}
     member_its = sum(arm_members[k] * iters[k] for k in arm_members)
     pool = (preset["rm_prompts"] * preset["per_prompt"] + preset["heldout"] * preset["bon_k"]) * tok
@@ -768,17 +761,18 @@ def plan(preset: dict[str, Any], arm_members: dict[str, int]) -> dict[str, Any]:
         * preset["heldout"]
         * tok
     )
-    gen_s = (pool + evals) * N_PARAMS * 2 / CPU_GFLOPS["rollout"] / 1e9
-    judge_s = (pool + evals) * 270e6 * 2 / CPU_GFLOPS["scoring"] / 1e9
+    gen_flop, judge_flop = (pool + evals) * N_PARAMS * 2, (pool + evals) * 270e6 * 2
+    gen_s = gen_flop / CPU_GFLOPS["rollout"] / 1e9
+    judge_s = judge_flop / CPU_GFLOPS["scoring"] / 1e9
     total = per_it * member_its + gen_s + judge_s
-    flop = total * 1e9 * float(np.mean(list(CPU_GFLOPS.values())))
+    flop = member_its * preset["batch"] * tok * sum(per_token.values()) + gen_flop + judge_flop
     return {"members": arm_members, "iterations": iters, "member_iterations": member_its,
             "s_per_member_iteration": round(per_it, 1), "pool_and_eval_generation_s": round(gen_s),
             "judge_s": round(judge_s), "estimated_total_min_on_this_cpu": round(total / 60, 1),
             "rates_gflops": CPU_GFLOPS, "pflop_total": round(flop / 1e15, 1),
             "min_at_100_tflops": round(flop / 100e12 / 60, 1),
-            "note": "CPU rates measured (benchmarks/throughput.py); 100 TFLOP/s is an assumed sustained H100 "
-                    "rate, not measured (no GPU)"}  # fmt: skip
+            "note": "CPU rates measured (benchmarks/throughput.py, update_cost.py); 100 TFLOP/s is an "
+                    "assumed sustained H100 rate, not measured (no GPU)"}  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
