@@ -95,7 +95,7 @@ def profile_ops(compiled, args: tuple, where: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="smollm2", choices=(*common.WORKLOADS, "smollm2-smoke"))
     ap.add_argument("--remat", default="block,dots,none", help="comma-separated model.remat modes")
@@ -107,149 +107,132 @@ def main(argv: list[str] | None = None) -> int:
         "as the step runs the update; opt: the optimiser step, plain and donated)",
     )
     ap.add_argument("--profile", default="", help="trace one call of this part (e.g. 'grad_mb[block]')")
-    args = ap.parse_args(argv)
-    modes = args.remat.split(",")
-    parts = set(args.parts.split(","))
+    return ap.parse_args(argv)
 
-    if args.workload == "smollm2-smoke":  # the same code path on the tests' tiny Llama-family GGUF
-        from gpu import TINY_GGUF
 
-        from klrl.models.pretrained import from_pretrained
+def workload(name: str) -> tuple:
+    """``(cfg, task)`` of ``name`` (``smollm2-smoke``: the same code path on the tests' tiny GGUF)."""
+    if name != "smollm2-smoke":
+        return common.build_workload(name)
+    from gpu import TINY_GGUF
 
-        vocab = from_pretrained(TINY_GGUF, tokenizer=False)[0].vocab_size
-        cfg0, task = common.smollm2_workload(
-            path=str(TINY_GGUF), vocab=vocab, batch=8, prompt_len=8, response_len=8
-        )
-    else:
-        cfg0, task = common.build_workload(args.workload)
-    from klrl.step.train import make_train
-    from klrl.tasks.text import value_models
+    from klrl.models.pretrained import from_pretrained
 
-    trains = {}
-    for mode in modes:
-        cfg = cfg0.replace(model={"remat": mode})
-        trains[mode] = make_train(cfg, task, **value_models(cfg, task))
-    first = trains[modes[0]]
-    state = first.init(cfg0.train.seed)
-    env = task.env
-    ph = common.build_phases(first)
-    common.log("rollout, scoring, advantages")
-    ro = jax.block_until_ready(ph["rollout"](state, env))
-    sc = jax.block_until_ready(ph["scoring"](state, env, ro))
-    ad = jax.block_until_ready(ph["advantages"](state, ro, sc))
-    batch = ad.batch
-    ctx = first.context
-    mb_rows = ctx.mb_glob
-    mb = jax.tree.map(lambda x: x[:mb_rows], batch)
-    n_tok = jnp.maximum(jnp.sum(mb.mask), 1.0)
-    n_seq = jnp.float32(mb_rows)
-    beta_l = coefs(ctx, state)[1]
+    vocab = from_pretrained(TINY_GGUF, tokenizer=False)[0].vocab_size
+    return common.smollm2_workload(path=str(TINY_GGUF), vocab=vocab, batch=8, prompt_len=8, response_len=8)
 
-    fns: dict[str, tuple] = {}  # name -> (compiled, args)
-    feeds: dict[str, object] = {}  # name -> (args, output) -> the next call's args (donated parts)
 
-    def add(name, jitted, *a, feed=None):
+class Parts:
+    """The compiled parts (``name -> (compiled, args)``), their compile-time facts (``info``) and, for a
+    donated part, how its output becomes the next call's arguments (``feeds``)."""
+
+    def __init__(self):
+        self.fns: dict[str, tuple] = {}
+        self.feeds: dict[str, object] = {}
+        self.info: dict[str, dict] = {}
+
+    def add(self, name, jitted, *a, feed=None):
         t0 = time.perf_counter()
         c = jitted.lower(*a).compile()
         ca = c.cost_analysis()
         ca = ca[0] if isinstance(ca, list) else ca
         mem = c.memory_analysis()
-        fns[name] = (c, a)
+        self.fns[name] = (c, a)
         if feed is not None:
-            feeds[name] = feed
-        info[name] = {
+            self.feeds[name] = feed
+        self.info[name] = {
             "compile_s": time.perf_counter() - t0,
             "xla_flops": float(ca.get("flops", 0.0)),
             "xla_bytes_accessed": float(ca.get("bytes accessed", 0.0)),
             "temp_gib": mem.temp_size_in_bytes / 2**30 if mem is not None else None,
         }
-        common.log(f"compiled {name}: {info[name]}")
+        common.log(f"compiled {name}: {self.info[name]}")
 
-    info: dict[str, dict] = {}
+    def time(self, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """Wall and CPU seconds of each part, round-robin, after a warm-up round."""
+        times: dict[str, list[float]] = {k: [] for k in self.fns}
+        cpu: dict[str, list[float]] = {k: [] for k in self.fns}
+        for r in range(rounds + 1):  # round 0: a warm-up call of each
+            for name, (c, a_) in self.fns.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                out_ = jax.block_until_ready(c(*a_))
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                if name in self.feeds:
+                    self.fns[name] = (c, self.feeds[name](a_, out_))
+                del out_
+                if r:
+                    times[name].append(dt)
+                    cpu[name].append(dc)
+            common.log(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items() if v))
+        return times, cpu
+
+
+def add_shared(parts: Parts, which: set[str], ph: dict, ctx, state, env, ro, mb) -> None:
+    """The 1024 x 1024 matmul, the scoring phase and one policy forward over a minibatch."""
     n = 1024
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), jnp.float32)
     b = jax.random.normal(kb, (n, n), jnp.float32)
-    add("matmul", jax.jit(jnp.dot), a, b)
-    info["matmul"]["xla_flops"] = 2.0 * n**3
-    if "score" in parts:
-        add("scoring", ph["scoring"], state, env, ro)
-    if "fwd" in parts:
+    parts.add("matmul", jax.jit(jnp.dot), a, b)
+    parts.info["matmul"]["xla_flops"] = 2.0 * n**3
+    if "score" in which:
+        parts.add("scoring", ph["scoring"], state, env, ro)
+    if "fwd" in which:
 
         def policy_fwd(p, t, m):
             return forward(ctx.models.policy, p, t, m, logits=False).hidden
 
-        add("policy_fwd_mb", jax.jit(policy_fwd), state.params["policy"], mb.tokens, mb.key_mask)
-    for mode, tr in trains.items():
-        c = tr.context
-        if "update" in parts:
-            add(f"update[{mode}]", common.build_phases(tr)["update"], state, batch)
-        if "update_donated" in parts:  # as the step runs it: parameters and Adam state donated
-            from jax.sharding import PartitionSpec
+        parts.add("policy_fwd_mb", jax.jit(policy_fwd), state.params["policy"], mb.tokens, mb.key_mask)
 
-            def upd(params, opt_state, rest, batch_, _ph=tr.phases):
-                return _ph.update(rest._replace(params=params, opt_state=opt_state), batch_)
 
-            spec = (PartitionSpec(),) * 4
-            sm = jax.shard_map(upd, mesh=tr.mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)
-            rest = state._replace(params=None, opt_state=None)
-            own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
-            add(
-                f"update_donated[{mode}]",
-                jax.jit(sm, donate_argnums=(0, 1)),
-                *own,
-                rest,
-                batch,
-                feed=lambda a_, out: (out[0], out[1], *a_[2:]),
-            )
-        if "grad" in parts:
-            from klrl.step.update import ppo_loss
+def add_update(parts: Parts, which: set[str], mode: str, tr, state, batch) -> None:
+    """The update phase of ``mode`` with fresh outputs and donated."""
+    if "update" in which:
+        parts.add(f"update[{mode}]", common.build_phases(tr)["update"], state, batch)
+    if "update_donated" in which:  # as the step runs it: parameters and Adam state donated
+        from jax.sharding import PartitionSpec
 
-            def loss(params, mb_, n_tok_, n_seq_, beta_, ref, _c=c):
-                return ppo_loss(_c, params, mb_, n_tok_, n_seq_, beta_, ref_params=ref)
+        def upd(params, opt_state, rest, batch_, _ph=tr.phases):
+            return _ph.update(rest._replace(params=params, opt_state=opt_state), batch_)
 
-            g = jax.jit(jax.grad(loss, has_aux=True))
-            add(f"grad_mb[{mode}]", g, state.params, mb, n_tok, n_seq, beta_l, state.ref_params)
-        if "opt" in parts and mode == modes[0]:
-            import optax
+        spec = (PartitionSpec(),) * 4
+        sm = jax.shard_map(upd, mesh=tr.mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)
+        rest = state._replace(params=None, opt_state=None)
+        own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
+        parts.add(f"update_donated[{mode}]", jax.jit(sm, donate_argnums=(0, 1)), *own, rest, batch,
+                  feed=lambda a_, out: (out[0], out[1], *a_[2:]))  # fmt: skip
 
-            def opt_step(params, grads, opt_state, _c=c):
-                updates, new_o = _c.optimizer.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), new_o, optax.tree.norm(grads)
 
-            grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), state.params)
-            add("opt_step", jax.jit(opt_step), state.params, grads, state.opt_state)
-            # donated, as inside the update (the step donates its state): no fresh output buffers
-            own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
-            add(
-                "opt_step_donated",
-                jax.jit(opt_step, donate_argnums=(0, 2)),
-                own[0],
-                grads,
-                own[1],
-                feed=lambda a_, out: (out[0], a_[1], out[1]),
-            )
+def add_halves(
+    parts: Parts, which: set[str], mode: str, c, state, mb, n_tok, n_seq, beta_l, opt: bool
+) -> None:
+    """One minibatch's gradient of ``mode`` and (``opt``) one optimiser step, fresh and donated."""
+    if "grad" in which:
+        from klrl.step.update import ppo_loss
 
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(args.rounds + 1):  # round 0: a warm-up call of each
-        for name, (c, a_) in fns.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            out_ = jax.block_until_ready(c(*a_))
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if name in feeds:
-                fns[name] = (c, feeds[name](a_, out_))
-            del out_
-            if r:
-                times[name].append(dt)
-                cpu[name].append(dc)
-        common.log(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items() if v))
+        def loss(params, mb_, n_tok_, n_seq_, beta_, ref, _c=c):
+            return ppo_loss(_c, params, mb_, n_tok_, n_seq_, beta_, ref_params=ref)
 
-    prof = None
-    if args.profile:
-        common.log(f"profiling {args.profile}")
-        prof = {"part": args.profile, **profile_ops(*fns[args.profile], "/tmp/klrl_update_cost_trace")}
+        g = jax.jit(jax.grad(loss, has_aux=True))
+        parts.add(f"grad_mb[{mode}]", g, state.params, mb, n_tok, n_seq, beta_l, state.ref_params)
+    if "opt" in which and opt:
+        import optax
 
+        def opt_step(params, grads, opt_state, _c=c):
+            updates, new_o = _c.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_o, optax.tree.norm(grads)
+
+        grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), state.params)
+        parts.add("opt_step", jax.jit(opt_step), state.params, grads, state.opt_state)
+        # donated, as inside the update (the step donates its state): no fresh output buffers
+        own = jax.tree.map(jnp.copy, (state.params, state.opt_state))
+        parts.add("opt_step_donated", jax.jit(opt_step, donate_argnums=(0, 2)), own[0], grads, own[1],
+                  feed=lambda a_, out: (out[0], a_[1], out[1]))  # fmt: skip
+
+
+def rows(parts: Parts, times: dict, cpu: dict, cfg0, task, modes: list[str], ctx) -> tuple[dict, float]:
+    """Each part's row (medians, FLOPs counted and executed, rates, floors) and the matmul rate."""
+    fns, info = parts.fns, parts.info
     med = {k: statistics.median(v) for k, v in times.items()}
     rate = info["matmul"]["xla_flops"] / med["matmul"]
     fl = common.iteration_flops(cfg0, task, reward_model=False if ctx.reward_on_reference else None)
@@ -264,12 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     counted.update({f"update_donated[{m}]": fl["update"] for m in modes})
     for m in modes:
         ex = executed_flops(cfg0, task, m)
-        executed = {
-            "scoring": ex["scoring"],
-            f"update[{m}]": ex["update"],
-            f"update_donated[{m}]": ex["update"],
-            f"grad_mb[{m}]": ex["update"] / n_mb,
-        }
+        executed = {"scoring": ex["scoring"], f"update[{m}]": ex["update"],
+                    f"update_donated[{m}]": ex["update"], f"grad_mb[{m}]": ex["update"] / n_mb}  # fmt: skip
         for k, f in executed.items():
             if k in fns:
                 info[k]["executed_flops"] = f
@@ -287,13 +266,51 @@ def main(argv: list[str] | None = None) -> int:
             row["floor_s_executed"] = info[k]["executed_flops"] / rate
             row["of_floor"] = row["floor_s_executed"] / med[k]
         out[k] = row
+    return out, rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    modes, which = args.remat.split(","), set(args.parts.split(","))
+    cfg0, task = workload(args.workload)
+    from klrl.step.train import make_train
+    from klrl.tasks.text import value_models
+
+    trains = {}
+    for mode in modes:
+        cfg = cfg0.replace(model={"remat": mode})
+        trains[mode] = make_train(cfg, task, **value_models(cfg, task))
+    first = trains[modes[0]]
+    state, env = first.init(cfg0.train.seed), task.env
+    ph = common.build_phases(first)
+    common.log("rollout, scoring, advantages")
+    ro = jax.block_until_ready(ph["rollout"](state, env))
+    sc = jax.block_until_ready(ph["scoring"](state, env, ro))
+    batch = jax.block_until_ready(ph["advantages"](state, ro, sc)).batch
+    ctx = first.context
+    mb_rows = ctx.mb_glob
+    mb = jax.tree.map(lambda x: x[:mb_rows], batch)
+    n_tok, n_seq = jnp.maximum(jnp.sum(mb.mask), 1.0), jnp.float32(mb_rows)
+    beta_l = coefs(ctx, state)[1]
+
+    parts = Parts()
+    add_shared(parts, which, ph, ctx, state, env, ro, mb)
+    for mode, tr in trains.items():
+        add_update(parts, which, mode, tr, state, batch)
+        add_halves(parts, which, mode, tr.context, state, mb, n_tok, n_seq, beta_l, opt=mode == modes[0])
+    times, cpu = parts.time(args.rounds)
+    prof = None
+    if args.profile:
+        common.log(f"profiling {args.profile}")
+        prof = {"part": args.profile, **profile_ops(*parts.fns[args.profile], "/tmp/klrl_update_cost_trace")}
+    out, rate = rows(parts, times, cpu, cfg0, task, modes, ctx)
     result = {
         "benchmark": "update_cost",
         "workload": args.workload,
         "cpu": common.cpu_model(),
         "rounds": args.rounds,
         "matmul_gflop_per_s": rate / 1e9,
-        "minibatches": n_mb,
+        "minibatches": cfg0.ppo.epochs * cfg0.ppo.minibatches,
         "minibatch_rows": mb_rows,
         "parts": out,
         "profile": prof,

@@ -56,6 +56,24 @@ def test_phase_cpu_smoke(tmp_path):
     assert all(v > 0 for v in out["cpu_s"].values()) and out["cpu_sum_s"] > 0
 
 
+def test_update_cost_smoke(tmp_path):
+    """benchmarks/update_cost.py on the tiny GGUF: every part timed, the donated update and optimiser step
+    beside the fresh ones, FLOPs and floors where counted."""
+    _, out = _run(["benchmarks/update_cost.py", "--workload", "smollm2-smoke", "--rounds", "1",
+                   "--remat", "block,none"], tmp_path, 600)  # fmt: skip
+    parts = out["parts"]
+    timed = {f"{p}[{m}]" for p in ("update", "update_donated", "grad_mb") for m in ("block", "none")}
+    assert set(parts) == {"matmul", "scoring", "policy_fwd_mb", "opt_step", "opt_step_donated", *timed}
+    for k, row in parts.items():
+        assert row["s_median"] > 0 and len(row["s_all"]) == 1, k
+    for m in ("block", "none"):  # the same update, fresh or donated: the same FLOPs counted and executed
+        a, b = parts[f"update[{m}]"], parts[f"update_donated[{m}]"]
+        assert a["executed_flops"] == b["executed_flops"] > 0 and a["counted_flops"] == b["counted_flops"]
+        assert parts[f"grad_mb[{m}]"]["executed_flops"] == a["executed_flops"] / out["minibatches"]
+    assert parts["update[block]"]["executed_flops"] > parts["update[none]"]["executed_flops"]  # recomputed
+    assert out["matmul_gflop_per_s"] > 0
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU path")
 def test_gpu_script_skips_without_gpu(tmp_path):
     _, out = _run(["benchmarks/gpu.py"], tmp_path, 120)
