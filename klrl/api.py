@@ -86,33 +86,8 @@ def run(
     (the state is checkpointed) or the quality rollback hit ``train.max_rollbacks``.
     Bad input raises :class:`ConfigError` or :class:`klrl.io.checkpoint.CheckpointError`.
     """
-    # the whole run inside RunGuard: signals from the start (a SIGTERM during the task build or the
-    # compile stops at the first iteration boundary), the run directory's lock, a full disk as one line
-    with reliability.RunGuard(log) as guard:
-        (result,), stop_error, task = _train(
-            [cfg],
-            False,
-            task,
-            run_dir,
-            write,
-            log,
-            resume,
-            guard,
-            on_step,
-            1,
-            models,
-            hooks,
-            checked,
-            metrics,
-        )
-        if result.dir is not None and distributed.is_main():
-            if cfg.model.path and result.state is not None:  # a pretrained start ends as an HF directory
-                save_policy(task, result.state, result.dir / "policy", adopt_adapter(cfg))
-            if report is not None:
-                report(result)
-        if stop_error is not None:
-            raise reliability.RunStopped(f"stopped: {stop_error}", result)
-        return result
+    return _go([cfg], False, task, run_dir, write, log, resume, report, on_step, hooks, checked, metrics, 1,
+               models)  # fmt: skip
 
 
 def sweep(
@@ -150,58 +125,38 @@ def sweep(
     :func:`run`'s (``row.members[j]``: member ``j``'s row); ``checked``: as :func:`run`'s (mode ``"sweep"``);
     ``metrics``: as :func:`run`'s.
     """
-    # as klrl.run: signals from the start, the sweep directory's lock, a full disk as one line
+    return _go(list(members), True, task, out_dir, write, log, resume, report, on_step, hooks, checked,
+               metrics, sweep_devices, {})  # fmt: skip
+
+
+def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, hooks, checked, metrics,
+        sweep_devices, models):  # fmt: skip
+    """:func:`run` (one member, not ``stacked``: its one result) and :func:`sweep` (a :class:`Sweep`): check,
+    build, drive, then each member's final ``policy/`` (a pretrained ``model.path``) and ``report``. The whole
+    of it inside :class:`~klrl.loop.reliability.RunGuard`: signals from the start (a SIGTERM during the task
+    build or the compile stops at the first iteration boundary), the run directory's lock, a full disk as
+    one line. The checks before anything is built are :func:`klrl.checks.preflight` (a Hub name in a
+    ``model.*`` path is read from the local Hugging Face cache there), unless ``checked``: the caller ran it
+    on these members (the command line does, before it joins a distributed run)."""
     with reliability.RunGuard(log) as guard:
-        results, stop_error, task = _train(
-            list(members),
-            True,
-            task,
-            out_dir,
-            write,
-            log,
-            resume,
-            guard,
-            on_step,
-            sweep_devices,
-            {},
-            hooks,
-            checked,
-            metrics,
-        )
-        results = Sweep(results)
+        given = task is not None
+        members, plan = _checked(members, stacked, given, write, resume, guard, sweep_devices, checked)
+        spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
+        prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
+                                  check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
+        results, stop_error = drive(prog, write=write, out_dir=out_dir, resume=plan, log=log, guard=guard,
+                                    on_step=on_step, hooks=[*hooks, *spec_hooks],
+                                    metrics=[*metrics, *spec_metrics])  # fmt: skip
+        out = Sweep(results) if stacked else results[0]
         if results[0].dir is not None and distributed.is_main():
-            for r in results:  # as a run's: each member's final policy (pretrained model.path)
-                if r.config.model.path and r.state is not None and r.dir is not None:
+            for r in results:  # a pretrained start ends as an HF directory
+                if r.config.model.path and r.state is not None:
                     save_policy(task, r.state, r.dir / "policy", adopt_adapter(r.config))
             if report is not None:
-                report(results)
+                report(out)
         if stop_error is not None:
-            raise reliability.RunStopped(f"stopped: {stop_error}", results)
-        return results
-
-
-def _train(members, stacked, task, out_dir, write, log, resume, guard, on_step, sweep_devices, models,
-           hooks=(), checked=False, metrics=()):  # fmt: skip
-    """Check, build and drive the program of ``members``: ``(results, stop_error, task)``. The checks before
-    anything is built are :func:`klrl.checks.preflight` (a Hub name in a ``model.*`` path is read from the
-    local Hugging Face cache there), unless ``checked``: the caller ran it on these members (the command
-    line does, before it joins a distributed run)."""
-    members, plan = _checked(members, stacked, task is not None, write, resume, guard, sweep_devices, checked)
-    spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
-    prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
-                              check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
-    results, stop_error = drive(
-        prog,
-        write=write,
-        out_dir=out_dir,
-        resume=plan,
-        log=log,
-        guard=guard,
-        on_step=on_step,
-        hooks=[*hooks, *spec_hooks],
-        metrics=[*metrics, *spec_metrics],
-    )
-    return results, stop_error, task
+            raise reliability.RunStopped(f"stopped: {stop_error}", out)
+        return out
 
 
 def _checked(members, stacked, task_given, write, resume, guard, sweep_devices, checked=False):  # fmt: skip

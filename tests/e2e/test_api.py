@@ -323,7 +323,9 @@ def test_each_sweep_member_on_a_model_path_saves_its_policy(tmp_path, monkeypatc
     members = [cfg.replace(kl={"beta": b}) for b in (0.1, 1.0)]
     dirs = [tmp_path / f"kl.beta={b}" for b in (0.1, 1.0)]
     results = [RunResult(m, d, {}, f"state{j}") for j, (m, d) in enumerate(zip(members, dirs, strict=True))]
-    monkeypatch.setattr(klrl.api, "_train", lambda *a: (results, None, "the task"))
+    monkeypatch.setattr(klrl.api, "_checked", lambda ms, *a: (ms, None))
+    monkeypatch.setattr(klrl.api, "make_program", lambda *a, **k: ("the program", "the task"))
+    monkeypatch.setattr(klrl.api, "drive", lambda prog, **k: (results, None))
     saved = []
     monkeypatch.setattr(klrl.api, "save_policy", lambda task, s, out, c: saved.append((task, s, out, c)))
     klrl.sweep(members, out_dir=tmp_path)
