@@ -13,7 +13,11 @@ function of it is called from another module; a *climb* is an entry from a lower
 the order of the README's package map). One JSON object on stdout: ``modules_visited`` (and the list, in
 the order first entered), ``rooms_passed`` (the modules that call into another one, the rest being leaves
 that are only used), ``packages``, ``entries`` per module, ``api_entries``, ``climbs`` (and
-``climb_pairs``), ``stack_at_step`` (the klrl frames when the step is traced)."""
+``climb_pairs``), ``stack_at_step`` (the klrl frames when the step is traced), ``stack_at_make`` (when
+the step is made: the first call of ``klrl.step.parallel.shard_step``), ``spine`` (the modules of those
+two stacks: the hallway from the start to the step, as opposed to the work done on the way) and
+``reentered`` (per module, the calls at which it was on the klrl stack twice with another module between:
+a room entered a second time before the walk left it, e.g. a callback into a caller)."""
 
 from __future__ import annotations
 
@@ -24,13 +28,25 @@ import json
 import pkgutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # the layers bottom first (the README's map, tests/project/test_imports.py's table); klrl/checks.py: api's
 ORDER = "registry config data algo models distributed io rewards tasks step analysis loop api cli".split()
 ROOT = {"checks": "api"}
 STARTS = {"main": ("klrl.cli.commands", "main"), "run_one": ("klrl.cli.launch", "run_one")}
 STEP = ("klrl.step.train", "step_fn")
+MAKE = ("klrl.step.parallel", "shard_step")
+
+
+class Walk(NamedTuple):
+    """What :func:`trace` saw: the (caller module, callee module) of every klrl call, the klrl stack when
+    the step was made and when it was traced (``module:function``, outermost first), and per module the
+    calls at which it was on the stack twice with another module between."""
+
+    calls: list[tuple[str | None, str]]
+    stack: list[str]
+    make_stack: list[str]
+    reentered: dict[str, int]
 
 
 class _Reached(Exception):
@@ -67,9 +83,8 @@ def _klrl_frames(frame: Any, root: Path) -> list[tuple[str, str]]:
     return out
 
 
-def trace(argv: list[str], start: str) -> tuple[list[tuple[str | None, str]], list[str]]:
-    """Run ``klrl train argv`` traced: the (caller module, callee module) of every klrl call from
-    ``start``'s entry to the step's tracing, and the klrl stack at that moment."""
+def trace(argv: list[str], start: str) -> Walk:
+    """Run ``klrl train argv`` traced from ``start``'s entry to the step's tracing (:class:`Walk`)."""
     import klrl
 
     root = Path(klrl.__file__).resolve().parent.parent
@@ -80,8 +95,8 @@ def trace(argv: list[str], start: str) -> tuple[list[tuple[str | None, str]], li
             pass
     from klrl.cli import commands
 
-    calls: list[tuple[str | None, str]] = []
-    on, stack = [False], []
+    w = Walk([], [], [], {})
+    on = [False]
 
     def prof(frame: Any, event: str, arg: Any) -> None:
         mod = module_of(frame.f_code.co_filename, root) if event == "call" else None
@@ -90,11 +105,17 @@ def trace(argv: list[str], start: str) -> tuple[list[tuple[str | None, str]], li
         on[0] = on[0] or (mod, frame.f_code.co_name) == STARTS[start]
         if not on[0]:
             return
-        below = _klrl_frames(frame.f_back, root)
-        calls.append((below[0][0] if below else None, mod))
+        frames = _from_start(_klrl_frames(frame, root), start)
+        w.calls.append((frames[1][0] if len(frames) > 1 else None, mod))
+        if len(frames) > 1 and frames[1][0] != mod:  # an entry: is a room on the stack twice?
+            for m in _twice([m for m, _ in frames]):
+                w.reentered[m] = w.reentered.get(m, 0) + 1
+        here = [f"{m}:{f}" for m, f in frames[::-1]]
+        if (mod, frame.f_code.co_name) == MAKE and not w.make_stack:
+            w.make_stack[:] = here
         if (mod, frame.f_code.co_name) == STEP:
             sys.setprofile(None)
-            stack[:] = [f"{m}:{f}" for m, f in _klrl_frames(frame, root)[::-1]]
+            w.stack[:] = here
             raise _Reached
 
     sys.setprofile(prof)
@@ -104,11 +125,26 @@ def trace(argv: list[str], start: str) -> tuple[list[tuple[str | None, str]], li
         pass
     finally:
         sys.setprofile(None)
-    return calls, stack
+    return w
 
 
-def summary(calls: list[tuple[str | None, str]], stack: list[str], start: str) -> dict[str, Any]:
+def _from_start(frames: list[tuple[str, str]], start: str) -> list[tuple[str, str]]:
+    """The klrl frames (innermost first) down to ``start``'s frame (the ones below it are not the walk's)."""
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i] == STARTS[start]:
+            return frames[: i + 1]
+    return frames
+
+
+def _twice(mods: list[str]) -> list[str]:
+    """The modules that appear in two separate runs of ``mods`` (A, B, A: A entered again from B)."""
+    runs = [m for i, m in enumerate(mods) if i == 0 or mods[i - 1] != m]
+    return sorted({m for m in runs if runs.count(m) > 1})
+
+
+def summary(w: Walk, start: str) -> dict[str, Any]:
     """The walk's numbers (see the module docstring)."""
+    calls = w.calls
     visited = list(dict.fromkeys(m for _, m in calls))
     # the rooms passed through: modules that call into another module (the rest are leaves, only used)
     rooms = list(dict.fromkeys(c for c, m in calls if c is not None and c != m))
@@ -130,7 +166,10 @@ def summary(calls: list[tuple[str | None, str]], stack: list[str], start: str) -
         "api_entries": entries.get("klrl.api", 0),
         "climbs": sum(climbs.values()),
         "climb_pairs": climbs,
-        "stack_at_step": stack,
+        "stack_at_step": w.stack,
+        "stack_at_make": w.make_stack,
+        "spine": list(dict.fromkeys(f.split(":")[0] for f in [*w.make_stack, *w.stack])),
+        "reentered": dict(sorted(w.reentered.items(), key=lambda kv: -kv[1])),
         "modules": visited,
         "entries": dict(sorted(entries.items(), key=lambda kv: -kv[1])),
     }
@@ -141,10 +180,10 @@ def main() -> None:
     ap.add_argument("--start", default="run_one", choices=sorted(STARTS))
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="klrl train's flags (after --)")
     a = ap.parse_args()
-    calls, stack = trace([x for x in a.rest if x != "--"], a.start)
-    if not stack:
+    w = trace([x for x in a.rest if x != "--"], a.start)
+    if not w.stack:
         sys.exit("walk: the step was never traced (did the run start?)")
-    print(json.dumps(summary(calls, stack, a.start)))
+    print(json.dumps(summary(w, a.start)))
 
 
 if __name__ == "__main__":

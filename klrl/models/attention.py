@@ -1,4 +1,7 @@
-"""Pieces shared by the pretrained families (:mod:`klrl.models.llama`, :mod:`klrl.models.gpt2`).
+"""Pieces shared by the families (:mod:`klrl.models.gpt`, :mod:`klrl.models.llama`, :mod:`klrl.models.gpt2`).
+
+* :func:`positions_from_mask`, :func:`causal_mask`, :func:`attention_mask`: the position ids and the
+  ``[B, T, S]`` attention mask of :class:`klrl.models.base.CausalLM`'s conventions (re-exported there).
 
 * :func:`attention`: grouped-query softmax attention over ``[B, T, H, Dh]`` queries and either
   fresh ``[B, S, Hkv, Dh]`` keys/values or a cache layer's ``[B, Hkv, S, Dh]``;
@@ -17,6 +20,46 @@ import jax.numpy as jnp
 
 Array = jax.Array
 NEG_INF = -1e9
+
+
+def positions_from_mask(mask: Array) -> Array:
+    """Position ids for left-padded rows: the first real token gets 0."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(key_mask: Array) -> Array:
+    """``[B, S] -> [B, S, S]``: causal attention restricted to real keys.
+
+    A padded query attends to itself so its softmax stays defined.
+    """
+    s = key_mask.shape[-1]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    m = causal[None] & key_mask.astype(bool)[:, None, :]
+    return m | jnp.eye(s, dtype=bool)[None]
+
+
+def attention_mask(tokens: Array, positions: Array, mask: Array, cached: bool) -> Array:
+    """The ``[B, T, S]`` attention mask of a family's ``apply``, its inputs' shapes checked first (at
+    trace time: shapes are static). ``mask [B, T]`` without a cache is a padding mask (1 = real token,
+    as transformers' ``attention_mask``): :func:`causal_mask` of it; ``[B, T, S]`` is used as given.
+    Any other shape (a ``[B, T]`` mask with a cache, a batch or length that is not the tokens') is a
+    ``ValueError`` naming the shapes expected."""
+    shape, mask = jnp.shape(tokens), jnp.asarray(mask)
+    if len(shape) != 2:
+        raise ValueError(f"tokens: shape {shape}, expected [B, T] (a batch of token ids)")
+    b, t = shape
+    if jnp.shape(positions) != (b, t):
+        raise ValueError(
+            f"positions: shape {jnp.shape(positions)}, expected [B, T] = {(b, t)} like tokens "
+            "(klrl.models.attention.positions_from_mask(mask) for left-padded rows)"
+        )
+    want = f"[B, T] = {(b, t)} (a padding mask, 1 = real token; no cache) or [B, T, S] = {(b, t)} + (S,)"
+    if mask.ndim == 2 and tuple(mask.shape) == (b, t) and not cached:
+        return causal_mask(mask)
+    if mask.ndim == 3 and tuple(mask.shape[:2]) == (b, t) and (cached or mask.shape[2] == t):
+        return mask
+    with_cache = " (with a cache: [B, T, S], S the cache length)" if cached else " (S = T without a cache)"
+    raise ValueError(f"mask: shape {tuple(mask.shape)}, expected {want}{with_cache}")
 
 
 def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, *, cached: bool) -> Array:

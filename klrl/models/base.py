@@ -8,12 +8,13 @@ Shapes and conventions, shared by every family:
 
 * ``tokens [B, T]`` int32, left-padded.
 * ``positions [B, T]`` int32: the first real token of a row is position 0
-  (:func:`positions_from_mask`).
+  (:func:`~klrl.models.attention.positions_from_mask`).
 * ``mask [B, T, S]`` bool: query ``t`` may attend key ``s``; causality and padding are folded in
-  (:func:`causal_mask`). Without a cache ``S = T``; with one, ``S`` is the cache length and the
-  ``T`` new tokens are written at slot ``index``. Without a cache, ``apply`` also takes a padding
-  mask ``[B, T]`` (1 = real token, Hugging Face's ``attention_mask``) and makes it causal itself;
-  any other shape is a ``ValueError`` naming the expected ones (:func:`attention_mask`).
+  (:func:`~klrl.models.attention.causal_mask`). Without a cache ``S = T``; with one, ``S`` is the
+  cache length and the ``T`` new tokens are written at slot ``index``. Without a cache, ``apply``
+  also takes a padding mask ``[B, T]`` (1 = real token, Hugging Face's ``attention_mask``) and makes
+  it causal itself; any other shape is a ``ValueError`` naming the expected ones
+  (:func:`~klrl.models.attention.attention_mask`).
 * The KV cache is a pytree the family defines (:meth:`CausalLM.init_cache`), threaded by the
   caller, so decoding is a plain ``lax.scan``.
 * Outputs: ``logits [B, T, V]`` float32 (``V = vocab_size``, the embedding's rows) and the final
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from klrl.models.attention import attention_mask, causal_mask, positions_from_mask  # noqa: F401 (re-exported)
 from klrl.models.remat import check_mode
 
 Array = jax.Array
@@ -91,46 +93,6 @@ class CausalLM(Protocol):
 
 
 # ---- helpers shared by every family ------------------------------------------------------------
-
-
-def positions_from_mask(mask: Array) -> Array:
-    """Position ids for left-padded rows: the first real token gets 0."""
-    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def causal_mask(key_mask: Array) -> Array:
-    """``[B, S] -> [B, S, S]``: causal attention restricted to real keys.
-
-    A padded query attends to itself so its softmax stays defined.
-    """
-    s = key_mask.shape[-1]
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    m = causal[None] & key_mask.astype(bool)[:, None, :]
-    return m | jnp.eye(s, dtype=bool)[None]
-
-
-def attention_mask(tokens: Array, positions: Array, mask: Array, cached: bool) -> Array:
-    """The ``[B, T, S]`` attention mask of a family's ``apply``, its inputs' shapes checked first (at
-    trace time: shapes are static). ``mask [B, T]`` without a cache is a padding mask (1 = real token,
-    as transformers' ``attention_mask``): :func:`causal_mask` of it; ``[B, T, S]`` is used as given.
-    Any other shape (a ``[B, T]`` mask with a cache, a batch or length that is not the tokens') is a
-    ``ValueError`` naming the shapes expected."""
-    shape, mask = jnp.shape(tokens), jnp.asarray(mask)
-    if len(shape) != 2:
-        raise ValueError(f"tokens: shape {shape}, expected [B, T] (a batch of token ids)")
-    b, t = shape
-    if jnp.shape(positions) != (b, t):
-        raise ValueError(
-            f"positions: shape {jnp.shape(positions)}, expected [B, T] = {(b, t)} like tokens "
-            "(klrl.models.base.positions_from_mask(mask) for left-padded rows)"
-        )
-    want = f"[B, T] = {(b, t)} (a padding mask, 1 = real token; no cache) or [B, T, S] = {(b, t)} + (S,)"
-    if mask.ndim == 2 and tuple(mask.shape) == (b, t) and not cached:
-        return causal_mask(mask)
-    if mask.ndim == 3 and tuple(mask.shape[:2]) == (b, t) and (cached or mask.shape[2] == t):
-        return mask
-    with_cache = " (with a cache: [B, T, S], S the cache length)" if cached else " (S = T without a cache)"
-    raise ValueError(f"mask: shape {tuple(mask.shape)}, expected {want}{with_cache}")
 
 
 def forward(

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from klrl.config import ModelConfig
-from klrl.models.base import LMOutput, PartitionRules, attention_mask, causal_mask, positions_from_mask
+from klrl.models.attention import attention_mask, causal_mask, positions_from_mask
+from klrl.models.base import LMOutput, PartitionRules
 from klrl.models.registry import register_family
 from klrl.models.remat import check_mode, remat_block
 from klrl.models.sharding import split_rows
@@ -91,7 +92,7 @@ class GPTModule(nn.Module):
 
         Without a cache S = T. With a cache the T new tokens are written at slot ``index``.
         A ``[B, T]`` padding mask (no cache) is made causal
-        (:func:`klrl.models.base.attention_mask`).
+        (:func:`klrl.models.attention.attention_mask`).
         """
         cfg = self.cfg
         mask = attention_mask(tokens, positions, mask, cache is not None)  # shapes checked

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import FlaxLM, LMOutput, attention_mask
+from klrl.models.attention import attention, attention_mask, empty_cache, write_cache
+from klrl.models.base import FlaxLM, LMOutput
 from klrl.models.registry import register_family
 from klrl.models.remat import remat_block
 from klrl.models.sharding import split_rows

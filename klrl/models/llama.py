@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from klrl.models.attention import attention, empty_cache, write_cache
-from klrl.models.base import FlaxLM, LMOutput, attention_mask
+from klrl.models.attention import attention, attention_mask, empty_cache, write_cache
+from klrl.models.base import FlaxLM, LMOutput
 from klrl.models.llama_gguf import READING
 from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's config API)
     LlamaConfig,

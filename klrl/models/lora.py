@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import qwix
 
 from klrl.models import quant
-from klrl.models.base import LMOutput, causal_mask, positions_from_mask
+from klrl.models.attention import causal_mask, positions_from_mask
+from klrl.models.base import LMOutput
 
 Array = jax.Array
 SUFFIXES = ("_lora_a", "_lora_b")

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from klrl.config import SamplingConfig
-from klrl.models.base import CausalLM, causal_mask, positions_from_mask
+from klrl.models.attention import causal_mask, positions_from_mask
+from klrl.models.base import CausalLM
 from klrl.models.heads import ValueHead, detach
 
 Array = jax.Array
