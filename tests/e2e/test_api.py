@@ -314,6 +314,37 @@ def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path,
     assert seen == [str(snap)]
 
 
+def test_a_run_on_a_hub_name_saves_its_policy_with_the_snapshot_it_trained(tmp_path, monkeypatch):
+    """``klrl.run`` on a Hub name writes ``policy/`` with the config the run trained (the snapshot's path,
+    from which the adapter config records the Hub id and revision), not the name it was given (which
+    would be taken as a path under the working directory). The training itself stubbed."""
+    from klrl.analysis.results import RunResult
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--Org--Tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--Org--Tiny" / "refs").mkdir()
+    (cache / "models--Org--Tiny" / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    seen = []
+
+    def drive(prog, **k):
+        (m,) = prog
+        seen.append(m.model.path)
+        return [RunResult(m, tmp_path / "run", {}, "state")], None
+
+    monkeypatch.setattr(klrl.api, "make_program", lambda members, *a, **k: (members, "the task"))
+    monkeypatch.setattr(klrl.api, "drive", drive)
+    saved = []
+    monkeypatch.setattr(klrl.api, "save_policy", lambda task, s, out, c: saved.append((task, s, out, c)))
+    cfg = klrl.RunConfig().replace(task={"name": "text"}, model={"path": "Org/Tiny"})
+    klrl.run(cfg, run_dir=tmp_path / "run")
+    assert seen == [str(snap)]
+    want = [("the task", "state", tmp_path / "run" / "policy", str(snap))]
+    assert [(t, s, o, c.model.path) for t, s, o, c in saved] == want
+
+
 def test_each_sweep_member_on_a_model_path_saves_its_policy(tmp_path, monkeypatch):
     """klrl.sweep writes ``policy/`` into every member's directory on a pretrained model.path, as
     klrl.run does (the training itself stubbed: the members' results as the loop returns them)."""
