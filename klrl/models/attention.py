@@ -2,7 +2,6 @@
 
 * :func:`positions_from_mask`, :func:`causal_mask`, :func:`attention_mask`: the position ids and the
   ``[B, T, S]`` attention mask of :class:`klrl.models.base.CausalLM`'s conventions (re-exported there).
-
 * :func:`attention`: grouped-query softmax attention over ``[B, T, H, Dh]`` queries and either
   fresh ``[B, S, Hkv, Dh]`` keys/values or a cache layer's ``[B, Hkv, S, Dh]``;
   ``softmax(q k^T * scale + mask) v``, scores and softmax in float32 as transformers' eager
