@@ -285,12 +285,8 @@ def test_a_model_path_the_task_does_not_train_is_refused_before_anything_is_buil
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path, monkeypatch):
-    """``klrl.run`` resolves a Hub name as the CLI does: the run is built from the cached snapshot (the
-    config ``build_task`` sees names it); one not cached is one line saying where klrl looked."""
-    import klrl.loop.build
-    from klrl.config import ConfigError
-
+def _hub_snapshot(tmp_path, monkeypatch):
+    """A local Hugging Face cache (``HF_HUB_CACHE``) holding one snapshot of ``Org/Tiny``; its path."""
     cache = tmp_path / "hub"
     snap = cache / "models--Org--Tiny" / "snapshots" / "abc"
     snap.mkdir(parents=True)
@@ -298,6 +294,16 @@ def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path,
     (cache / "models--Org--Tiny" / "refs").mkdir()
     (cache / "models--Org--Tiny" / "refs" / "main").write_text("abc")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return snap
+
+
+def test_a_hub_name_is_read_from_the_local_cache_from_python(tiny_cfg, tmp_path, monkeypatch):
+    """``klrl.run`` resolves a Hub name as the CLI does: the run is built from the cached snapshot (the
+    config ``build_task`` sees names it); one not cached is one line saying where klrl looked."""
+    import klrl.loop.build
+    from klrl.config import ConfigError
+
+    snap = _hub_snapshot(tmp_path, monkeypatch)
     seen = []
 
     def stop(cfg, log=None):
@@ -320,13 +326,7 @@ def test_a_run_on_a_hub_name_saves_its_policy_with_the_snapshot_it_trained(tmp_p
     would be taken as a path under the working directory). The training itself stubbed."""
     from klrl.analysis.results import RunResult
 
-    cache = tmp_path / "hub"
-    snap = cache / "models--Org--Tiny" / "snapshots" / "abc"
-    snap.mkdir(parents=True)
-    (snap / "config.json").write_text("{}")
-    (cache / "models--Org--Tiny" / "refs").mkdir()
-    (cache / "models--Org--Tiny" / "refs" / "main").write_text("abc")
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    snap = _hub_snapshot(tmp_path, monkeypatch)
     seen = []
 
     def drive(prog, **k):
