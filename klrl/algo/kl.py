@@ -180,7 +180,12 @@ def full_kl(logits: ArrayLike, ref_logits: ArrayLike, mask: ArrayLike, clamp: Ar
     Computed from the full ``[B, T, V]`` logits with ``log_softmax`` in float32
     (no sampling, so no estimator variance; verl's ``full``). Vocabulary
     entries with ``pi(v) = 0`` contribute 0. With ``clamp > 0`` the per-entry
-    log-ratio is clipped before the sum and the result after it.
+    log-ratio is clipped before the sum and the result after it. Unclipped, each
+    position's sum is floored at 0: a KL is >= 0 (Gibbs' inequality), and the
+    float32 sum of ``pi (log pi - log pi_ref)`` over the vocabulary of two equal
+    distributions is ``+-1e-7``-size rounding, not a negative KL (a LoRA run's
+    first iteration printed ``-3.5e-07``). The floor's gradient is 0 only where the
+    rounded sum is negative, where the true KL's gradient is 0 as well.
 
     Args:
       logits: ``[B, T, V]`` policy logits (at the sampling temperature).
@@ -199,7 +204,9 @@ def full_kl(logits: ArrayLike, ref_logits: ArrayLike, mask: ArrayLike, clamp: Ar
     lr = _clip(lr, clamp)
     p = jnp.exp(logp)
     terms = jnp.where(p > 0, p * lr, 0.0)
-    return _finish(jnp.sum(terms, axis=-1), mask, clamp)
+    total = jnp.sum(terms, axis=-1)
+    total = jnp.where(jnp.asarray(clamp) > 0, total, jnp.maximum(total, 0.0))
+    return _finish(total, mask, clamp)
 
 
 def estimate(

@@ -54,12 +54,15 @@ from safetensors.numpy import load_file
 from klrl.cli.args import check_special, fail
 from klrl.cli.flags import BASE, export_parser  # (BASE: a LoRA run's float base in OUT_DIR)
 from klrl.config import ConfigError
+from klrl.eval.policy import PolicyError as ExportError
+from klrl.eval.policy import checkpoint_of as _checkpoint_of
+from klrl.eval.policy import lora_of as _lora_of
+from klrl.eval.policy import policy_params as _policy_params
 from klrl.io import checkpoint as ckpt
 from klrl.io.checkpoint import CheckpointError, version
 from klrl.io.digest import leaf_name
-from klrl.io.readers import RunDirError, read_json, read_run, read_sweep_members
+from klrl.io.readers import RunDirError, read_json, read_run
 from klrl.models import lora, peft
-from klrl.models.heads import detach
 from klrl.models.hf import CheckpointFormatError, save_safetensors
 from klrl.models.pretrained import from_pretrained, save_pretrained
 from klrl.tasks.text import check_model_paths
@@ -69,24 +72,6 @@ SAFETENSORS = "model.safetensors"
 ADAPTER = "adapter"  # a LoRA run's adapters in PEFT's format, inside OUT_DIR
 
 
-class ExportError(ValueError):
-    """The run directory, the step or the output directory does not allow the export."""
-
-
-def _checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
-    """Where ``run_dir``'s checkpoints are, and its member index (a sweep member) or None."""
-    if (run_dir / "sweep.json").is_file():
-        raise ExportError(
-            f"{run_dir}: a sweep directory; export one member: klrl export {run_dir}/MEMBER OUT_DIR"
-        )
-    parent = run_dir.parent
-    if not (run_dir / "checkpoints").is_dir() and (parent / "sweep.json").is_file():
-        names = read_sweep_members(parent)
-        if run_dir.name in names:
-            return parent, names.index(run_dir.name)
-    return run_dir, None
-
-
 def skipped_note(root: Path, step: int) -> str:
     """The step directories after ``step`` that hold no finished save (skipped; export leaves them)."""
     newer = [s for s in ckpt.incomplete_steps(root) if s > step]
@@ -94,39 +79,6 @@ def skipped_note(root: Path, step: int) -> str:
         return ""
     names = ", ".join(f"{ckpt.SUBDIR}/{s}" for s in newer)
     return f" (skipped {names}: no finished checkpoint in it)"
-
-
-def _policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any, int]:
-    """The policy's parameters (host arrays) at ``step`` (default: the latest complete one: a step
-    directory holding no finished save is skipped, :func:`klrl.io.checkpoint.is_finished`), and that step."""
-
-    mgr = ckpt.manager(root, read_only=True)
-    try:
-        done = ckpt.steps(mgr)
-        if not done:
-            raise ExportError(f"{root}: no complete checkpoint to export")
-        if step is None:
-            step = done[-1]
-        elif step not in done:
-            raise ExportError(
-                f"--step: no checkpoint {step} in {root} (complete: {', '.join(map(str, done))})"
-            )
-        try:
-            state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
-        except CheckpointError as e:  # the older checkpoints to export instead
-            older = [s for s in done if s < step]
-            hint = f" (older checkpoints: {', '.join(map(str, older))}; export one with --step {older[-1]})"
-            raise CheckpointError(f"{e}{hint if older else ''}") from e
-    finally:
-        mgr.close()
-    try:
-        policy = state["params"]["policy"]
-    except (KeyError, TypeError):
-        raise ExportError(f"checkpoint {step} in {root} holds no policy parameters (params/policy)") from None
-    if member is not None:
-        policy = jax.tree.map(lambda x: np.asarray(x[member]), policy)
-
-    return detach(policy)[0], step
 
 
 def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path) -> str:
@@ -147,21 +99,6 @@ def _write_gpt(cfg, params: Any, step: int, run_dir: Path, root: Path, out: Path
     }
     (out / "config.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return f"klrl GPT policy parameters ({len(tensors)} float32 tensors, safetensors) + config.json"
-
-
-def _lora_of(cfg, model: Any, adapters: Any) -> lora.LoRA:
-    """The run's LoRA model: the adapters' rank; ``lora.alpha``, or ``model.adapter``'s ``lora_alpha``."""
-    flat = jax.tree_util.tree_flatten_with_path(adapters)[0]
-    ranks = {int(np.shape(x)[-1]) for p, x in flat if str(getattr(p[-1], "key", "")).endswith("_lora_a")}
-    if len(ranks) != 1:
-        raise ExportError(
-            f"lora.rank: the checkpoint's policy is not LoRA adapters of one rank (ranks {sorted(ranks)})"
-        )
-    alpha = cfg.lora.alpha
-    doc = Path(cfg.model.adapter) / peft.CONFIG if cfg.model.adapter else None
-    if doc is not None and doc.is_file():  # the run's rank and alpha were the adapter's
-        alpha = float(read_json(doc).get("lora_alpha", alpha))
-    return lora.LoRA(model, ranks.pop(), alpha, cfg.lora.targets)
 
 
 def _write_hf(cfg, params: Any, out: Path, final: Path, base: bool | None) -> str:

@@ -48,6 +48,7 @@ def generate_parser(cmd: str) -> argparse.ArgumentParser:
     )
     if cmd == "generate":
         a("--prompt", metavar="TEXT", action="append", default=None, help="a prompt (repeatable)")
+        a("--ids", action="store_true", help="add each completion's token ids (the stop token included)")
     a("--n", type=int, default=1, help="completions per prompt")
     a("--max-new-tokens", "--sampling.response_len", dest="max_new_tokens", type=int, default=None,
       help="tokens per completion at most (default: the run's sampling.response_len, else 64)")  # fmt: skip
@@ -78,8 +79,11 @@ def generate_parser(cmd: str) -> argparse.ArgumentParser:
             "--judge",
             default=None,
             metavar="MODEL",
-            help="a model whose NLL per token of the completions is reported",
+            help="a model whose NLL per token of the completions and relevance (PMI) are reported",
         )
+        a("--judge.chat_template", dest="judge_chat_template", default=None, metavar="BOOL",
+          help="the judge's prompt format: its own chat template or raw text (default: its template if "
+          "its tokenizer has one, else raw text; independent of --data.chat_template)")  # fmt: skip
     return p
 
 

@@ -4,11 +4,11 @@
 
     klrl generate SOURCE (--prompts FILE | --prompt TEXT ...) [--n N] [--max-new-tokens T]
         [--temperature X] [--seed S] [--step N] [--out FILE.jsonl] [--batch-size B]
-        [--data.chat_template B] [--data.prompt_len P] [--data.field NAME]
+        [--data.chat_template B] [--data.prompt_len P] [--data.field NAME] [--ids]
     klrl eval SOURCE --prompts FILE [the same flags] [--reward.fn SPEC [--reward.weights W] |
-        --reward-model DIR] [--ref MODEL] [--judge MODEL]
+        --reward-model DIR] [--ref MODEL] [--judge MODEL [--judge.chat_template B]]
 
-``SOURCE`` is read by :func:`klrl.cli.sources.load_source` (a run directory: its latest checkpoint or
+``SOURCE`` is read by :func:`klrl.eval.policy.load_source` (a run directory: its latest checkpoint or
 ``--step N``, LoRA merged; a checkpoint directory; an export; an HF directory, a ``.gguf`` or a Hub
 name in the local cache). The prompts (a prompt file in any format PPO reads, column ``data.field``,
 or ``--prompt`` texts) go through PPO's own prompt pipeline (:func:`klrl.data.prompts.build_pool`:
@@ -25,11 +25,16 @@ section, PPO's defaults otherwise) and are answered by PPO's sampler (:func:`klr
   the text as PPO shows it); a run's own ``reward.fn`` or ``model.reward_path`` by default;
 * ``kl_exact_seq_sum``: the exact KL to the reference along the completion, in nats per sequence,
   ``sum_t sum_v pi(v | y<t) (log pi(v | y<t) - log pi_ref(v | y<t))`` (:func:`klrl.algo.kl.full_kl`,
-  both at temperature 1; its mean over completions sampled at temperature 1 is the sequence KL);
-  the reference is the run's ``model.path`` or ``--ref``;
+  each position floored at 0, both at temperature 1; its mean over completions sampled at temperature 1
+  is the sequence KL); the reference is the run's ``model.path`` or ``--ref``;
 * ``judge_nll_token_mean``: ``--judge MODEL``'s negative log-likelihood per token of the completion
-  (its own tokenizer and chat template), and the means; ``judge_ppl`` is ``exp`` of the NLL over
-  all completion tokens.
+  after its prompt, and ``judge_relevance_pmi_token_mean``, the judge's pointwise mutual information
+  of completion and prompt per token (``(log p(y | x) - log p(y)) / |y|``, :mod:`klrl.eval.score`);
+  the judge reads the prompts in its own format, not the policy's (``--judge.chat_template``: default
+  its own chat template when its tokenizer has one, raw text otherwise); ``judge_ppl`` is ``exp`` of
+  the NLL over all completion tokens.
+
+``generate --ids`` adds each completion's token ids (``ids``, the stop token included).
 
 The means go to one printed line and, with ``--out FILE.jsonl``, to ``FILE.summary.json`` (``eval/*``
 names). Bad input (a SOURCE, prompt file, reward, reference or judge that cannot be read; a value out
@@ -40,31 +45,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from klrl.algo import kl as kl_lib
-from klrl.algo.logprobs import token_logprobs
 from klrl.cli.args import fail
 from klrl.cli.flags import generate_parser
-from klrl.cli.sources import Source, SourceError, load_reference, load_source
-from klrl.config import ConfigError, DataConfig, SamplingConfig
+from klrl.config import ConfigError, DataConfig
 from klrl.config.schema import closest
 from klrl.data.chat import PromptDataError
 from klrl.data.prompts import PromptPool, build_pool, read_records, resolve_path
-from klrl.models.base import forward
+from klrl.eval.policy import Source, SourceError, load_reference, load_source
+from klrl.eval.sample import decode, token_ids
+from klrl.eval.sample import sample as sample_pool
+from klrl.eval.score import Judge, JudgeError, exact_kl
 from klrl.models.catalog import resolve_model_path
 from klrl.models.hf import CheckpointFormatError
-from klrl.models.pretrained import from_pretrained
-from klrl.models.rollout import generate, response_slice, sequence
 from klrl.rewards import RewardLoadError, make_host_reward, parse_specs
 from klrl.rewards.model import load_reward_model
 from klrl.tasks.text import is_sequence_classifier
@@ -101,11 +101,18 @@ def _check(cmd: str, ns: argparse.Namespace) -> None:
     for ok, flag, value, rule in rules:
         if not ok:
             fail(f"{flag}: {rule} (got {value})")
-    if ns.chat_template is not None:
-        v = ns.chat_template.strip().lower()
-        if v not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-            fail(f"--data.chat_template: expected true or false (got {ns.chat_template!r})")
-        ns.chat_template = v in ("true", "1", "yes", "on")
+    for flag, dest in (
+        ("--data.chat_template", "chat_template"),
+        ("--judge.chat_template", "judge_chat_template"),
+    ):
+        raw = getattr(ns, dest, None)
+        if raw is not None:
+            v = raw.strip().lower()
+            if v not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                fail(f"{flag}: expected true or false (got {raw!r})")
+            setattr(ns, dest, v in ("true", "1", "yes", "on"))
+    if getattr(ns, "judge_chat_template", None) is not None and not ns.judge:
+        fail("--judge.chat_template: give --judge MODEL too")
     if ns.out and Path(ns.out).exists():
         fail(f"--out: {ns.out}: exists (nothing is overwritten)")
     if ns.out and not Path(ns.out).resolve().parent.is_dir():
@@ -134,115 +141,19 @@ def prompt_pool(ns: argparse.Namespace, src: Source) -> tuple[PromptPool, DataCo
     return pool, data
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
-def _sample(model, params, prompt, pmask, keys, cfg, stops, pad):
-    ro = generate(model, params, prompt, pmask, keys, cfg, stops, pad)
-    return ro.response, ro.mask
-
-
-def _chunks(n: int, size: int):
-    """``(rows, k)``: row indices in fixed-size chunks (the last filled up with row 0), ``k`` real rows."""
-    size = min(size, n)
-    for i in range(0, n, size):
-        rows = np.arange(i, i + size)
-        k = int(min(size, n - i))
-        yield np.where(rows < n, rows, 0), k
-
-
 def sample(src: Source, pool: PromptPool, n: int, max_new: int, temperature: float, seed: int, batch: int):
-    """``(idx [M], response [M, R], mask [M, R])``: ``n`` completions of each prompt (prompt-major),
-    row ``m`` drawn with key ``fold_in(key(seed), m)``; temperature 0: greedy (top-1 at temperature 1)."""
-    cfg = SamplingConfig(response_len=max_new, temperature=temperature or 1.0, top_k=0 if temperature else 1,
-                         use_eos=src.sampling.use_eos)  # fmt: skip
-    idx = np.repeat(np.arange(len(pool)), n)
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(len(idx)))
-    stops = tuple(int(s) for s in src.tok.stop_ids)
-    resp, mask = np.zeros((len(idx), max_new), np.int32), np.zeros((len(idx), max_new), np.float32)
-    for rows, k in _chunks(len(idx), batch):
-        p = idx[rows]
-        r, m = _sample(src.model, src.params, jnp.asarray(pool.tokens[p]), jnp.asarray(pool.mask[p]),
-                       keys[rows], cfg, stops, int(src.tok.pad_id))  # fmt: skip
-        resp[rows[:k]], mask[rows[:k]] = np.asarray(r)[:k], np.asarray(m)[:k]
-    return idx, resp, mask
+    """:func:`klrl.eval.sample.sample` of ``src``'s policy with its ``sampling.use_eos``."""
+    return sample_pool(src.model, src.params, src.tok, pool, n, max_new, temperature, seed, batch,
+                       src.sampling.use_eos)  # fmt: skip
 
 
-def decode(tok: Any, response: np.ndarray, mask: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """``(texts, tokens [M], stopped [M])``: the completions without their stop token (as
-    :func:`klrl.models.generate.generate_text` decodes them)."""
-    stops = set(int(s) for s in tok.stop_ids)
-    texts, stopped = [], []
-    for r, m in zip(response, mask, strict=True):
-        ids = [int(t) for t, ok in zip(r, m, strict=True) if ok > 0]
-        stopped.append(bool(ids) and ids[-1] in stops)
-        texts.append(tok.decode([i for i in ids if i not in stops]))
-    return texts, mask.sum(axis=1).astype(int), np.asarray(stopped)
-
-
-# ---- the scores ------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _exact_kl(model, params, ref_model, ref_params, prompt, pmask, response, mask):
-    tokens, key_mask = sequence(prompt, pmask, response, mask)
-    p, r = prompt.shape[1], response.shape[1]
-    logits = response_slice(forward(model, params, tokens, key_mask).logits, p, r)
-    ref = response_slice(forward(ref_model, ref_params, tokens, key_mask).logits, p, r)
-    return kl_lib.seq_sum(kl_lib.full_kl(logits, ref, mask), mask)
-
-
-def exact_kl(
-    src: Source, ref: tuple[Any, Any], pool: PromptPool, idx, response, mask, batch: int
-) -> np.ndarray:
-    """``[M]`` the exact KL(pi || pi_ref) of each completion, nats per sequence (module docstring)."""
-    out = np.zeros(len(idx), np.float32)
-    for rows, k in _chunks(len(idx), batch):
-        p = idx[rows]
-        batch_arrays = (pool.tokens[p], pool.mask[p], response[rows], mask[rows])
-        v = _exact_kl(src.model, src.params, ref[0], ref[1], *map(jnp.asarray, batch_arrays))
-        out[rows[:k]] = np.asarray(v)[:k]
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _nll(model, params, prompt, pmask, response, mask):
-    tokens, key_mask = sequence(prompt, pmask, response, mask)
-    logits = response_slice(
-        forward(model, params, tokens, key_mask).logits, prompt.shape[1], response.shape[1]
-    )
-    return -jnp.sum(token_logprobs(logits, response) * mask, axis=-1)
-
-
-def load_judge(path: str, records: list[Any], data: DataConfig) -> tuple[Any, Any, Any, PromptPool]:
-    """``(model, params, tokenizer, prompt pool)`` of the judge ``path``: ``records``' prompts through PPO's
-    prompt pipeline with the judge's tokenizer and chat template."""
+def load_judge(ns: argparse.Namespace) -> Judge:
+    """``--judge MODEL`` in its own format (``--judge.chat_template``: default its own template if its
+    tokenizer has one, raw text otherwise), independent of the policy's ``data.chat_template``."""
     try:
-        model, params, tok = from_pretrained(resolve_model_path(path, "--judge"))
-    except ConfigError as e:
+        return Judge.load(ns.judge, ns.judge_chat_template)
+    except JudgeError as e:
         fail(str(e))
-    except (CheckpointFormatError, OSError, ValueError) as e:
-        fail(f"--judge: {e}")
-    if tok is None:
-        fail(f"--judge: {path}: no tokenizer")
-    try:
-        pool = build_pool(records, tok, data, source="--judge prompts")
-    except PromptDataError as e:
-        fail(f"--judge: {e}")
-    return model, params, tok, pool
-
-
-def judge_nll(judge: tuple, idx: np.ndarray, texts: list[str], batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(nll [M], tokens [M])``: the judge's (:func:`load_judge`) negative log-likelihood of each
-    completion after its prompt (row ``idx[m]`` of its pool), summed over the completion's tokens."""
-    model, params, tok, pool = judge
-    ids = [tok.encode(t) for t in texts]
-    r = max(1, max(map(len, ids)))
-    resp, mask = np.full((len(ids), r), tok.pad_id, np.int32), np.zeros((len(ids), r), np.float32)
-    for i, x in enumerate(ids):
-        resp[i, : len(x)], mask[i, : len(x)] = x, 1.0
-    nll = np.zeros(len(ids), np.float32)
-    for rows, k in _chunks(len(ids), batch):
-        v = _nll(model, params, jnp.asarray(pool.tokens[idx[rows]]), jnp.asarray(pool.mask[idx[rows]]),
-                 jnp.asarray(resp[rows]), jnp.asarray(mask[rows]))  # fmt: skip
-        nll[rows[:k]] = np.asarray(v)[:k]
-    return nll, mask.sum(axis=1)
 
 
 def prepare_reward(ns: argparse.Namespace, src: Source, pool: PromptPool) -> tuple[Any, str]:
@@ -327,6 +238,9 @@ def generate_main(argv: list[str]) -> int:
           f"temperature {ns.temperature:g}, seed {ns.seed}")  # fmt: skip
     idx, resp, mask = sample(src, pool, ns.n, ns.max_new_tokens, ns.temperature, ns.seed, ns.batch_size)
     rows = _rows(pool, idx, ns.n, *decode(src.tok, resp, mask))
+    if ns.ids:
+        for row, ids in zip(rows, token_ids(resp, mask), strict=True):
+            row["ids"] = ids
     _write(rows, ns.out)
     if ns.out:
         print(f"wrote {len(rows)} completions to {ns.out}")
@@ -334,7 +248,24 @@ def generate_main(argv: list[str]) -> int:
 
 
 def _mean(x) -> float | None:
-    return None if x is None or not len(x) else float(np.mean(x))
+    return None if x is None or not len(x) else float(np.nanmean(x)) if np.isfinite(x).any() else None
+
+
+def _judge_rows(judge: Judge, pool: PromptPool, idx, texts, rows: list[dict], batch: int) -> dict[str, Any]:
+    """Each row's judge NLL per token (after its prompt in the judge's format) and relevance (PMI per
+    token, :meth:`klrl.eval.score.Judge.relevance`); their means."""
+    rel = judge.relevance(texts, pool.prompts, idx, batch)
+    n = rel["tokens"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per = np.where(n > 0, rel["nll_cond"] / np.maximum(n, 1), np.nan)
+    for m, row in enumerate(rows):
+        row["judge_nll_token_mean"] = float(per[m]) if n[m] else None
+        row["judge_relevance_pmi_token_mean"] = float(rel["pmi"][m]) if n[m] else None
+    return {
+        "eval/judge_nll_token_mean": _mean(per),
+        "eval/judge_ppl": float(np.exp(rel["nll_cond"].sum() / max(n.sum(), 1.0))),
+        "eval/judge_relevance_pmi_token_mean": _mean(rel["pmi"]),
+    }
 
 
 def eval_main(argv: list[str]) -> int:
@@ -347,27 +278,26 @@ def eval_main(argv: list[str]) -> int:
         except SourceError as e:
             fail(str(e))
     score, what = prepare_reward(ns, src, pool)
-    judge = load_judge(ns.judge, [{data.field: p} for p in pool.prompts], data) if ns.judge else None
+    judge = load_judge(ns) if ns.judge else None
     print(f"{src.what}; {len(pool)} prompts x {ns.n}, temperature {ns.temperature:g}, seed {ns.seed}")
+    if judge is not None:
+        print(f"judge {ns.judge}: prompts in {judge.format}")
     idx, resp, mask = sample(src, pool, ns.n, ns.max_new_tokens, ns.temperature, ns.seed, ns.batch_size)
     texts, tokens, stopped = decode(src.tok, resp, mask)
     reward = score(idx, resp, mask, texts)
-    kl = exact_kl(src, ref, pool, idx, resp, mask, ns.batch_size) if ref is not None else None
-    nll = ntok = None
-    if judge is not None:
-        nll, ntok = judge_nll(judge, idx, texts, ns.batch_size)
+    kl = (
+        exact_kl(src.model, src.params, ref, pool, idx, resp, mask, ns.batch_size)
+        if ref is not None
+        else None
+    )
     rows = _rows(pool, idx, ns.n, texts, tokens, stopped)
     for m, row in enumerate(rows):
         row["reward"] = None if reward is None else float(reward[m])
         row["kl_exact_seq_sum"] = None if kl is None else float(kl[m])
-        if nll is not None:
-            row["judge_nll_token_mean"] = float(nll[m] / ntok[m]) if ntok[m] else None
     summary = {"eval/count": len(rows), "eval/length": _mean(tokens), "eval/reward": _mean(reward),
                "eval/kl_exact_seq_sum": _mean(kl)}  # fmt: skip
-    if nll is not None:
-        per = [r["judge_nll_token_mean"] for r in rows if r["judge_nll_token_mean"] is not None]
-        summary["eval/judge_nll_token_mean"] = _mean(per)
-        summary["eval/judge_ppl"] = float(np.exp(nll.sum() / max(ntok.sum(), 1.0)))
+    if judge is not None:
+        summary.update(_judge_rows(judge, pool, idx, texts, rows, ns.batch_size))
     if ns.out:
         _write(rows, ns.out)
         Path(ns.out).with_suffix(".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -375,9 +305,10 @@ def eval_main(argv: list[str]) -> int:
     line = f"{len(rows)} completions: mean reward {fmt(summary['eval/reward'])} ({what}); "
     where = f"to {src.ref}" if ref is not None else "no reference: give --ref"
     line += f"mean exact KL {fmt(summary['eval/kl_exact_seq_sum'])} nats/seq ({where})"
-    if nll is not None:
+    if judge is not None:
         line += f"; judge NLL {fmt(summary['eval/judge_nll_token_mean'])} nats/token"
         line += f", perplexity {fmt(summary['eval/judge_ppl'])}"
+        line += f", relevance {fmt(summary['eval/judge_relevance_pmi_token_mean'])} nats/token (PMI)"
     if ns.out:
         line += f"; wrote {ns.out} and {Path(ns.out).with_suffix('.summary.json')}"
     print(line)

@@ -127,6 +127,25 @@ def test_full_kl_matches_float64_reference(seed: int, vocab: int) -> None:
     assert np.all(got[mask] > 0)
 
 
+def test_full_kl_of_nearly_equal_distributions_is_never_negative() -> None:
+    """Two distributions a rounding apart: the float32 sum over a 49152-token vocabulary of
+    ``pi (log pi - log pi_ref)`` comes out negative on some positions without the floor (checked below,
+    so the case is not vacuous); the exact KL is >= 0 and equals the float64 value to 1e-6."""
+    rng = np.random.default_rng(0)
+    logits = (3 * rng.standard_normal((4, 16, 49152))).astype(np.float32)
+    ref = logits + np.float32(1e-6) * rng.standard_normal(logits.shape).astype(np.float32)
+    mask = np.ones((4, 16), bool)
+    lp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True)).astype(np.float32)
+    lq = ref - np.log(np.exp(ref.astype(np.float64)).sum(-1, keepdims=True)).astype(np.float32)
+    raw = np.sum(np.exp(lp) * (lp - lq), axis=-1, dtype=np.float32)  # the unfloored float32 sum
+    assert (raw < 0).any()
+    got = np.asarray(kl.full_kl(logits, ref, mask))
+    assert (got >= 0).all()
+    np.testing.assert_allclose(got, _kl64(logits, ref), atol=1e-6)
+    clipped = np.asarray(kl.full_kl(logits, ref, mask, clamp=5.0))  # the clipped form is not floored
+    np.testing.assert_allclose(clipped, np.clip(_kl64(logits, ref), -5, 5), atol=1e-6)
+
+
 def test_full_kl_with_zero_probability_entries() -> None:
     logits = np.array([[[0.0, 1.0, -np.inf]]], np.float32)  # pi puts no mass on token 2
     ref = np.array([[[0.0, 0.0, 0.0]]], np.float32)

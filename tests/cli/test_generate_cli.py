@@ -90,10 +90,10 @@ def test_exact_kl_matches_numpy_on_a_hand_built_case():
     after 2 tokens), a policy that is the tiny GGUF with perturbed weights: per sequence
     ``sum_t m_t sum_v p_v (log p_v - log q_v)`` in NumPy (float64) from the two models' logits at the
     positions that predict the response tokens; chunks of 2 (the last one filled up)."""
-    from klrl.cli.generate import exact_kl
-    from klrl.cli.sources import Source
     from klrl.config import DataConfig, SamplingConfig
     from klrl.data.prompts import PromptPool
+    from klrl.eval.policy import Source
+    from klrl.eval.score import exact_kl
 
     model, base, tok = from_pretrained(GGUF)
     noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), base)
@@ -103,7 +103,7 @@ def test_exact_kl_matches_numpy_on_a_hand_built_case():
     mask = np.array([[1, 1, 1], [1, 1, 0], [1, 1, 1]], np.float32)
     pool = PromptPool(prompt, pmask, [""] * 3, [""] * 3, {}, np.arange(3), np.zeros(3, bool), "hand")
     src = Source(model, noisy, tok, DataConfig(), SamplingConfig(), "base", "")
-    got = exact_kl(src, (model, base), pool, np.arange(3), response, mask, batch=2)
+    got = exact_kl(src.model, src.params, (model, base), pool, np.arange(3), response, mask, batch=2)
     want = []
     for b in range(3):
         real = np.concatenate([prompt[b][pmask[b] > 0], response[b][mask[b] > 0]])[None]
@@ -142,3 +142,46 @@ def test_bad_input_is_one_line_exit_2(argv, words, prompt_file, capsys):
     line = one_line_error(capsys, klrl_main, argv)
     for w in words:
         assert w in line, (w, line)
+
+
+def test_generate_ids_are_the_tokens_of_each_completion(prompt_file, tmp_path):
+    """``--ids``: each row's token ids, as many as its ``tokens`` count, decoding (stop token dropped) to
+    its completion."""
+    out = tmp_path / "g.jsonl"
+    argv = ["generate", str(GGUF), "--prompts", str(prompt_file), "--max-new-tokens", "5", "--n", "2",
+            "--ids", "--out", str(out)]  # fmt: skip
+    assert klrl_main(argv) == 0
+    _, _, tok = from_pretrained(GGUF)
+    rows = _rows(out)
+    assert len(rows) == 6
+    for r in rows:
+        assert len(r["ids"]) == r["tokens"] and all(isinstance(i, int) for i in r["ids"])
+        stops = set(tok.stop_ids)
+        assert tok.decode([i for i in r["ids"] if i not in stops]) == r["completion"]
+
+
+def test_eval_judge_reads_prompts_in_its_own_format_not_the_policys(
+    prompt_file, tmp_path, capsys, monkeypatch
+):
+    """A judge without a chat template scores a chat policy's completions out of the box (raw text), the
+    policy's prompts still wrapped in its template; ``--judge.chat_template true`` on it is one line."""
+    import dataclasses
+
+    from klrl.eval import score
+
+    model, params, tok = from_pretrained(GGUF)
+    bare = dataclasses.replace(tok, chat_template=None)
+    real = score.from_pretrained
+    monkeypatch.setattr(score, "from_pretrained", lambda p: (model, params, bare) if "bare" in p else real(p))
+    monkeypatch.setattr(score, "resolve_model_path", lambda p, field: p)
+    out = tmp_path / "e.jsonl"
+    argv = ["eval", str(GGUF), "--prompts", str(prompt_file), "--max-new-tokens", "4", "--judge", "bare",
+            "--out", str(out)]  # fmt: skip
+    assert klrl_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "prompts in raw text" in text and "relevance" in text
+    rows = _rows(out)
+    assert all(r["judge_relevance_pmi_token_mean"] is None or np.isfinite(r["judge_relevance_pmi_token_mean"])
+               for r in rows)  # fmt: skip
+    line = one_line_error(capsys, klrl_main, [*argv[:-2], "--judge.chat_template", "true"])
+    assert "--judge.chat_template true" in line and "no chat template" in line

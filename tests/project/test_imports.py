@@ -31,10 +31,11 @@ _TABLE = {
     "rewards": "registry config data models io",
     "tasks": "registry config data algo models rewards",
     "step": "registry config algo models distributed rewards tasks",
+    "eval": "config data algo models io tasks",
     "analysis": "registry config io",
     "loop": "registry config algo models distributed io rewards tasks step",
     "api": "config algo models distributed io rewards tasks step analysis loop",
-    "cli": "config data algo models distributed io rewards tasks analysis loop api",
+    "cli": "config data models distributed io rewards tasks eval analysis loop api",
 }
 LAYERS = list(_TABLE)  # bottom first, as the README lists them
 ALLOWED: dict[str, set[str]] = {k: {k, *v.split()} for k, v in _TABLE.items()}
@@ -43,7 +44,7 @@ ROOT_LAYERS = {"api": "api", "checks": "api", "registry": "registry", "distribut
 EXEMPT = {"klrl", "klrl.__main__"}  # the package root (the public API) and ``python -m klrl``
 
 # imports inside a function: optional dependencies, imported where they are needed (first-level names)
-OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython", "wandb"}
+OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython", "wandb", "vaderSentiment"}
 # the command line imports inside its functions, so that ``klrl --help`` does not import jax
 # (:func:`test_the_command_line_starts_without_jax`; tests/cli/test_cli.py runs it)
 FAST_START = ("klrl/cli/",)

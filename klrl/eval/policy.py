@@ -1,4 +1,5 @@
-"""The ``SOURCE`` of ``klrl generate`` and ``klrl eval``: a policy to sample from, read from
+"""A policy to sample from and score (the ``SOURCE`` of ``klrl generate`` and ``klrl eval``, a study's
+run at a step), read from
 
 * **a run directory** (or a sweep member ``SWEEP/MEMBER``): its latest complete checkpoint, or ``--step
   N`` (digests verified, as ``klrl export`` reads it); the policy on the run's ``model.path`` (a value
@@ -12,26 +13,98 @@
   default).
 
 klrl's GPT testbed runs and their exports are refused (their tokens are not text). Every problem is
-a :class:`SourceError` with one line.
+a :class:`SourceError` with one line. :func:`policy_at` is the same read for a run at a step, and
+:func:`checkpoint_steps` lists a run's complete checkpoints (a study evaluates each).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
-from klrl.cli.export import ExportError, _checkpoint_of, _lora_of, _policy_params
+import jax
+import numpy as np
+
 from klrl.config import ConfigError, DataConfig, RunConfig, SamplingConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io.checkpoint import CheckpointError
-from klrl.io.readers import RunDirError, read_run
-from klrl.models import lora
+from klrl.io.readers import RunDirError, read_json, read_run, read_sweep_members
+from klrl.models import lora, peft
 from klrl.models.catalog import resolve_model_path
+from klrl.models.heads import detach
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import from_pretrained
 from klrl.tasks.text import check_model_paths, compute_dtype
+
+
+class PolicyError(ValueError):
+    """A run directory, step or checkpoint that holds no readable policy (``klrl export`` calls it
+    ``ExportError``)."""
+
+
+def checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
+    """Where ``run_dir``'s checkpoints are, and its member index (a sweep member) or None."""
+    if (run_dir / "sweep.json").is_file():
+        raise PolicyError(
+            f"{run_dir}: a sweep directory; export one member: klrl export {run_dir}/MEMBER OUT_DIR"
+        )
+    parent = run_dir.parent
+    if not (run_dir / "checkpoints").is_dir() and (parent / "sweep.json").is_file():
+        names = read_sweep_members(parent)
+        if run_dir.name in names:
+            return parent, names.index(run_dir.name)
+    return run_dir, None
+
+
+def policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any, int]:
+    """The policy's parameters (host arrays) at ``step`` (default: the latest complete one: a step
+    directory holding no finished save is skipped, :func:`klrl.io.checkpoint.is_finished`), and that step."""
+
+    mgr = ckpt.manager(root, read_only=True)
+    try:
+        done = ckpt.steps(mgr)
+        if not done:
+            raise PolicyError(f"{root}: no complete checkpoint to export")
+        if step is None:
+            step = done[-1]
+        elif step not in done:
+            raise PolicyError(
+                f"--step: no checkpoint {step} in {root} (complete: {', '.join(map(str, done))})"
+            )
+        try:
+            state, _ = ckpt.restore(mgr, ckpt.saved_structure(mgr, step), step)  # digests verified
+        except CheckpointError as e:  # the older checkpoints to export instead
+            older = [s for s in done if s < step]
+            hint = f" (older checkpoints: {', '.join(map(str, older))}; export one with --step {older[-1]})"
+            raise CheckpointError(f"{e}{hint if older else ''}") from e
+    finally:
+        mgr.close()
+    try:
+        policy = state["params"]["policy"]
+    except (KeyError, TypeError):
+        raise PolicyError(f"checkpoint {step} in {root} holds no policy parameters (params/policy)") from None
+    if member is not None:
+        policy = jax.tree.map(lambda x: np.asarray(x[member]), policy)
+
+    return detach(policy)[0], step
+
+
+def lora_of(cfg, model: Any, adapters: Any) -> lora.LoRA:
+    """The run's LoRA model: the adapters' rank; ``lora.alpha``, or ``model.adapter``'s ``lora_alpha``."""
+    flat = jax.tree_util.tree_flatten_with_path(adapters)[0]
+    ranks = {int(np.shape(x)[-1]) for p, x in flat if str(getattr(p[-1], "key", "")).endswith("_lora_a")}
+    if len(ranks) != 1:
+        raise PolicyError(
+            f"lora.rank: the checkpoint's policy is not LoRA adapters of one rank (ranks {sorted(ranks)})"
+        )
+    alpha = cfg.lora.alpha
+    doc = Path(cfg.model.adapter) / peft.CONFIG if cfg.model.adapter else None
+    if doc is not None and doc.is_file():  # the run's rank and alpha were the adapter's
+        alpha = float(read_json(doc).get("lora_alpha", alpha))
+    return lora.LoRA(model, ranks.pop(), alpha, cfg.lora.targets)
 
 
 class SourceError(ValueError):
@@ -75,6 +148,13 @@ def run_dir_of(p: Path) -> tuple[Path, int | None] | None:
     return None
 
 
+@functools.lru_cache(maxsize=2)
+def _base(path: str, dtype: Any) -> tuple[Any, Any, Any]:
+    """``(model, params, tokenizer)`` of a run's ``model.path``, read once per process (a study reads
+    every checkpoint of every member on the same base)."""
+    return from_pretrained(path, dtype=dtype)
+
+
 def _from_run(run_dir: Path, step: int | None) -> Source:
     try:
         cfg: RunConfig = read_run(run_dir)[0]
@@ -84,15 +164,15 @@ def _from_run(run_dir: Path, step: int | None) -> Source:
                 "klrl generate and klrl eval read runs on a pretrained model"
             )
         check_model_paths(cfg)
-        root, member = _checkpoint_of(run_dir)
-        params, step = _policy_params(root, member, step)
-        model, base, tok = from_pretrained(cfg.model.path, dtype=compute_dtype(cfg))
+        root, member = checkpoint_of(run_dir)
+        params, step = policy_params(root, member, step)
+        model, base, tok = _base(str(cfg.model.path), compute_dtype(cfg))
         what = "policy"
         if cfg.lora.rank > 0:
-            lm = _lora_of(cfg, model, params)
+            lm = lora_of(cfg, model, params)
             params = lora.merged_kernels(base, params, lm.scale)
             what = f"policy (LoRA rank {lm.rank} merged into {cfg.model.path})"
-    except (RunDirError, CheckpointError, ConfigError, CheckpointFormatError, ExportError) as e:
+    except (RunDirError, CheckpointError, ConfigError, CheckpointFormatError, PolicyError) as e:
         raise SourceError(str(e)) from None
     line = f"{run_dir}: the {what} at iteration {step}; reference {cfg.model.path}"
     return Source(model, params, tok, cfg.data, cfg.sampling, cfg.model.path, line, ref_params=base, cfg=cfg)
@@ -159,3 +239,20 @@ def load_reference(src: Source) -> tuple[Any, Any]:
             f"{src.model.vocab_size}; the exact KL needs the same tokenizer"
         )
     return model, params
+
+
+def policy_at(run_dir: str | Path, step: int | None = None) -> Source:
+    """The policy of a run (or a sweep member ``SWEEP/MEMBER``) at checkpoint ``step`` (None: the latest
+    complete one), LoRA adapters merged into the base; the base is read once per process."""
+    return _from_run(Path(run_dir), step)
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The complete checkpoints of a run, a sweep or a sweep member, in order (digests not yet checked:
+    :func:`policy_at` checks the one it reads)."""
+    root, _ = checkpoint_of(Path(run_dir)) if not (Path(run_dir) / "sweep.json").is_file() else (run_dir, 0)
+    mgr = ckpt.manager(Path(root), read_only=True)
+    try:
+        return list(ckpt.steps(mgr))
+    finally:
+        mgr.close()
