@@ -10,6 +10,11 @@
 * :func:`tost`: the two one-sided t-tests of equivalence (Schuirmann 1987) over seeds: "flat" means the
   mean change lies inside ``(-margin, margin)``, not that an interval contains 0.
 * :func:`wilson`: the Wilson score interval of an accuracy (Wilson 1927).
+* :func:`prompt_bootstrap`: the percentile interval of a statistic over prompts resampled with replacement
+  (a cluster bootstrap, Davison & Hinkley 1997, section 3.8: the prompt is the unit that varies; responses
+  to one prompt, and pairs that share responses, are not independent draws).
+* :func:`pair_accuracy`: a proxy's accuracy against the gold on every within-prompt pair of responses, with
+  its prompt-bootstrap interval; :func:`accuracy_difference`: two proxies on the same pairs, paired by prompt.
 """
 
 from __future__ import annotations
@@ -113,3 +118,68 @@ def wilson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
     c = (p + z * z / (2 * n)) / (1 + z * z / n)
     h = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return float(c - h), float(c + h)
+
+
+def prompt_bootstrap(
+    groups: list[Any], stat: Any, n_boot: int = 2000, seed: int = 0, level: float = LEVEL
+) -> dict[str, float]:
+    """``{"value", "lo", "hi", "n_prompts", "n_boot"}``: ``stat(groups)`` and the percentile interval of
+    ``stat`` over ``n_boot`` resamples of the groups (one group per prompt, whatever each holds), drawn with
+    replacement with ``numpy.random.default_rng(seed)``."""
+    if not groups:
+        raise ValueError("prompt_bootstrap: no prompts")
+    rng = np.random.default_rng(seed)
+    value = float(stat(groups))
+    draws = np.array(
+        [stat([groups[i] for i in rng.integers(0, len(groups), len(groups))]) for _ in range(n_boot)]
+    )
+    lo, hi = np.nanquantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return {"value": value, "lo": float(lo), "hi": float(hi), "n_prompts": len(groups), "n_boot": n_boot}
+
+
+def _pair_counts(score: np.ndarray, gold: np.ndarray) -> tuple[int, int]:
+    """``(agreements, pairs)`` over the pairs ``i < j`` of one prompt's responses with different gold:
+    the proxy orders the pair as the gold does (a proxy tie counts one half)."""
+    ds = score[:, None] - score[None, :]
+    dg = gold[:, None] - gold[None, :]
+    upper = np.triu(np.ones_like(dg, bool), 1) & (dg != 0)
+    agree = np.where(ds == 0, 0.5, (np.sign(ds) == np.sign(dg)).astype(float))
+    return float(agree[upper].sum()), int(upper.sum())
+
+
+def _accuracy(groups: list[tuple[float, int]]) -> float:
+    k = sum(g[0] for g in groups)
+    n = sum(g[1] for g in groups)
+    return k / n if n else float("nan")
+
+
+def pair_accuracy(
+    score: Any, gold: Any, prompt: Any, n_boot: int = 2000, seed: int = 0, level: float = LEVEL
+) -> dict[str, float]:
+    """A proxy's pairwise accuracy against the gold over every within-prompt pair of responses whose gold
+    differs (pooled: agreements / pairs), with the prompt-bootstrap interval (:func:`prompt_bootstrap`);
+    ``score``, ``gold``, ``prompt`` are ``[M]`` per response. Adds ``pairs``."""
+    score, gold, prompt = (np.asarray(x) for x in (score, gold, prompt))
+    groups = [_pair_counts(score[prompt == q], gold[prompt == q]) for q in np.unique(prompt)]
+    groups = [g for g in groups if g[1]]
+    out = prompt_bootstrap(groups, _accuracy, n_boot, seed, level)
+    return {**out, "pairs": int(sum(g[1] for g in groups))}
+
+
+def accuracy_difference(
+    a: Any, b: Any, gold: Any, prompt: Any, n_boot: int = 2000, seed: int = 0, level: float = LEVEL
+) -> dict[str, float]:
+    """``accuracy(a) - accuracy(b)`` on the same within-prompt pairs (:func:`pair_accuracy`), with the
+    interval of a prompt bootstrap that resamples both together (paired): the two proxies are separated
+    at ``level`` when the interval excludes 0."""
+    a, b, gold, prompt = (np.asarray(x) for x in (a, b, gold, prompt))
+    groups = []
+    for q in np.unique(prompt):
+        m = prompt == q
+        ka, n = _pair_counts(a[m], gold[m])
+        kb, _ = _pair_counts(b[m], gold[m])
+        if n:
+            groups.append((ka, kb, n))
+    diff = lambda gs: (sum(g[0] for g in gs) - sum(g[1] for g in gs)) / max(sum(g[2] for g in gs), 1)
+    out = prompt_bootstrap(groups, diff, n_boot, seed, level)
+    return {**out, "pairs": int(sum(g[2] for g in groups)), "separated": bool(out["lo"] > 0 or out["hi"] < 0)}

@@ -70,3 +70,61 @@ def test_wilson_hand_value():
     # k=59, n=100 at 95%: (0.4920, 0.6813) to 4 decimals (the score interval by hand: z = 1.959964)
     lo, hi = overopt.wilson(59, 100)
     assert (lo, hi) == pytest.approx((0.4920, 0.6813), abs=1e-4)
+
+
+def _loop_accuracy(score, gold, prompt) -> tuple[float, int]:
+    """Every pair of responses to one prompt with different gold, one at a time (a proxy tie: one half)."""
+    k, n = 0.0, 0
+    for i in range(len(score)):
+        for j in range(i + 1, len(score)):
+            if prompt[i] != prompt[j] or gold[i] == gold[j]:
+                continue
+            n += 1
+            if score[i] == score[j]:
+                k += 0.5
+            elif (score[i] > score[j]) == (gold[i] > gold[j]):
+                k += 1
+    return k / n, n
+
+
+def test_pair_accuracy_is_the_python_loop_count_and_its_interval_covers_it():
+    from klrl.analysis.overopt import pair_accuracy
+
+    rng = np.random.default_rng(3)
+    prompt = np.repeat(np.arange(12), 5)
+    gold = rng.integers(0, 4, prompt.size).astype(float)  # ties in the gold are left out
+    score = gold + rng.normal(0, 1.5, prompt.size)
+    score[:2] = 7.0  # a proxy tie on one pair
+    want, n = _loop_accuracy(score, gold, prompt)
+    got = pair_accuracy(score, gold, prompt, n_boot=500)
+    assert got["pairs"] == n and got["value"] == pytest.approx(want)
+    assert got["lo"] < want < got["hi"] and got["n_prompts"] == 12
+    assert 0.5 < want < 1  # the proxy is informative and imperfect: the case is not degenerate
+
+
+def test_prompt_bootstrap_resamples_prompts_not_responses():
+    """Two prompts, one all-agreeing and one all-disagreeing: a response-level resample would give an
+    interval narrow around 0.5; resampling the 2 prompts gives only 0, 0.5 or 1 (each with its binomial
+    weight), so the 95% interval is [0, 1]."""
+    from klrl.analysis.overopt import prompt_bootstrap
+
+    groups = [(10.0, 10), (0.0, 10)]
+    acc = lambda gs: sum(g[0] for g in gs) / sum(g[1] for g in gs)
+    out = prompt_bootstrap(groups, acc, n_boot=400, seed=1)
+    assert out["value"] == 0.5 and out["lo"] == 0.0 and out["hi"] == 1.0
+
+
+def test_accuracy_difference_separates_a_good_proxy_from_noise_and_not_from_itself():
+    from klrl.analysis.overopt import accuracy_difference
+
+    rng = np.random.default_rng(0)
+    prompt = np.repeat(np.arange(40), 6)
+    gold = rng.normal(size=prompt.size)
+    good, noise = gold + rng.normal(0, 0.3, gold.size), rng.normal(size=gold.size)
+    d = accuracy_difference(good, noise, gold, prompt, n_boot=500)
+    assert d["separated"] and d["lo"] > 0
+    assert d["value"] == pytest.approx(
+        _loop_accuracy(good, gold, prompt)[0] - _loop_accuracy(noise, gold, prompt)[0]
+    )
+    same = accuracy_difference(good, good, gold, prompt, n_boot=200)
+    assert same["value"] == 0 and not same["separated"]
