@@ -1,6 +1,6 @@
 """The gold that reads the prompt (issue 47, item 1), checked on stored responses before any new run.
 
-``python experiments/llm_gold.py [--draws 4] [--results experiments/results/llm_gold]``
+``python experiments/llm_gold.py [--draws 4] [--results experiments/results/llm_gold] [--replay]``
 
 Scores, with :mod:`klrl.eval.gold` and the independent judge (Gemma 3 270M, raw text: it has no chat
 template), responses the third study (``experiments/results/llm_turn``) stored:
@@ -13,8 +13,9 @@ template), responses the third study (``experiments/results/llm_turn``) stored:
 * ``generic``: seed 0's most frequent collapsed response given as the answer to every held-out prompt
   (a prompt-independent answer by construction).
 
-Writes ``gold_check.json`` (the medians, each set's gold quantiles and its share below the reference
-median, old gold beside new) and ``scored.jsonl.gz`` (every scored response with its parts).
+Writes ``judged.jsonl.gz`` (every response with the judge's NLL per token and relevance) and
+``gold_check.json`` (the medians, each set's gold quantiles and share below the reference median, old
+gold beside new), which ``--replay`` recomputes from ``judged.jsonl.gz`` alone.
 """
 
 from __future__ import annotations
@@ -57,64 +58,88 @@ def sets(draws: int, train_texts: list[str], held_texts: list[str]) -> dict[str,
 
 
 def summary(values: np.ndarray, median: float) -> dict[str, float]:
+    values = values[np.isfinite(values)]  # an empty response has no relevance
     q = np.quantile(values, [0.1, 0.25, 0.5, 0.75, 0.9])
     return {"n": int(len(values)), "mean": float(values.mean()), "q10": q[0], "q25": q[1], "median": q[2],
             "q75": q[3], "q90": q[4], "below_ref_median": float(np.mean(values < median))}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def judge_sets(ns: argparse.Namespace) -> list[dict]:
+    """Every response of the four sets with the judge's numbers: ``nll`` per token (alone), ``pmi``."""
+    from experiments.llm_beta import default_gguf
     from experiments.llm_turn import PRESETS, base_config, default_judge
     from klrl.api import build_task
-    from klrl.eval import gold
     from klrl.eval.score import Judge
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--draws", type=int, default=4)
-    p.add_argument("--results", default=str(HERE / "results" / "llm_gold"))
-    p.add_argument("--model-path", default="")
-    ns = p.parse_args(argv)
-    from experiments.llm_beta import default_gguf
-
-    ns.model_path = ns.model_path or default_gguf()
-    ns.remat, ns.out = "none", "/tmp/llm_gold_unused"
+    ns.model_path, ns.remat, ns.out = default_gguf(), "none", "/tmp/llm_gold_unused"
     task = build_task(base_config(ns, PRESETS["cpu"]), None)
     data = sets(ns.draws, list(task.prompt_texts), list(task.heldout.texts))
     judge = Judge.load(default_judge())
     print(f"judge {judge.path}: prompts in {judge.format}", flush=True)
-    t0, scored = time.time(), {}
+    t0, lines = time.time(), []
     for name, rows in data.items():
         prompts = sorted({r["prompt"] for r in rows})
-        idx = [prompts.index(r["prompt"]) for r in rows]
-        texts = [r["completion"] for r in rows]
-        scored[name] = judge.relevance(texts, prompts, idx, batch=16)
-        print(f"{name}: {len(rows)} responses scored ({time.time() - t0:.0f} s)", flush=True)
-    n = scored["reference"]["tokens"]
-    free = gold.calibrate(scored["reference"]["nll_text"] / np.maximum(n, 1), scored["reference"]["pmi"])
-    out, lines = {"free": free, "draws": ns.draws, "judge": judge.path, "format": judge.format}, []
-    for name, rows in data.items():
-        s = scored[name]
-        per = s["nll_text"] / np.maximum(s["tokens"], 1)
-        parts = gold.score([r["completion"] for r in rows], per, s["pmi"], free)
-        for r, pt in zip(rows, parts, strict=True):
-            lines.append({"set": name, **{k: r[k] for k in ("prompt_idx", "prompt", "completion") if k in r},
-                          **{k: r[k] for k in ("member", "iteration", "draw") if k in r},
-                          "old_gold": r.get("gold"), **pt})  # fmt: skip
-        out[name] = {"new": np.array([pt["gold"] for pt in parts]), "pmi": s["pmi"]}
-        if rows[0].get("gold") is not None:
-            out[name]["old"] = np.array([r["gold"] for r in rows])
-    med_new, med_old = np.median(out["reference"]["new"]), np.median(out["reference"]["old"])
-    res = {k: out[k] for k in ("free", "draws", "judge", "format")}
-    for name in data:
-        res[name] = {"gold_new": summary(out[name]["new"], med_new),
-                     "relevance_pmi": summary(np.nan_to_num(out[name]["pmi"]), free["pmi_free"])}  # fmt: skip
-        if "old" in out[name]:
-            res[name]["gold_old"] = summary(out[name]["old"], med_old)
-    res["seconds"] = round(time.time() - t0, 1)
+        rel = judge.relevance(
+            [r["completion"] for r in rows], prompts, [prompts.index(r["prompt"]) for r in rows]
+        )
+        for m, r in enumerate(rows):
+            n = int(rel["tokens"][m])
+            keep = {
+                k: r[k]
+                for k in ("prompt_idx", "prompt", "completion", "member", "iteration", "draw")
+                if k in r
+            }
+            lines.append({"set": name, **keep, "old_gold": r.get("gold"), "judge_tokens": n,
+                          "nll": float(rel["nll_text"][m] / n) if n else None,
+                          "pmi": float(rel["pmi"][m]) if n else None})  # fmt: skip
+        print(f"{name}: {len(rows)} responses judged ({time.time() - t0:.0f} s)", flush=True)
+    print(f"judge: {time.time() - t0:.0f} s", flush=True)
+    return lines
+
+
+def finish(lines: list[dict], draws: int) -> dict:
+    """The gold of every stored response and each set's summary (from the stored judge numbers alone)."""
+    from klrl.eval import gold
+
+    nan = lambda v: float("nan") if v is None else v
+    ref = [r for r in lines if r["set"] == "reference"]
+    free = gold.calibrate([nan(r["nll"]) for r in ref], [nan(r["pmi"]) for r in ref])
+    res: dict = {"free": free, "draws": draws, "coefs": {"rep": gold.REP_COEF, "nll": gold.NLL_COEF,
+                                                         "rel": gold.REL_COEF}}  # fmt: skip
+    for r in lines:
+        r.update(gold.gold_parts(r["completion"], nan(r["nll"]), nan(r["pmi"]), free))
+    by = {}
+    for r in lines:
+        by.setdefault(r["set"], []).append(r)
+    med_new = float(np.median([r["gold"] for r in by["reference"]]))
+    med_old = float(np.median([r["old_gold"] for r in by["reference"]]))
+    for name, rows in by.items():
+        pmi = np.array([nan(r["pmi"]) for r in rows])
+        res[name] = {"gold_new": summary(np.array([r["gold"] for r in rows]), med_new),
+                     "relevance_pmi": summary(pmi, free["pmi_free"])}  # fmt: skip
+        if rows[0]["old_gold"] is not None:
+            res[name]["gold_old"] = summary(np.array([r["old_gold"] for r in rows]), med_old)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--draws", type=int, default=4)
+    p.add_argument("--results", default=str(HERE / "results" / "llm_gold"))
+    p.add_argument("--replay", action="store_true", help="the gold and summaries from the stored judged rows")
+    ns = p.parse_args(argv)
     dest = Path(ns.results)
-    dest.mkdir(parents=True, exist_ok=True)
+    judged = dest / "judged.jsonl.gz"
+    if ns.replay:
+        with gzip.open(judged, "rt") as f:
+            lines = [json.loads(x) for x in f]
+    else:
+        lines = judge_sets(ns)
+        dest.mkdir(parents=True, exist_ok=True)
+        with gzip.GzipFile(judged, "wb", mtime=0) as f:
+            f.write("".join(json.dumps(x) + "\n" for x in lines).encode())
+    res = finish(lines, ns.draws)
     (dest / "gold_check.json").write_text(json.dumps(res, indent=1, default=float) + "\n")
-    with gzip.open(dest / "scored.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps(x, default=float) + "\n" for x in lines)
     print(json.dumps(res, default=float))
     return 0
 

@@ -17,9 +17,11 @@ Per response ``y`` to prompt ``x``, fixed before any PPO run (the reasons: ``exp
   (:meth:`klrl.eval.score.Judge.relevance`), ``pmi_free`` its median over the reference's responses
   (> 0): a response as tied to its prompt as the reference's typical one loses nothing, one that the
   prompt makes no more likely (``pmi = 0``: an answer that would be given to any prompt) loses
-  ``REL_COEF`` = 1, the whole positive half of the sentiment scale (more where the prompt makes it less
-  likely, ``pmi < 0``); nothing is gained above the median, so copying the prompt into the response earns
-  no reward.
+  ``REL_COEF`` = 2, the whole width of the sentiment scale, so no sentiment pays for it (more where the
+  prompt makes it less likely, ``pmi < 0``); nothing is gained above the median, so copying the prompt
+  into the response earns no reward. (``REL_COEF`` = 1, half the width, was tried first on stored
+  responses and left a positive generic answer above the reference's median gold:
+  ``experiments/FINDINGS.md``.)
 
 :func:`calibrate` takes the two medians from the reference's responses; :func:`gold_parts` scores one
 response. Pure Python and NumPy; the judge's numbers come in as arguments.
@@ -36,7 +38,7 @@ import numpy as np
 
 REP_COEF = 1.0  # minus this x the share of repeated words
 NLL_COEF = 0.5  # minus this x (judge NLL per token - its reference median), when positive
-REL_COEF = 1.0  # minus this x (1 - pmi / its reference median), when positive
+REL_COEF = 2.0  # minus this x (1 - pmi / its reference median), when positive: the sentiment scale's width
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 
 

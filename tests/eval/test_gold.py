@@ -18,19 +18,19 @@ def test_gold_is_its_parts_as_the_formula_writes_them():
     s = gold.sentiment(text)
     assert parts["repeated"] == pytest.approx(1 / 3)
     assert parts["fluency_pen"] == pytest.approx(0.5 * (4.0 - 3.0))
-    assert parts["relevance_pen"] == pytest.approx(1.0 * (1 - 0.2 / 0.5))
-    assert parts["gold"] == pytest.approx(s - 1 / 3 - 0.5 - 0.6)
+    assert parts["relevance_pen"] == pytest.approx(2.0 * (1 - 0.2 / 0.5))
+    assert parts["gold"] == pytest.approx(s - 1 / 3 - 0.5 - 1.2)
     assert parts["relevance"] == 0.2 and parts["judge_nll"] == 4.0
 
 
-@pytest.mark.parametrize("pmi, pen", [(-0.3, 1.6), (0.0, 1.0), (0.25, 0.5), (0.5, 0.0), (2.0, 0.0)])
+@pytest.mark.parametrize("pmi, pen", [(-0.3, 3.2), (0.0, 2.0), (0.25, 1.0), (0.5, 0.0), (2.0, 0.0)])
 def test_relevance_penalty_is_a_hinge_at_the_reference_median(pmi, pen):
     assert gold.gold_parts("fine", 3.0, pmi, FREE)["relevance_pen"] == pytest.approx(pen)
 
 
 def test_an_empty_response_has_no_relevance_and_no_fluency_penalty():
     parts = gold.gold_parts("", float("nan"), float("nan"), FREE)
-    assert parts["relevance_pen"] == 1.0 and parts["fluency_pen"] == 0.0 and parts["sentiment"] == 0.0
+    assert parts["relevance_pen"] == 2.0 and parts["fluency_pen"] == 0.0 and parts["sentiment"] == 0.0
 
 
 def test_vader_reads_negation_intensifiers_and_punctuation():

@@ -1,0 +1,77 @@
+"""One held-out evaluation of a policy, every response stored: what a real-LM study records at each step.
+
+:func:`evaluate` samples ``n`` responses to each prompt of a held-out pool (:func:`klrl.eval.sample.sample`,
+a fixed seed: two policies that differ little draw nearly the same responses, common random numbers) and
+returns one record per response with everything a claim is computed from: the text and its token ids, the
+exact KL to the reference (:func:`klrl.eval.score.exact_kl`), the judge's NLL per token of the text alone
+and its relevance (:meth:`klrl.eval.score.Judge.relevance`), the gold and its parts
+(:func:`klrl.eval.gold.gold_parts`) and each proxy's score. :func:`summary` gives the means and the
+diversity of one evaluation (:mod:`klrl.eval.diversity`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from klrl.data.prompts import PromptPool
+from klrl.eval import diversity, gold
+from klrl.eval.sample import decode, sample, token_ids
+from klrl.eval.score import Judge, exact_kl
+
+Proxy = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (prompt idx, response, mask) -> [M]
+
+
+def evaluate(
+    policy: tuple[Any, Any],
+    ref: tuple[Any, Any],
+    tok: Any,
+    pool: PromptPool,
+    judge: Judge,
+    free: dict[str, float],
+    *,
+    max_new: int,
+    proxies: dict[str, Proxy] | None = None,
+    n: int = 1,
+    seed: int = 0,
+    batch: int = 16,
+) -> list[dict[str, Any]]:
+    """Per response (prompt-major, ``n`` per prompt, temperature 1): ``prompt_idx``, ``sample``,
+    ``completion``, ``ids``, ``kl`` (exact, nats/seq), the gold's parts (``gold``, ``sentiment``,
+    ``repeated``, ``judge_nll``, ``relevance``, ...) and ``proxy_<name>`` for each of ``proxies``."""
+    model, params = policy
+    idx, resp, mask = sample(model, params, tok, pool, n, max_new, 1.0, seed, batch)
+    texts, _, _ = decode(tok, resp, mask)
+    kl = exact_kl(model, params, ref, pool, idx, resp, mask, batch)
+    rel = judge.relevance(texts, pool.prompts, idx, batch)
+    per = np.where(rel["tokens"] > 0, rel["nll_text"] / np.maximum(rel["tokens"], 1), np.nan)
+    parts = gold.score(texts, per, rel["pmi"], free)
+    scores = {k: np.asarray(f(idx, resp, mask)) for k, f in (proxies or {}).items()}
+    out = []
+    for m, (i, ids) in enumerate(zip(idx, token_ids(resp, mask), strict=True)):
+        rec = {
+            "prompt_idx": int(i),
+            "sample": int(m % n),
+            "completion": texts[m],
+            "ids": ids,
+            "kl": float(kl[m]),
+        }
+        rec.update(parts[m])
+        rec.update({f"proxy_{k}": float(v[m]) for k, v in scores.items()})
+        out.append(rec)
+    return out
+
+
+def summary(records: list[dict[str, Any]], threshold: float = 0.7) -> dict[str, float]:
+    """The means of every numeric field of ``records`` (NaNs left out), ``kl_sd``, ``distinct2`` and
+    ``duplicates`` (the cross-prompt near-duplicate share at ``threshold``)."""
+    keys = [k for k, v in records[0].items() if isinstance(v, float)]
+    out = {k: float(np.nanmean([r[k] for r in records])) for k in keys}
+    texts, prompts = [r["completion"] for r in records], [r["prompt_idx"] for r in records]
+    out["kl_sd"] = float(np.std([r["kl"] for r in records]))
+    out["distinct2"] = diversity.distinct_n(texts, 2)
+    out["duplicates"] = diversity.duplicate_share(texts, prompts, threshold)
+    out["n"] = len(records)
+    return out
