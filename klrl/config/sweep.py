@@ -32,6 +32,7 @@ __all__ = ["BOOKKEEPING", "CTRL_KNOBS", "SWEEPABLE", "check_members", "check_ove
 # fields a member may change; all else must match the first member
 SWEEPABLE = {
     ("kl", "beta"),
+    ("kl", "loss_coef"),  # in the train state as beta is (the driven coefficient or ``other_coef``)
     ("optim", "lr"),
     ("train", "seed"),
     ("train", "name"),

@@ -21,7 +21,7 @@ from klrl.eval import diversity, gold
 from klrl.eval.sample import decode, sample, token_ids
 from klrl.eval.score import Judge, exact_kl
 
-Proxy = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (prompt idx, response, mask) -> [M]
+Proxy = Callable[[list[Any], list[str]], np.ndarray]  # (prompts, responses) -> [M], e.g. RewardModel.score
 
 
 def evaluate(
@@ -48,7 +48,8 @@ def evaluate(
     rel = judge.relevance(texts, pool.prompts, idx, batch)
     per = np.where(rel["tokens"] > 0, rel["nll_text"] / np.maximum(rel["tokens"], 1), np.nan)
     parts = gold.score(texts, per, rel["pmi"], free)
-    scores = {k: np.asarray(f(idx, resp, mask)) for k, f in (proxies or {}).items()}
+    prompts = [pool.prompts[i] for i in idx]
+    scores = {k: np.asarray(f(prompts, texts)) for k, f in (proxies or {}).items()}
     out = []
     for m, (i, ids) in enumerate(zip(idx, token_ids(resp, mask), strict=True)):
         rec = {

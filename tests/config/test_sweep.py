@@ -412,3 +412,23 @@ def test_parse_axis() -> None:
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_axis(spec, base)
+
+
+def test_a_sweep_over_the_loss_coefficient_is_one_program_whose_members_are_single_runs(tiny_cfg, tiny_task):
+    """GRPO's KL in the loss (k3, ``kl.loss_coef`` in the state, the fixed controller driving it) at two
+    coefficients in one compiled sweep: each member's metrics are those of ``klrl.run`` of it alone, and the
+    two differ (the coefficient reaches the loss)."""
+    from klrl.api import run, sweep
+
+    base = tiny_cfg.replace(kl={"placement": "loss", "loss_estimator": "k3"}, ctrl={"drives": "loss"},
+                            train={"iterations": 2})  # fmt: skip
+    members = [base.replace(kl={"loss_coef": c}) for c in (0.04, 2.0)]
+    got = list(sweep(members, task=tiny_task, write=False))
+    for m, r in zip(members, got, strict=True):
+        want = run(m, task=tiny_task, write=False)
+        assert np.allclose(r.metrics["ctrl/loss_coef"], m.kl.loss_coef)
+        for k in ("loss/policy", "kl/loss_term", "reward/task"):
+            if k in want.metrics:
+                np.testing.assert_allclose(r.metrics[k], want.metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    a, b = (np.asarray(r.metrics["loss/policy"]) for r in got)
+    assert not np.allclose(a, b)

@@ -1,0 +1,439 @@
+"""The turn on a real LM, round four (issue 47): a gold that reads the prompt, two proxies checked apart on
+the evaluation pool, every held-out response stored, controllers with room, GRPO beside PPO.
+
+``python experiments/llm_study.py --stage prepare|turn|ctrl|grpo|all [--preset cpu|pilot|tiny|gpu]
+[--results DIR] [--out DIR] [--dry-run]``
+
+The design (the library does the work: :mod:`klrl.eval`, :mod:`klrl.rewards`, :mod:`klrl.analysis.overopt`):
+
+1. ``prepare``: the reference (SmolLM2-135M-Instruct, the frozen base of every policy) answers each
+   training prompt ``per_prompt`` times (the proxies' data) and each held-out prompt ``bon_k`` times (the
+   best-of-n pool and the evaluation pool); the independent judge (Gemma 3 270M, raw text) reads every
+   response alone and after its prompt; the gold (:mod:`klrl.eval.gold`: VADER sentiment, repetition,
+   fluency and relevance, its medians calibrated on the training pool) scores each. Gold-labelled pairs of
+   responses to the same prompt (ties dropped) train two head-only Bradley-Terry proxies on PPO's own text
+   (prompt and response; :func:`klrl.rewards.train.train`): ``strong`` on ``pairs_strong`` clean pairs,
+   ``weak`` on ``pairs_weak`` pairs with ``weak_noise`` of their labels flipped. Both are scored on the
+   held-out pool: pairwise accuracy against the gold on every within-prompt pair and their difference,
+   with prompt-bootstrap intervals (:func:`klrl.analysis.overopt.accuracy_difference`). Best-of-n for
+   n = 1..``bon_k`` by each proxy, per prompt, so the bootstrap resamples prompts.
+2. The arms, each one compiled :func:`klrl.sweep` against the strong proxy (``model.reward_path``), LoRA r8
+   on the frozen base, checkpoints every ``eval_every`` iterations, each checkpoint of each member evaluated
+   on the held-out prompts with every response stored (:func:`klrl.eval.heldout.evaluate`: text, ids, exact
+   KL, judge NLL, relevance, gold parts, both proxies):
+
+   * ``turn``: fixed small beta, ``seeds`` seeds, ``turn_iterations`` at ``turn_lr``;
+   * ``ctrl``: proportional, PI and the band rule (x2 / /2 beyond 1.5x / below 1/1.5x the target), each
+     started 10x high and 10x low from ``ctrl_settle``, beside fixed ``ctrl_settle``, at ``ctrl_lr``;
+   * ``grpo``: group-relative advantages, the KL in the loss (k3 per token, ``kl.loss_coef`` 0.04 and
+     0.001), against PPO's per-token shaping in the turn arm (the same proxy, gold, lr and prompts) at
+     matched KL.
+3. ``llm_study_report.py`` (not yet written) turns the stored files into the claims and the figure.
+
+Everything stored under ``--results`` is per response, so every claim recomputes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if not __package__:
+    sys.path.insert(0, str(HERE.parent))
+
+_CPU: dict[str, Any] = {
+    "batch": 16, "response_len": 24, "prompt_len": 40, "per_prompt": 8, "heldout": 64, "bon_k": 16,
+    "pairs_strong": 8000, "pairs_weak": 400, "weak_noise": 0.3, "seeds": "0,1,2", "rm_epochs": 4,
+    "turn_betas": "0.01", "turn_iterations": 100, "turn_lr": 2e-3,
+    "ctrl_settle": 0.1, "ctrl_target": 6.0, "ctrl_iterations": 48, "ctrl_lr": 3e-4,
+    "grpo_coefs": "0.04,0.001", "grpo_iterations": 100, "group_size": 4,
+    "eval_every": 4, "minibatches": 2, "epochs": 1, "advantage": "rloo",
+}  # fmt: skip
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": _CPU,
+    # a few iterations of each arm, one seed: the timing and the KL's step, to size the cpu preset
+    "pilot": {**_CPU, "per_prompt": 2, "heldout": 16, "bon_k": 4, "pairs_strong": 400, "pairs_weak": 100,
+              "seeds": "0", "turn_iterations": 4, "ctrl_iterations": 4, "grpo_iterations": 4,
+              "eval_every": 2},
+    # the smallest study, on the tiny test GGUF (tests/experiments/test_experiments_llm_study.py)
+    "tiny": {**_CPU, "batch": 4, "response_len": 6, "prompt_len": 12, "per_prompt": 2, "heldout": 4,
+             "bon_k": 4, "pairs_strong": 20, "pairs_weak": 8, "seeds": "0", "rm_epochs": 1,
+             "turn_iterations": 2, "ctrl_iterations": 2, "grpo_iterations": 2, "eval_every": 1,
+             "minibatches": 1, "group_size": 2},
+    "gpu": {**_CPU, "batch": 64, "response_len": 48, "prompt_len": 64, "per_prompt": 16, "heldout": 64,
+            "bon_k": 64, "pairs_strong": 16000, "turn_iterations": 200, "ctrl_iterations": 96,
+            "grpo_iterations": 200, "minibatches": 4, "epochs": 2},
+}  # fmt: skip
+CTRL = (  # Ziegler's rule with a one-batch horizon; the PI of round three; the band rule (x2 / /2 past 1.5x)
+    ("proportional", {"horizon": 16.0, "clip": 0.2}),
+    ("pi", {"kp": 0.3, "ki": 0.05, "integral_max": 2.0}),
+    ("band", {"band": 1.5, "factor": 2.0}),
+)
+
+
+# ---- the configs -----------------------------------------------------------------------------------------
+def base_config(ns: argparse.Namespace, P: dict[str, Any], reward_path: str = "") -> Any:
+    """Every member's shared config: LoRA r8 on the frozen base, the proxy as the reward model, the exact KL
+    logged, held-out prompts kept out of training, a checkpoint every ``eval_every`` iterations."""
+    import klrl
+
+    return klrl.RunConfig.from_dict({
+        "task": {"name": "text"},
+        "model": {"path": ns.model_path, "reward_path": reward_path, "remat": ns.remat},
+        "lora": {"rank": 8},
+        "data": {"prompt_len": P["prompt_len"], "eval_fraction": P["heldout"] / 400, "eval_every": 0},
+        "sampling": {"response_len": P["response_len"]},
+        "kl": {"beta": 0.1, "exact_metric": True},
+        "ctrl": {"estimator": "full"},
+        "ppo": {"epochs": P["epochs"], "minibatches": P["minibatches"], "normalize_reward": True,
+                "advantage": P["advantage"], "group_size": P["group_size"]},
+        "optim": {"lr": P["turn_lr"], "max_grad_norm": 1.0, "critic_max_grad_norm": 1.0},
+        "train": {"iterations": 1, "batch_size": P["batch"], "quiet": True, "samples_every": 1,
+                  "samples_n": P["batch"], "checkpoint_every": P["eval_every"], "keep_checkpoints": 1000,
+                  "name": "llm_study", "out_dir": ns.out},
+    })  # fmt: skip
+
+
+def _floats(v: str) -> list[float]:
+    return [float(x) for x in str(v).split(",") if x]
+
+
+def arms(base: Any, P: dict[str, Any]) -> dict[str, list[Any]]:
+    """The members of each arm (module docstring), configuration-major, one per seed."""
+    out: dict[str, list[Any]] = {}
+    fixed = {"kind": "fixed"}
+    t = base.replace(train={"iterations": P["turn_iterations"]}, ctrl=fixed)
+    out["turn"] = [t.replace(kl={"beta": b}) for b in _floats(P["turn_betas"])]
+    c = base.replace(train={"iterations": P["ctrl_iterations"]}, optim={"lr": P["ctrl_lr"]})
+    settle, target = P["ctrl_settle"], P["ctrl_target"]
+    out["ctrl"] = [c.replace(kl={"beta": settle}, ctrl=fixed)] + [
+        c.replace(kl={"beta": settle * f}, ctrl={"kind": kind, "target": target, "unit": "seq_sum", **gains})
+        for kind, gains in CTRL
+        for f in (10.0, 0.1)
+    ]
+    g = base.replace(train={"iterations": P["grpo_iterations"]}, ctrl=fixed,
+                     ppo={"advantage": "grpo", "group_size": max(2, P["group_size"])})  # fmt: skip
+    # the loss coefficient is the controlled (fixed) coefficient, so it is in the state and can be swept
+    loss = {"kind": "fixed", "drives": "loss"}
+    out["grpo"] = [g.replace(kl={"placement": "loss", "loss_estimator": "k3", "loss_coef": k, "beta": 0.0},
+                             ctrl=loss) for k in _floats(P["grpo_coefs"])]  # fmt: skip
+    seeds = [int(s) for s in str(P["seeds"]).split(",")]
+    return {k: [m.replace(train={"seed": s}) for m in v for s in seeds] for k, v in out.items()}
+
+
+def label(cfg: Any) -> str:
+    if cfg.kl.placement == "loss":
+        return f"GRPO k3 loss {cfg.kl.loss_coef:g}"
+    if cfg.ctrl.kind == "fixed":
+        return f"beta={cfg.kl.beta:g}" + (" (GRPO adv.)" if cfg.ppo.advantage == "grpo" else "")
+    return f"{cfg.ctrl.kind} from {cfg.kl.beta:g}"
+
+
+# ---- stored files ------------------------------------------------------------------------------------------
+def dump(path: Path, rows: Any) -> None:
+    """JSON lines (a list) or one JSON document, gzipped without a timestamp (same rows, same bytes)."""
+    text = (
+        "".join(json.dumps(r) + "\n" for r in rows) if isinstance(rows, list) else json.dumps(rows, indent=1)
+    )
+    with gzip.GzipFile(path, "wb", mtime=0) as f:
+        f.write(text.encode())
+
+
+def load(path: Path) -> Any:
+    with gzip.open(path, "rt") as f:
+        text = f.read()
+    return json.loads(text) if text.startswith("{") else [json.loads(x) for x in text.splitlines() if x]
+
+
+# ---- prepare: pools, judge, gold, proxies, best-of-n -------------------------------------------------------
+def reference_rows(task: Any, pool: Any, n: int, P: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    """``n`` reference responses to each prompt of ``pool`` (temperature 1), with their judge-free fields."""
+    from klrl.eval.sample import decode, sample, token_ids
+
+    idx, resp, mask = sample(task.policy, task.policy_params, task.tokenizer, pool, n, P["response_len"], 1.0,
+                             seed, 64)  # fmt: skip
+    texts, _, _ = decode(task.tokenizer, resp, mask)
+    return [{"prompt_idx": int(i), "sample": m % n, "completion": t, "ids": ids}
+            for m, (i, t, ids) in enumerate(zip(idx, texts, token_ids(resp, mask), strict=True))]  # fmt: skip
+
+
+def judge_rows(judge: Any, prompts: list[Any], rows: list[dict[str, Any]]) -> None:
+    """Adds the judge's ``judge_nll`` per token (the text alone, NaN if empty) and ``relevance`` (PMI)."""
+    rel = judge.relevance([r["completion"] for r in rows], prompts, [r["prompt_idx"] for r in rows])
+    n = rel["tokens"]
+    for r, a, b, k in zip(rows, rel["nll_text"], rel["pmi"], n, strict=True):
+        r["judge_nll"], r["relevance"] = (float(a / k), float(b)) if k else (float("nan"), float("nan"))
+
+
+def pairs(
+    rows: list[dict[str, Any]], prompts: list[Any], n_pairs: int, noise: float, seed: int
+) -> list[dict]:
+    """Up to ``n_pairs`` pairs of responses to the same prompt with different gold, drawn without replacement
+    from all such pairs, as TRL's ``prompt``/``chosen``/``rejected`` records: ``chosen`` the higher gold,
+    flipped with probability ``noise`` (``gold_chosen`` says whether the label agrees with the gold)."""
+    rng = np.random.default_rng(seed)
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["prompt_idx"], []).append(r)
+    cand = [
+        (a, b) for g in by.values() for i, a in enumerate(g) for b in g[i + 1 :] if a["gold"] != b["gold"]
+    ]
+    out = []
+    for k in rng.permutation(len(cand))[:n_pairs]:
+        a, b = cand[k]
+        hi, lo = (a, b) if a["gold"] > b["gold"] else (b, a)
+        flip = bool(rng.random() < noise)
+        c, r = (lo, hi) if flip else (hi, lo)
+        out.append({"prompt": prompts[a["prompt_idx"]], "chosen": c["completion"],
+                    "rejected": r["completion"], "gold_chosen": not flip})  # fmt: skip
+    return out
+
+
+def train_proxy(
+    task: Any, base: Any, train: list[dict], held: list[dict], P: dict[str, Any], seed: int
+) -> Any:
+    """A head-only Bradley-Terry proxy on PPO's text (prompt and response) of ``train`` pairs; returns the
+    :class:`klrl.rewards.model.RewardModel` and its record (held-out accuracy on ``held``'s clean labels)."""
+    from klrl.rewards.model import RewardModel
+    from klrl.rewards.pairs import encode_as_ppo
+    from klrl.rewards.train import TrainSettings
+    from klrl.rewards.train import train as bt_train
+
+    enc = lambda recs, clean: encode_as_ppo(
+        [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} if clean and not r["gold_chosen"] else r
+         for r in recs], task.tokenizer, base.data, base.sampling)  # fmt: skip
+    s = TrainSettings(epochs=P["rm_epochs"], lr=3e-3, batch_size=32, seed=seed)
+    t0 = time.time()
+    _, score, hist = bt_train(task.policy, task.policy_params, enc(train, False), enc(held, True), s, None,
+                              head_only=True)  # fmt: skip
+    rm = RewardModel(task.policy, task.policy_params, score, task.tokenizer, base.data, base.sampling)
+    rec = {"pairs": len(train), "label_agreement": float(np.mean([r["gold_chosen"] for r in train])),
+           "heldout_pairs": len(held), "heldout_accuracy": hist[-1]["eval_accuracy"], "history": hist,
+           "seconds": round(time.time() - t0, 1), "score": np.asarray(score).tolist()}  # fmt: skip
+    return rm, rec
+
+
+def best_of_n(rows: list[dict], tags: list[str], k: int) -> dict[str, Any]:
+    """Per proxy, n = 1, 2, 4, ..., k and prompt: the unbiased best-of-n estimate of the gold and the proxy of
+    the proxy's pick (:func:`klrl.analysis.overopt.bon_expectation`), at ``KL_bon(n)``; per prompt, so a
+    bootstrap resamples prompts."""
+    from klrl.analysis.overopt import bon_expectation, kl_bon
+
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["prompt_idx"], []).append(r)
+    groups = [g[:k] for g in by.values() if len(g) >= k]
+    ns = sorted({2**e for e in range(int(np.log2(k)) + 1)} | {k})
+    out: dict[str, Any] = {
+        "n": ns,
+        "kl": kl_bon(np.array(ns)).tolist(),
+        "prompts": [g[0]["prompt_idx"] for g in groups],
+    }
+    for tag in tags:
+        sel = np.array([[r[f"proxy_{tag}"] for r in g] for g in groups])
+        for key in ("gold", f"proxy_{tag}"):
+            val = np.array([[r[key] for r in g] for g in groups])
+            out[f"{tag}/{key}"] = np.stack(
+                [bon_expectation(sel, val, n) for n in ns]
+            ).tolist()  # [n, prompts]
+    return out
+
+
+def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, Any]:
+    """Stage 1 (module docstring): every file it writes is per response or per pair."""
+    from experiments.llm_turn import default_judge
+    from klrl.analysis.overopt import accuracy_difference, pair_accuracy
+    from klrl.api import build_task
+    from klrl.data.prompts import load_prompts
+    from klrl.eval import gold
+    from klrl.eval.score import Judge
+    from klrl.rewards.train import save_reward_model
+
+    base = base_config(ns, P)
+    task = build_task(base, None)
+    splits = load_prompts(base.data, task.tokenizer)  # the task's own split: the same prompts, same order
+    judge = Judge.load(ns.judge or default_judge())
+    t0, timing = time.time(), {}
+    train = reference_rows(task, splits.train, P["per_prompt"], P, ns.seed)
+    held = reference_rows(task, splits.eval, P["bon_k"], P, ns.seed + 7)
+    timing["sample_s"] = round(time.time() - t0, 1)
+    judge_rows(judge, splits.train.prompts, train)
+    judge_rows(judge, splits.eval.prompts, held)
+    timing["judge_s"] = round(time.time() - t0 - timing["sample_s"], 1)
+    free = gold.calibrate([r["judge_nll"] for r in train], [r["relevance"] for r in train])
+    for r in train + held:
+        r.update(gold.gold_parts(r["completion"], r["judge_nll"], r["relevance"], free))
+    cut = int(0.8 * len(splits.train))  # the proxies' own held-out prompts
+    fit = [r for r in train if r["prompt_idx"] < cut]
+    val = pairs([r for r in train if r["prompt_idx"] >= cut], splits.train.prompts, 2000, 0.0, ns.seed + 3)
+    proxies, records = {}, {}
+    for tag, n, noise in (("strong", P["pairs_strong"], 0.0), ("weak", P["pairs_weak"], P["weak_noise"])):
+        tr = pairs(fit, splits.train.prompts, n, noise, ns.seed + 1)
+        proxies[tag], records[tag] = train_proxy(task, base, tr, val, P, ns.seed)
+        print(
+            f"proxy {tag}: {len(tr)} pairs, held-out accuracy {records[tag]['heldout_accuracy']:.3f}",
+            flush=True,
+        )
+    for tag, rm in proxies.items():
+        scores = rm.score(
+            [splits.eval.prompts[r["prompt_idx"]] for r in held], [r["completion"] for r in held]
+        )
+        for r, x in zip(held, scores, strict=True):
+            r[f"proxy_{tag}"] = float(x)
+    g, q = np.array([r["gold"] for r in held]), np.array([r["prompt_idx"] for r in held])
+    sep = {tag: pair_accuracy([r[f"proxy_{tag}"] for r in held], g, q) for tag in proxies}
+    sep["difference"] = accuracy_difference(
+        [r["proxy_strong"] for r in held], [r["proxy_weak"] for r in held], g, q
+    )
+    rm_dir = Path(ns.out) / "llm_study-proxy-strong"
+    save_reward_model(task.policy, task.policy_params, proxies["strong"].score_head, task.tokenizer, rm_dir)
+    from klrl.rewards.pairs import text_format
+
+    fmt = text_format(task.tokenizer, base.data, base.sampling)
+    (rm_dir / "reward_model.json").write_text(json.dumps({"text_format": fmt}) + "\n")
+    timing["prepare_s"] = round(time.time() - t0, 1)
+    dump(res / "pool_train.jsonl.gz", train)
+    dump(res / "pool_heldout.jsonl.gz", held)
+    dump(res / "bon.json.gz", best_of_n(held, list(proxies), P["bon_k"]))
+    study = {"preset": ns.preset, "sizes": P, "free": free, "judge": judge.path, "judge_format": judge.format,
+             "coefs": {"rep": gold.REP_COEF, "nll": gold.NLL_COEF, "rel": gold.REL_COEF},
+             "prompts": {"train": list(splits.train.prompts), "heldout": list(splits.eval.prompts)},
+             "proxies": records, "separation": sep, "reward_path": str(rm_dir),
+             "timing": {"prepare": timing}}  # fmt: skip
+    (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    print(f"proxies on the held-out pool: strong {sep['strong']['value']:.3f} [{sep['strong']['lo']:.3f}, "
+          f"{sep['strong']['hi']:.3f}], weak {sep['weak']['value']:.3f} [{sep['weak']['lo']:.3f}, "
+          f"{sep['weak']['hi']:.3f}], separated: {sep['difference']['separated']}", flush=True)  # fmt: skip
+    return study
+
+
+# ---- the arms ----------------------------------------------------------------------------------------------
+EVAL_SEED = 99_991  # every evaluation draws with this key: common random numbers across policies
+
+
+def evaluate_arm(
+    name: str, base: Any, sweep_dir: Path, members: list[Any], study: dict, P: dict
+) -> list[dict]:
+    """Every member at step 0 (the base) and at each checkpoint: one response to each held-out prompt, every
+    response stored with its KL, judge, gold parts and both proxies (:func:`klrl.eval.heldout.evaluate`)."""
+    from klrl.data.prompts import load_prompts
+    from klrl.eval.heldout import evaluate, summary
+    from klrl.eval.policy import checkpoint_steps, policy_at
+    from klrl.eval.score import Judge
+    from klrl.rewards.model import RewardModel
+
+    src0 = policy_at(sweep_dir / members_dirs(sweep_dir)[0], checkpoint_steps(sweep_dir)[0])
+    ref = (src0.model, src0.ref_params)
+    pool = load_prompts(base.data, src0.tok).eval
+    judge = Judge.load(study["judge"])
+    head = lambda r: np.asarray(r["score"], np.float32)
+    rms = {t: RewardModel(src0.model, src0.ref_params, head(r), src0.tok, base.data, base.sampling).score
+           for t, r in study["proxies"].items()}  # fmt: skip
+    kw = {"max_new": P["response_len"], "proxies": rms, "seed": EVAL_SEED}
+    rows = [
+        {"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, study["free"], **kw)
+    ]
+    for step in checkpoint_steps(sweep_dir):
+        for j, d in enumerate(members_dirs(sweep_dir)):
+            src = policy_at(sweep_dir / d, step)
+            recs = evaluate((src.model, src.params), ref, src.tok, pool, judge, study["free"], **kw)
+            rows += [{"member": j, "step": step, **r} for r in recs]
+            s = summary(recs)
+            print(f"{name} eval step {step} member {j}: kl {s['kl']:.2f} gold {s['gold']:.3f} "
+                  f"duplicates {s['duplicates']:.2f}", flush=True)  # fmt: skip
+    return rows
+
+
+def members_dirs(sweep_dir: Path) -> list[str]:
+    return json.loads((sweep_dir / "sweep.json").read_text())["members"]
+
+
+def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str, Any]:
+    """One arm: its sweep, its held-out evaluations, its metrics and training samples, stored in ``res``."""
+    import klrl
+
+    base = base_config(ns, P, study["reward_path"])
+    members = arms(base, P)[name]
+    stamps: list[float] = []
+    on_step = lambda i, m: (
+        stamps.append(time.time()),
+        print(
+            f"{name} iteration {i}: exact KL {np.round(np.asarray(m['kl/exact_seq_sum']), 2).tolist()}",
+            flush=True,
+        ),
+    )
+    t0 = time.time()
+    results = list(klrl.sweep(members, out_dir=Path(ns.out) / f"llm_study-{name}", on_step=on_step))
+    t1 = time.time()
+    sweep_dir = results[0].dir.parent
+    evals = evaluate_arm(name, base, sweep_dir, members, study, P)
+    runs = [{"label": label(c), "seed": c.train.seed, "config": c.to_dict(),
+             "metrics": {k: np.asarray(v, float).tolist() for k, v in r.metrics.items()}}
+            for c, r in zip(members, results, strict=True)]  # fmt: skip
+    samples = [{"member": j, **json.loads(x)} for j, r in enumerate(results)
+               for x in (r.dir / "samples.jsonl").read_text().splitlines() if x]  # fmt: skip
+    dump(res / f"{name}_eval.jsonl.gz", evals)
+    dump(res / f"{name}_runs.json.gz", {"runs": runs})
+    dump(res / f"{name}_samples.jsonl.gz", samples)
+    return {"train_s": round(t1 - t0, 1), "eval_s": round(time.time() - t1, 1), "members": len(members),
+            "median_s_per_sweep_iteration": float(np.median(np.diff(stamps))) if len(stamps) > 1 else None,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+            "load_avg_1min_end": os.getloadavg()[0], "sweep_dir": str(sweep_dir)}  # fmt: skip
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    from experiments.llm_beta import default_gguf
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stage", default="all", help="prepare, turn, ctrl, grpo, or all (comma-separated)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--out", default="runs", help="the sweeps' run directories and the proxy (not committed)")
+    p.add_argument("--results", default=str(HERE / "results" / "llm_study"), help="the stored results")
+    p.add_argument("--model-path", default=default_gguf())
+    p.add_argument("--judge", default="", help="the independent judge (default: the Gemma 3 270M GGUF)")
+    p.add_argument("--remat", default="none")
+    p.add_argument("--seed", type=int, default=0, help="the pools' samples, the pairs and their labels")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a preset's sizes")
+    p.add_argument("--dry-run", action="store_true", help="print the arms' members and sizes, run nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(argv)
+    P = dict(PRESETS[ns.preset])
+    for kv in ns.set:
+        k, _, v = kv.partition("=")
+        if k not in P:
+            raise SystemExit(f"error: --set {k}: not a preset key ({', '.join(sorted(P))})")
+        P[k] = v if isinstance(P[k], str) else type(P[k])(v)
+    stages = ["prepare", "turn", "ctrl", "grpo"] if ns.stage == "all" else ns.stage.split(",")
+    if ns.dry_run:
+        a = arms(base_config(ns, P), P)
+        print(json.dumps({"sizes": P, "arms": {k: [label(m) + f" seed {m.train.seed}" for m in v]
+                                               for k, v in a.items() if k in stages}}, indent=1))  # fmt: skip
+        return 0
+    res = Path(ns.results)
+    res.mkdir(parents=True, exist_ok=True)
+    command = "python experiments/llm_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    study = prepare(ns, P, res) if "prepare" in stages else json.loads((res / "study.json").read_text())
+    for name in [s for s in stages if s != "prepare"]:
+        if study["sizes"] != P:
+            raise SystemExit(f"error: {res} was prepared with other sizes; give the same --preset and --set")
+        study["timing"][name] = {**run_arm(name, ns, P, study, res), "command": command}
+        (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
