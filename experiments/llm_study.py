@@ -124,8 +124,8 @@ def arms(base: Any, P: dict[str, Any]) -> dict[str, list[Any]]:
     g = base.replace(train={"iterations": P["grpo_iterations"]}, ctrl=fixed,
                      ppo={"advantage": "grpo", "group_size": max(2, P["group_size"])})  # fmt: skip
     # the loss coefficient is the controlled (fixed) coefficient, so it is in the state and can be swept
-    loss = {"kind": "fixed", "drives": "loss"}
-    out["grpo"] = [g.replace(kl={"placement": "loss", "loss_estimator": "k3", "loss_coef": k, "beta": 0.0},
+    loss, unset = {"kind": "fixed", "drives": "loss"}, type(base.kl)().beta  # (no KL in the reward)
+    out["grpo"] = [g.replace(kl={"placement": "loss", "loss_estimator": "k3", "loss_coef": k, "beta": unset},
                              ctrl=loss) for k in _floats(P["grpo_coefs"])]  # fmt: skip
     seeds = [int(s) for s in str(P["seeds"]).split(",")]
     return {k: [m.replace(train={"seed": s}) for m in v for s in seeds] for k, v in out.items()}
