@@ -1,0 +1,98 @@
+"""experiments/llm_study.py on the tiny test GGUF (policy and judge): the prepare stage stores every
+pool response with its judge numbers and gold parts, the proxies' separation and best-of-n per prompt;
+an arm stores every held-out response of every member at every checkpoint; the pairs are within-prompt
+in the gold's order; every preset's arms are valid sweeps. experiments/llm_gold.py --replay rebuilds
+its stored check byte for byte."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import llm_gold, llm_study
+
+ROOT = Path(__file__).resolve().parents[2]
+GGUF = ROOT / "tests" / "data" / "tiny_gguf" / "tiny.gguf"
+
+
+def _rows(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return [json.loads(x) for x in f]
+
+
+def test_pairs_are_within_prompt_in_the_golds_order_and_flip_at_the_noise_rate():
+    rows = [{"prompt_idx": i // 4, "gold": float(i % 4), "completion": f"r{i}"} for i in range(400)]
+    prompts = [f"p{i}" for i in range(100)]
+    clean = llm_study.pairs(rows, prompts, 500, 0.0, 0)
+    assert len(clean) == 500 and len({(p["chosen"], p["rejected"]) for p in clean}) == 500
+    for p in clean:
+        c, r = int(p["chosen"][1:]), int(p["rejected"][1:])
+        assert c // 4 == r // 4 and p["prompt"] == prompts[c // 4] and c % 4 > r % 4
+    noisy = llm_study.pairs(rows, prompts, 600, 0.3, 1)  # all 6 pairs of each of the 100 prompts
+    rate = np.mean([not p["gold_chosen"] for p in noisy])
+    assert len(noisy) == 600 and abs(rate - 0.3) < 4 * np.sqrt(0.3 * 0.7 / 600)
+
+
+@pytest.mark.parametrize("preset", sorted(llm_study.PRESETS))
+def test_every_presets_arms_are_valid_sweeps(preset):
+    from klrl.config.sweep import check_members
+
+    ns = llm_study.parse(["--preset", preset, "--model-path", str(GGUF)])
+    P = llm_study.PRESETS[preset]
+    a = llm_study.arms(llm_study.base_config(ns, P), P)
+    for members in a.values():
+        check_members(members)  # one compiled program each
+    seeds = len(P["seeds"].split(","))
+    assert len(a["ctrl"]) == 7 * seeds  # fixed, then 3 controllers started 10x high and 10x low
+    assert {(m.ctrl.kind, m.kl.beta) for m in a["ctrl"]} == {("fixed", P["ctrl_settle"])} | {
+        (k, P["ctrl_settle"] * f) for k in ("proportional", "pi", "band") for f in (10.0, 0.1)
+    }
+    grpo = a["grpo"]
+    assert {m.kl.loss_coef for m in grpo} == {0.04, 0.001} and all(m.kl.placement == "loss" for m in grpo)
+
+
+@pytest.mark.slow
+def test_the_tiny_study_stores_every_response(tmp_path):
+    res, out = tmp_path / "res", tmp_path / "runs"
+    argv = ["--preset", "tiny", "--model-path", str(GGUF), "--judge", str(GGUF), "--out", str(out),
+            "--results", str(res), "--stage", "prepare,grpo"]  # fmt: skip
+    assert llm_study.main(argv) == 0
+    P, study = llm_study.PRESETS["tiny"], json.loads((res / "study.json").read_text())
+    held = _rows(res / "pool_heldout.jsonl.gz")
+    assert len(held) == P["heldout"] * P["bon_k"]
+    for r in held:
+        assert {
+            "completion",
+            "ids",
+            "gold",
+            "sentiment",
+            "relevance",
+            "judge_nll",
+            "proxy_strong",
+            "proxy_weak",
+        } <= set(r)
+    assert set(study["separation"]) == {"strong", "weak", "difference"}
+    assert study["separation"]["difference"]["n_prompts"] == P["heldout"]
+    bon = json.loads(gzip.open(res / "bon.json.gz", "rt").read())
+    assert np.shape(bon["strong/gold"]) == (len(bon["n"]), P["heldout"])
+    ev = _rows(res / "grpo_eval.jsonl.gz")
+    members = len(llm_study.arms(llm_study.base_config(llm_study.parse(argv), P), P)["grpo"])
+    steps = P["grpo_iterations"] // P["eval_every"]
+    assert len(ev) == P["heldout"] * (1 + members * steps)  # the base once, each member at each checkpoint
+    assert {(r["member"], r["step"]) for r in ev} == {(-1, 0)} | {
+        (j, s + 1) for j in range(members) for s in range(steps)
+    }
+    assert all(r["kl"] >= 0 and "gold" in r and "proxy_strong" in r for r in ev)
+    assert all(r["kl"] == 0 for r in ev if r["step"] == 0)  # the base against itself
+
+
+def test_llm_gold_replay_rebuilds_the_stored_check_byte_for_byte(tmp_path):
+    src = ROOT / "experiments" / "results" / "llm_gold"
+    shutil.copy(src / "judged.jsonl.gz", tmp_path / "judged.jsonl.gz")
+    assert llm_gold.main(["--replay", "--results", str(tmp_path)]) == 0
+    assert (tmp_path / "gold_check.json").read_bytes() == (src / "gold_check.json").read_bytes()
