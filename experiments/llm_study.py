@@ -391,6 +391,38 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
             "load_avg_1min_end": os.getloadavg()[0], "sweep_dir": str(sweep_dir)}  # fmt: skip
 
 
+# ---- the plan ---------------------------------------------------------------------------------------------
+def plan(P: dict[str, Any], members: dict[str, int]) -> dict[str, Any]:
+    """FLOPs and time of each stage: ``2 N`` per token for a forward (rollout, scoring by policy, reference
+    and proxy, the evaluations' sampling, exact KL and proxies), ``6 N epochs`` for the update, the judge's
+    two forwards at 270 M parameters; at the CPU rates measured (:data:`experiments.llm_turn.CPU_GFLOPS`)
+    and at an assumed 100 TFLOP/s for one GPU (not measured)."""
+    from experiments.llm_turn import CPU_GFLOPS, N_PARAMS
+
+    N, J, tok = N_PARAMS, 270e6, P["prompt_len"] + P["response_len"]
+    it = {"rollout": 2 * N, "scoring": 3 * 2 * N, "update": 6 * N * P["epochs"]}
+    per_it = {k: P["batch"] * tok * f for k, f in it.items()}
+    per_resp = {
+        "rollout": 2 * N * tok,
+        "scoring": (2 * 2 * N + 2 * 2 * N + 2 * 2 * J) * tok,
+    }  # KL, proxies, judge
+    flop, sec = {}, {}
+    pool = P["per_prompt"] * (400 - P["heldout"]) + P["bon_k"] * P["heldout"]
+    flop["prepare"] = pool * sum(per_resp.values())
+    sec["prepare"] = pool * sum(v / CPU_GFLOPS[k] for k, v in per_resp.items()) / 1e9
+    for arm, n in members.items():
+        its = P[f"{arm}_iterations"]
+        evals = (1 + n * (its // P["eval_every"])) * P["heldout"]
+        flop[arm] = n * its * sum(per_it.values()) + evals * sum(per_resp.values())
+        sec[arm] = (n * its * sum(v / CPU_GFLOPS[k] for k, v in per_it.items())
+                    + evals * sum(v / CPU_GFLOPS[k] for k, v in per_resp.items())) / 1e9  # fmt: skip
+    return {"members": members, "pflop": {k: round(v / 1e15, 2) for k, v in flop.items()},
+            "cpu_min_estimated": {k: round(v / 60, 1) for k, v in sec.items()},
+            "gpu_min_at_100_tflops": {k: round(v / 100e12 / 60, 2) for k, v in flop.items()},
+            "rates_gflops": CPU_GFLOPS, "note": "CPU rates measured on SmolLM2 (benchmarks/NOTES.md); "
+            "100 TFLOP/s is an assumed sustained H100 rate, not measured"}  # fmt: skip
+
+
 # ---- the command -----------------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
     from experiments.llm_beta import default_gguf
@@ -419,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         P[k] = v if isinstance(P[k], str) else type(P[k])(v)
     stages = ["prepare", "turn", "ctrl", "grpo"] if ns.stage == "all" else ns.stage.split(",")
     if ns.dry_run:
-        a = arms(base_config(ns, P), P)
-        print(json.dumps({"sizes": P, "arms": {k: [label(m) + f" seed {m.train.seed}" for m in v]
-                                               for k, v in a.items() if k in stages}}, indent=1))  # fmt: skip
+        a = {k: v for k, v in arms(base_config(ns, P), P).items() if k in stages}
+        print(json.dumps({"sizes": P, "plan": plan(P, {k: len(v) for k, v in a.items()}),
+                          "arms": {k: [label(m) + f" seed {m.train.seed}" for m in v] for k, v in a.items()}},
+                         indent=1))  # fmt: skip
         return 0
     res = Path(ns.results)
     res.mkdir(parents=True, exist_ok=True)
