@@ -180,47 +180,40 @@ def pairs(
 ) -> list[dict]:
     """Up to ``n_pairs`` pairs of responses to the same prompt with different gold, drawn without replacement
     from all such pairs, as TRL's ``prompt``/``chosen``/``rejected`` records: ``chosen`` the higher gold,
-    flipped with probability ``noise`` (``gold_chosen`` says whether the label agrees with the gold)."""
+    flipped with probability ``noise`` (``gold_chosen`` says whether the label agrees with the gold;
+    ``rows``: the indices of chosen and rejected in ``rows``)."""
     rng = np.random.default_rng(seed)
-    by: dict[int, list[dict]] = {}
-    for r in rows:
-        by.setdefault(r["prompt_idx"], []).append(r)
-    cand = [
-        (a, b) for g in by.values() for i, a in enumerate(g) for b in g[i + 1 :] if a["gold"] != b["gold"]
-    ]
+    by: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by.setdefault(r["prompt_idx"], []).append(i)
+    gold = [r["gold"] for r in rows]
+    cand = [(a, b) for g in by.values() for i, a in enumerate(g) for b in g[i + 1 :] if gold[a] != gold[b]]
     out = []
     for k in rng.permutation(len(cand))[:n_pairs]:
         a, b = cand[k]
-        hi, lo = (a, b) if a["gold"] > b["gold"] else (b, a)
+        hi, lo = (a, b) if gold[a] > gold[b] else (b, a)
         flip = bool(rng.random() < noise)
         c, r = (lo, hi) if flip else (hi, lo)
-        out.append({"prompt": prompts[a["prompt_idx"]], "chosen": c["completion"],
-                    "rejected": r["completion"], "gold_chosen": not flip})  # fmt: skip
+        out.append({"prompt": prompts[rows[a]["prompt_idx"]], "chosen": rows[c]["completion"],
+                    "rejected": rows[r]["completion"], "gold_chosen": not flip, "rows": (c, r)})  # fmt: skip
     return out
 
 
-def train_proxy(
-    task: Any, base: Any, train: list[dict], held: list[dict], P: dict[str, Any], seed: int
-) -> Any:
-    """A head-only Bradley-Terry proxy on PPO's text (prompt and response) of ``train`` pairs; returns the
-    :class:`klrl.rewards.model.RewardModel` and its record (held-out accuracy on ``held``'s clean labels)."""
-    from klrl.rewards.model import RewardModel
-    from klrl.rewards.pairs import encode_as_ppo
-    from klrl.rewards.train import TrainSettings
-    from klrl.rewards.train import train as bt_train
+def train_proxy(task: Any, feats: np.ndarray, train: list[dict], held: list[dict], P: dict, seed: int) -> Any:
+    """A head-only Bradley-Terry proxy (:func:`klrl.rewards.train.train_head`) on ``train`` pairs, from
+    ``feats`` (the reference's last hidden state on PPO's text of each pool response, computed once);
+    returns its score vector and record (the held-out accuracy on ``held``'s clean labels)."""
+    from klrl.rewards.train import TrainSettings, train_head
 
-    enc = lambda recs, clean: encode_as_ppo(
-        [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} if clean and not r["gold_chosen"] else r
-         for r in recs], task.tokenizer, base.data, base.sampling)  # fmt: skip
+    side = lambda recs, k, clean: feats[[p["rows"][k ^ (clean and not p["gold_chosen"])] for p in recs]]
     s = TrainSettings(epochs=P["rm_epochs"], lr=3e-3, batch_size=32, seed=seed)
     t0 = time.time()
-    _, score, hist = bt_train(task.policy, task.policy_params, enc(train, False), enc(held, True), s, None,
-                              head_only=True)  # fmt: skip
-    rm = RewardModel(task.policy, task.policy_params, score, task.tokenizer, base.data, base.sampling)
+    score, hist = train_head(task.policy, (side(train, 0, False), side(train, 1, False)),
+                             (side(held, 0, True), side(held, 1, True)), s)  # fmt: skip
     rec = {"pairs": len(train), "label_agreement": float(np.mean([r["gold_chosen"] for r in train])),
            "heldout_pairs": len(held), "heldout_accuracy": hist[-1]["eval_accuracy"], "history": hist,
            "seconds": round(time.time() - t0, 1), "score": np.asarray(score).tolist()}  # fmt: skip
-    return rm, rec
+    return score, rec
 
 
 def best_of_n(rows: list[dict], tags: list[str], k: int) -> dict[str, Any]:
@@ -249,6 +242,34 @@ def best_of_n(rows: list[dict], tags: list[str], k: int) -> dict[str, Any]:
     return out
 
 
+def fit_proxies(task: Any, base: Any, splits: Any, train: list, held: list, P: dict, seed: int) -> tuple:
+    """The strong and the weak proxy (module docstring) from the training pool, held-out accuracy on the
+    pairs of its last 20% of prompts; each held-out pool response gets ``proxy_<tag>``."""
+    from klrl.rewards.model import RewardModel
+    from klrl.rewards.train import last_hidden
+
+    prompts, cut = splits.train.prompts, int(0.8 * len(splits.train))
+    rm = lambda score: RewardModel(task.policy, task.policy_params, score, task.tokenizer, base.data,
+                                   base.sampling)  # fmt: skip
+    tok, mask = rm(None).encode([prompts[r["prompt_idx"]] for r in train], [r["completion"] for r in train])
+    feats = np.asarray(last_hidden(task.policy, task.policy_params, tok, mask))  # once per response
+    fit = [r["prompt_idx"] < cut for r in train]
+    val = [p for p in pairs(train, prompts, 10**9, 0.0, seed + 3) if not fit[p["rows"][0]]][:2000]
+    proxies, records = {}, {}
+    for tag, n, noise in (("strong", P["pairs_strong"], 0.0), ("weak", P["pairs_weak"], P["weak_noise"])):
+        tr = [p for p in pairs(train, prompts, 10**9, noise, seed + 1) if fit[p["rows"][0]]][:n]
+        score, records[tag] = train_proxy(task, feats, tr, val, P, seed)
+        proxies[tag] = rm(score)
+        print(f"proxy {tag}: {len(tr)} pairs, held-out accuracy {records[tag]['heldout_accuracy']:.3f}")
+    for tag, model in proxies.items():
+        scores = model.score(
+            [splits.eval.prompts[r["prompt_idx"]] for r in held], [r["completion"] for r in held]
+        )
+        for r, x in zip(held, scores, strict=True):
+            r[f"proxy_{tag}"] = float(x)
+    return proxies, records
+
+
 def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, Any]:
     """Stage 1 (module docstring): every file it writes is per response or per pair."""
     from experiments.llm_turn import default_judge
@@ -257,6 +278,7 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
     from klrl.data.prompts import load_prompts
     from klrl.eval import gold
     from klrl.eval.score import Judge
+    from klrl.rewards.pairs import text_format
     from klrl.rewards.train import save_reward_model
 
     base = base_config(ns, P)
@@ -273,23 +295,7 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
     free = gold.calibrate([r["judge_nll"] for r in train], [r["relevance"] for r in train])
     for r in train + held:
         r.update(gold.gold_parts(r["completion"], r["judge_nll"], r["relevance"], free))
-    cut = int(0.8 * len(splits.train))  # the proxies' own held-out prompts
-    fit = [r for r in train if r["prompt_idx"] < cut]
-    val = pairs([r for r in train if r["prompt_idx"] >= cut], splits.train.prompts, 2000, 0.0, ns.seed + 3)
-    proxies, records = {}, {}
-    for tag, n, noise in (("strong", P["pairs_strong"], 0.0), ("weak", P["pairs_weak"], P["weak_noise"])):
-        tr = pairs(fit, splits.train.prompts, n, noise, ns.seed + 1)
-        proxies[tag], records[tag] = train_proxy(task, base, tr, val, P, ns.seed)
-        print(
-            f"proxy {tag}: {len(tr)} pairs, held-out accuracy {records[tag]['heldout_accuracy']:.3f}",
-            flush=True,
-        )
-    for tag, rm in proxies.items():
-        scores = rm.score(
-            [splits.eval.prompts[r["prompt_idx"]] for r in held], [r["completion"] for r in held]
-        )
-        for r, x in zip(held, scores, strict=True):
-            r[f"proxy_{tag}"] = float(x)
+    proxies, records = fit_proxies(task, base, splits, train, held, P, ns.seed)
     g, q = np.array([r["gold"] for r in held]), np.array([r["prompt_idx"] for r in held])
     sep = {tag: pair_accuracy([r[f"proxy_{tag}"] for r in held], g, q) for tag in proxies}
     sep["difference"] = accuracy_difference(
@@ -297,8 +303,6 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
     )
     rm_dir = Path(ns.out) / "llm_study-proxy-strong"
     save_reward_model(task.policy, task.policy_params, proxies["strong"].score_head, task.tokenizer, rm_dir)
-    from klrl.rewards.pairs import text_format
-
     fmt = text_format(task.tokenizer, base.data, base.sampling)
     (rm_dir / "reward_model.json").write_text(json.dumps({"text_format": fmt}) + "\n")
     timing["prepare_s"] = round(time.time() - t0, 1)

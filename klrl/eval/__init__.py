@@ -10,5 +10,7 @@ judge's likelihood and relevance, and a gold reward that reads the prompt.
 * :mod:`klrl.eval.sample`: :func:`~klrl.eval.sample.sample` and :func:`~klrl.eval.sample.decode`;
 * :mod:`klrl.eval.score`: :func:`~klrl.eval.score.exact_kl`, :class:`~klrl.eval.score.Judge`
   (NLL with or without the prompt, relevance as PMI);
-* :mod:`klrl.eval.gold`: the gold of the issue-47 study (VADER sentiment, repetition, fluency, relevance).
+* :mod:`klrl.eval.gold`: the gold of the issue-47 study (VADER sentiment, repetition, fluency, relevance);
+* :mod:`klrl.eval.diversity`: distinct-n and the share of cross-prompt near-duplicates;
+* :mod:`klrl.eval.heldout`: one held-out evaluation of a policy with every response's record.
 """

@@ -63,7 +63,10 @@ class RewardModel:
             raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
         rows = [{"prompt": p, "chosen": r, "rejected": r} for p, r in zip(prompts, responses, strict=True)]
         try:
-            check_pairs(rows, [f"pair {i}" for i in range(len(rows))])
+            # text responses need no check: an empty one stopped at once, and PPO's reward model reads
+            # the prompt and its end token (a pairs file refuses an empty response; scoring does not)
+            if not all(isinstance(r, str) for r in responses):
+                check_pairs(rows, [f"pair {i}" for i in range(len(rows))])
             pairs = encode_as_ppo(rows, self.tokenizer, self.data, self.sampling, source=self.path)
         except PairsError as e:
             raise ValueError(str(e).replace("chosen", "response")) from None

@@ -212,16 +212,40 @@ def train(
     ``head_only``: the trunk stays ``base`` and only the score head is trained (a linear probe), on the
     trunk's last hidden states computed once (:func:`last_hidden`)."""
     t = Trainable(model, base, lora, head_only)
-    k_init, k_perm = jax.random.split(jax.random.key(s.seed))
-    params = t.init(k_init)
-    frozen = base if t.frozen else None  # full fine-tuning: the trunk is in params, nothing frozen
-    opt = optax.adamw(s.lr, weight_decay=s.weight_decay)
-    opt_state = opt.init(params)
-    epoch, evaluate = make_epoch(t, opt, s), make_evaluate(t, s.center_coef)
     data = tuple(jnp.asarray(x) for x in train_pairs[:4])
     held = tuple(jnp.asarray(x) for x in eval_pairs[:4])
     if head_only:  # the trunk is frozen: its features once, then epochs of a linear model on them
         data, held = (tuple(last_hidden(model, base, d[i], d[i + 1]) for i in (0, 2)) for d in (data, held))
+    params, history = _fit(t, data, held, s, log, len(eval_pairs))
+    return t.merged(params), np.asarray(params["score"], np.float32), history
+
+
+def train_head(
+    model: Any, train_feats: tuple[Any, Any], eval_feats: tuple[Any, Any], s: TrainSettings,
+    log: Callable[[str], None] | None = None,
+) -> tuple[np.ndarray, list[dict]]:  # fmt: skip
+    """The head-only reward model (a linear probe) on features already computed: ``(chosen, rejected)``
+    ``[N, D]`` last hidden states (:func:`last_hidden`), so a study whose pairs share responses computes
+    each response's features once. The same training as ``train(..., head_only=True)``; returns
+    ``(score [D], history)``."""
+    t = Trainable(model, None, None, head_only=True)
+    data = tuple(jnp.asarray(x, jnp.float32) for x in train_feats)
+    held = tuple(jnp.asarray(x, jnp.float32) for x in eval_feats)
+    params, history = _fit(t, data, held, s, log, int(held[0].shape[0]))
+    return np.asarray(params["score"], np.float32), history
+
+
+def _fit(
+    t: Trainable, data: tuple, held: tuple, s: TrainSettings, log: Any, n_eval: int
+) -> tuple[dict, list]:
+    """``s.epochs`` epochs of AdamW on ``data`` (a :class:`Pairs`' arrays, or features with ``head_only``),
+    evaluated on ``held`` after each; ``(params, history)``."""
+    k_init, k_perm = jax.random.split(jax.random.key(s.seed))
+    params = t.init(k_init)
+    frozen = t.base if t.frozen else None  # full fine-tuning: the trunk is in params, nothing frozen
+    opt = optax.adamw(s.lr, weight_decay=s.weight_decay)
+    opt_state = opt.init(params)
+    epoch, evaluate = make_epoch(t, opt, s), make_evaluate(t, s.center_coef)
     history = []
     for e, k in enumerate(jax.random.split(k_perm, s.epochs)):
         params, opt_state, loss, acc = epoch(params, opt_state, frozen, data, k)
@@ -232,8 +256,8 @@ def train(
         if log:
             log(f"epoch {e + 1}/{s.epochs}: train loss {row['loss']:.4f} (accuracy {row['accuracy']:.3f}), "
                 f"held-out loss {row['eval_loss']:.4f} accuracy {row['eval_accuracy']:.3f} "
-                f"({len(eval_pairs)} pairs)")  # fmt: skip
-    return t.merged(params), np.asarray(params["score"], np.float32), history
+                f"({n_eval} pairs)")  # fmt: skip
+    return params, history
 
 
 # ---- the HF sequence-classification directory -------------------------------------------------------

@@ -446,3 +446,59 @@ def test_config_of_the_ppo_run_gives_the_text_format_and_flags_override_it(tmp_p
         False,
     )
     assert ns.model_path == str(GGUF) and ns.deprecated == []
+
+
+def test_train_head_on_precomputed_features_is_head_only_training():
+    """``train_head`` on features computed once per sequence (NumPy gather of the base's last hidden state,
+    ``forward`` on the unpadded sequences) gives the score vector and history ``train(head_only=True)`` gives
+    on the pairs themselves."""
+    from klrl.rewards.train import train_head
+
+    model, base, tok = from_pretrained(GGUF)
+    rows = marker_pairs(24)
+    pairs = encode_pairs(rows, tok, 16)
+    tr, ev = split(len(rows), 0.25, 0)
+    s = TrainSettings(epochs=3, lr=3e-2, batch_size=6, seed=1)
+    _, want, hist = train(model, base, pairs.take(tr), pairs.take(ev), s, head_only=True)
+
+    def feats(tokens, mask):
+        out = []
+        for t, m in zip(tokens, mask, strict=True):
+            real = jnp.asarray(t[m > 0])[None]
+            out.append(
+                np.asarray(forward(model, base, real, jnp.ones_like(real), logits=False).hidden[0, -1])
+            )
+        return np.stack(out).astype(np.float32)
+
+    f = {k: feats(getattr(pairs, k), getattr(pairs, f"{k}_mask")) for k in ("chosen", "rejected")}
+    got, hist2 = train_head(
+        model, (f["chosen"][tr], f["rejected"][tr]), (f["chosen"][ev], f["rejected"][ev]), s
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+    assert [h["epoch"] for h in hist2] == [1, 2, 3]
+    np.testing.assert_allclose([h["loss"] for h in hist2], [h["loss"] for h in hist], rtol=1e-3)
+    assert np.abs(want).max() > 0
+
+
+def test_a_response_that_stopped_at_once_is_scored_as_ppo_scores_it(trained, tmp_path):
+    """An empty completion (the sampler's first token was the stop token): ``RewardModel.score`` reads the
+    prompt and the end token, as PPO's reward of that rollout does; a pairs file still refuses it."""
+    import klrl
+    from klrl.config import DataConfig, SamplingConfig
+    from klrl.rewards.pairs import PairsError, check_pairs
+
+    tok, P, R = trained["tok"], 24, 5
+    prompts, responses = ["ab cd", "gh"], ["", "kl"]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    ro, want = _ppo_reward_inputs(tok, f, responses, P, R)
+    assert want[0][-1] == tok.stop_ids[0] and want[0][-2] != tok.stop_ids[0]  # the prompt, then the stop
+    model, params = reward_model(RunConfig(model=ModelConfig(reward_path=str(trained["out"]))))
+    r = model_reward(model, params)
+    ppo = np.asarray(jax.jit(r.fn)(r.params, ro))
+    rm = dataclasses.replace(klrl.load_reward_model(trained["out"]), data=DataConfig(prompt_len=P),
+                             sampling=SamplingConfig(response_len=R))  # fmt: skip
+    assert [t[m > 0].tolist() for t, m in zip(*rm.encode(prompts, responses), strict=True)] == want
+    np.testing.assert_allclose(rm.score(prompts, responses), ppo, atol=1e-4)
+    with pytest.raises(PairsError, match="empty"):
+        check_pairs([{"prompt": "x", "chosen": "", "rejected": "y"}], ["row 0"])
