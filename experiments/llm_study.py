@@ -28,7 +28,8 @@ The design (the library does the work: :mod:`klrl.eval`, :mod:`klrl.rewards`, :m
    * ``grpo``: group-relative advantages, the KL in the loss (k3 per token, ``kl.loss_coef`` 0.04 and
      0.001), against PPO's per-token shaping in the turn arm (the same proxy, gold, lr and prompts) at
      matched KL.
-3. ``llm_study_report.py`` (not yet written) turns the stored files into the claims and the figure.
+3. ``llm_study_report.py`` turns the stored files into ``claims.md``, ``claims.json`` and the figure
+   (``--replay DIR``: from DIR's files alone).
 
 Everything stored under ``--results`` is per response, so every claim recomputes from it.
 """
@@ -152,7 +153,11 @@ def dump(path: Path, rows: Any) -> None:
 def load(path: Path) -> Any:
     with gzip.open(path, "rt") as f:
         text = f.read()
-    return json.loads(text) if text.startswith("{") else [json.loads(x) for x in text.splitlines() if x]
+    return (
+        [json.loads(x) for x in text.splitlines() if x]
+        if path.name.endswith(".jsonl.gz")
+        else json.loads(text)
+    )
 
 
 # ---- prepare: pools, judge, gold, proxies, best-of-n -------------------------------------------------------
@@ -442,11 +447,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the pools' samples, the pairs and their labels")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a preset's sizes")
     p.add_argument("--dry-run", action="store_true", help="print the arms' members and sizes, run nothing")
+    p.add_argument("--replay", metavar="DIR", default="", help="rebuild the claims and figure from DIR alone")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
+    from experiments.llm_study_report import finish
+
+    if ns.replay:
+        return finish(Path(ns.replay))
     P = dict(PRESETS[ns.preset])
     for kv in ns.set:
         k, _, v = kv.partition("=")
@@ -469,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: {res} was prepared with other sizes; give the same --preset and --set")
         study["timing"][name] = {**run_arm(name, ns, P, study, res), "command": command}
         (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
-    return 0
+    return finish(res)
 
 
 if __name__ == "__main__":

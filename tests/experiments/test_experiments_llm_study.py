@@ -89,6 +89,14 @@ def test_the_tiny_study_stores_every_response(tmp_path):
     }
     assert all(r["kl"] >= 0 and "gold" in r and "proxy_strong" in r for r in ev)
     assert all(r["kl"] == 0 for r in ev if r["step"] == 0)  # the base against itself
+    outs = ("claims.md", "claims.json", "llm_study.png")
+    first = {f: (res / f).read_bytes() for f in outs}
+    assert (
+        "GRPO k3 loss 0.04" in first["claims.md"].decode()
+        and "| turn arm | - | not run |" in first["claims.md"].decode()
+    )
+    assert llm_study.main(["--replay", str(res)]) == 0
+    assert {f: (res / f).read_bytes() for f in outs} == first  # the replay is byte for byte
 
 
 def test_llm_gold_replay_rebuilds_the_stored_check_byte_for_byte(tmp_path):

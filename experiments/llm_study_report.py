@@ -1,0 +1,304 @@
+"""The claims and the figure of ``experiments/llm_study.py`` from its stored files alone (``--replay``).
+
+``python experiments/llm_study_report.py [DIR]`` (default ``experiments/results/llm_study``) writes
+``claims.md``, ``claims.json`` and ``llm_study.png`` in DIR. Every number is recomputed from the per-response
+files: intervals resample the held-out prompts (the unit that varies;
+:func:`klrl.analysis.overopt.prompt_bootstrap`),
+or are t-intervals over seeds where seeds are the unit (a controller's tracking). A stage not run yet is
+left out of the claims ("not run").
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if not __package__:
+    sys.path.insert(0, str(HERE.parent))
+
+N_BOOT = 1000
+
+
+def load(path: Path) -> Any:
+    with gzip.open(path, "rt") as f:
+        text = f.read()
+    return (
+        [json.loads(x) for x in text.splitlines() if x]
+        if path.name.endswith(".jsonl.gz")
+        else json.loads(text)
+    )
+
+
+# ---- curves from the stored evaluations ---------------------------------------------------------------
+def table(evals: list[dict], key: str) -> tuple[list[int], list[int], np.ndarray]:
+    """``(members, steps, values [members, steps, prompts])`` of ``key`` (sample 0 of each prompt), step 0 the
+    base's row for every member."""
+    members = sorted({r["member"] for r in evals if r["member"] >= 0})
+    steps = sorted({r["step"] for r in evals})
+    prompts = sorted({r["prompt_idx"] for r in evals})
+    pos = {p: i for i, p in enumerate(prompts)}
+    out = np.full((len(members), len(steps), len(prompts)), np.nan)
+    for r in evals:
+        if r.get("sample", 0) != 0:
+            continue
+        for j in members if r["member"] < 0 else [r["member"]]:
+            out[members.index(j), steps.index(r["step"]), pos[r["prompt_idx"]]] = r[key]
+    return members, steps, out
+
+
+def gao_turn(kl: np.ndarray, gain: np.ndarray, form: str) -> float:
+    """The KL at which Gao et al.'s form fitted to ``(sqrt(KL), gain)`` peaks (inf: no interior peak)."""
+    from klrl.analysis.aggregate import fit_gao
+    from klrl.analysis.overopt import fit_bon, turn
+
+    d, r = np.sqrt(np.maximum(kl, 0)).ravel(), gain.ravel()
+    ok = np.isfinite(d) & np.isfinite(r) & (d > 0)
+    if ok.sum() < 3:
+        return float("nan")
+    a, b = (fit_bon if form == "bon" else fit_gao)(d[ok], r[ok])
+    return float(turn(a, b, form)) ** 2
+
+
+def boot(values: np.ndarray, stat: Any, seed: int = 0) -> dict[str, float]:
+    """``stat`` of ``values [..., prompts]`` and its 95% interval over resampled prompts (the last axis)."""
+    from klrl.analysis.overopt import prompt_bootstrap
+
+    groups = list(range(values.shape[-1]))
+    return prompt_bootstrap(groups, lambda g: stat(values[..., np.asarray(g)]), N_BOOT, seed)
+
+
+# ---- the claims ---------------------------------------------------------------------------------------
+def proxy_claims(study: dict) -> list[dict]:
+    sep = study["separation"]
+    f = lambda s: f"{s['value']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}]"
+    d = sep["difference"]
+    verdict = "**separated**" if d["separated"] else "**not separated**: the weak-proxy comparison is dropped"
+    return [
+        {
+            "claim": "the two proxies differ on the evaluation pool (within-prompt pair accuracy vs gold)",
+            "measured": f"strong {f(sep['strong'])}, weak {f(sep['weak'])}, difference {f(d)} "
+            f"({d['pairs']} pairs, {d['n_prompts']} prompts)",
+            "verdict": verdict,
+        }
+    ]
+
+
+def bon_claims(bon: dict, tags: list[str]) -> tuple[list[dict], dict]:
+    out, fits = [], {}
+    kl = np.asarray(bon["kl"])
+    for tag in tags:
+        g = np.asarray(bon[f"{tag}/gold"])  # [n, prompts]
+        gain = lambda v: v.mean(-1) - v.mean(-1)[0]
+        kstar = boot(g, lambda v: gao_turn(kl, gain(v), "bon"))
+        fits[tag] = {"kl": kl.tolist(), "gold_gain": gain(g).tolist(), "turn_kl": kstar}
+        reached = np.isfinite(kstar["value"]) and kstar["hi"] <= kl.max()
+        out.append(
+            {
+                "claim": f"best-of-n by the {tag} proxy turns within n = {bon['n'][-1]} (KL {kl.max():.2f})",
+                "measured": f"KL* {kstar['value']:.2f} [{kstar['lo']:.2f}, {kstar['hi']:.2f}]; gold gain at "
+                f"n = {bon['n'][-1]}: {gain(g)[-1]:+.3f}",
+                "verdict": "**reached**" if reached else "**not shown**",
+            }
+        )
+    return out, fits
+
+
+def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
+    """Per seed the gold's peak against its end (beyond 2 SE of one evaluation), the KL reached, and the RL
+    form's turn fitted to every seed's points with a prompt-bootstrap interval."""
+    members, steps, gold = table(evals, "gold")
+    _, _, kl = table(evals, "kl")
+    mg, mk = np.nanmean(gold, -1), np.nanmean(kl, -1)  # [members, steps]
+    falls, shown = [], []
+    for j in range(len(members)):
+        p = int(np.nanargmax(mg[j]))
+        se = np.nanstd(gold[j, p]) / np.sqrt(np.isfinite(gold[j, p]).sum())
+        falls.append(mg[j, p] - mg[j, -1])
+        shown.append(bool(falls[-1] > 2 * se))
+    kstar = boot(
+        np.concatenate([gold, kl], 0),
+        lambda v: gao_turn(
+            np.nanmean(v[len(members) :], -1),
+            np.nanmean(v[: len(members)], -1) - np.nanmean(v[: len(members), :1], -1),
+            "rl",
+        ),
+    )
+    out = [
+        {
+            "claim": "the small-beta arm: the gold falls from its peak by more than 2 SE of one evaluation",
+            "measured": f"falls {', '.join(f'{x:+.3f}' for x in falls)} at KL "
+            f"{', '.join(f'{x:.1f}' for x in mk[:, -1])}",
+            "verdict": f"**shown on {sum(shown)} of {len(shown)} seeds**" if any(shown) else "**not shown**",
+        },
+        {
+            "claim": "Gao's RL form d(a - b log d) turns inside the data (prompt bootstrap)",
+            "measured": f"KL* {kstar['value']:.1f} [{kstar['lo']:.1f}, {kstar['hi']:.1f}]; "
+            f"max KL {np.nanmax(mk):.1f}",
+            "verdict": "**inside**" if kstar["hi"] <= np.nanmax(mk) else "**not shown**: extrapolated",
+        },
+    ]
+    return out, {"kl": mk.tolist(), "gold": mg.tolist(), "turn_kl": kstar, "steps": steps}
+
+
+def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
+    """Tracking over the second half of the evaluations: the held-out exact KL's mean over prompts against
+    the target (``KL / target - 1`` and the share of evaluations within +-25%), per controller and start,
+    t-intervals over seeds, beside the fixed beta it should settle at."""
+    from klrl.analysis.aggregate import t_interval
+
+    members, steps, kl = table(evals, "kl")
+    mk = np.nanmean(kl, -1)[:, len(steps) // 2 :]
+    groups: dict[str, list[int]] = {}
+    for j, r in enumerate(runs):
+        groups.setdefault(r["label"], []).append(j)
+    out = []
+    for lab, js in groups.items():
+        target = runs[js[0]]["config"]["ctrl"]["target"]
+        err = mk[js].mean(1) / target - 1
+        within = (np.abs(mk[js] / target - 1) <= 0.25).mean(1)
+        m, lo, hi = (float(x) for x in t_interval(err)) if len(js) > 1 else (float(err[0]),) * 3
+        ok = len(js) > 1 and -0.25 <= lo and hi <= 0.25
+        out.append(
+            {
+                "claim": f"{lab}: the held-out KL tracks {target:g} nats/seq within +-25% (second half)",
+                "measured": f"KL/target - 1 {m:+.0%} [{lo:+.0%}, {hi:+.0%}]; share within +-25% "
+                f"{', '.join(f'{x:.2f}' for x in within)}",
+                "verdict": "**tracks**" if ok else "**tracking not shown**",
+            }
+        )
+    return out
+
+
+def grpo_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
+    """GRPO with the KL in the loss: the held-out KL at the last evaluation and its rise over the second
+    half (nats per evaluation), per coefficient over seeds."""
+    from klrl.analysis.aggregate import t_interval
+
+    members, steps, kl = table(evals, "kl")
+    mk = np.nanmean(kl, -1)
+    half = len(steps) // 2
+    groups: dict[str, list[int]] = {}
+    for j, r in enumerate(runs):
+        groups.setdefault(r["label"], []).append(j)
+    out = []
+    for lab, js in groups.items():
+        slope = (
+            np.array([np.polyfit(steps[half:], mk[j, half:], 1)[0] for j in js])
+            if len(steps) - half > 1
+            else np.zeros(len(js))
+        )
+        m, lo, hi = (float(x) for x in t_interval(slope)) if len(js) > 1 else (float(slope[0]),) * 3
+        out.append(
+            {
+                "claim": f"{lab}: the KL keeps rising (runs away) by iteration {steps[-1]}",
+                "measured": f"KL at the end {', '.join(f'{x:.1f}' for x in mk[js, -1])}; second-half slope "
+                f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}] nats/seq per iteration",
+                "verdict": "**rising**" if len(js) > 1 and lo > 0 else "**not shown**",
+            }
+        )
+    return out
+
+
+def duplicate_claims(arms: dict[str, list[dict]]) -> list[dict]:
+    from klrl.eval.diversity import duplicate_share
+
+    out = []
+    for arm, evals in arms.items():
+        last = max(r["step"] for r in evals)
+        shares = []
+        for j in sorted({r["member"] for r in evals if r["member"] >= 0}):
+            rows = [r for r in evals if r["member"] == j and r["step"] == last]
+            shares.append(duplicate_share([r["completion"] for r in rows], [r["prompt_idx"] for r in rows]))
+        base = [r for r in evals if r["step"] == 0]
+        b = duplicate_share([r["completion"] for r in base], [r["prompt_idx"] for r in base])
+        out.append(
+            {
+                "claim": f"{arm}: cross-prompt near-duplicates (similarity >= 0.7) at iteration {last}",
+                "measured": f"base {b:.2f}; members {', '.join(f'{x:.2f}' for x in shares)}",
+                "verdict": "measured",
+            }
+        )
+    return out
+
+
+# ---- the figure and the files -------------------------------------------------------------------------
+def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for tag, f in bon.items():
+        ax.plot(np.sqrt(f["kl"]), f["gold_gain"], "o-", ms=3, label=f"best-of-n ({tag} proxy)")
+    for name, cur, style in (("PPO ", turn, "s-"), ("", grpo, "^-")):
+        for lab, k, g in zip(cur["labels"], cur["kl"], cur["gold"], strict=True) if cur else []:
+            ax.plot(np.sqrt(k), np.asarray(g) - g[0], style, ms=3, alpha=0.7, label=f"{name}{lab}")
+    t = (turn or {}).get("turn_kl")
+    if t and np.isfinite(t["value"]):
+        ax.axvline(
+            np.sqrt(t["value"]), color="k", ls="--", lw=1, label=f"PPO turn (RL form), KL {t['value']:.1f}"
+        )
+        if np.isfinite(t["lo"]) and np.isfinite(t["hi"]):
+            ax.axvspan(np.sqrt(t["lo"]), np.sqrt(t["hi"]), color="k", alpha=0.08)
+    ax.set_xlabel("sqrt(KL) to the reference, sqrt(nats/seq) (held-out, exact)")
+    ax.set_ylabel("gold - gold of the reference")
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("Gold against sqrt(KL): best-of-n, PPO, GRPO")
+    fig.tight_layout()
+    fig.savefig(res / "llm_study.png", dpi=110)
+    plt.close(fig)
+    return "llm_study.png"
+
+
+def finish(res: Path) -> int:
+    """``claims.md``, ``claims.json`` and the figure from ``res``'s stored files."""
+    study = json.loads((res / "study.json").read_text())
+    claims = proxy_claims(study)
+    bon_rows, bon = bon_claims(load(res / "bon.json.gz"), list(study["proxies"]))
+    claims += bon_rows
+    arms = {
+        a: load(res / f"{a}_eval.jsonl.gz")
+        for a in ("turn", "ctrl", "grpo")
+        if (res / f"{a}_eval.jsonl.gz").is_file()
+    }
+    runs = {a: load(res / f"{a}_runs.json.gz")["runs"] for a in arms}
+    turn = grpo = None
+    labels = {a: [f"{r['label']} seed {r['seed']}" for r in runs[a]] for a in arms}
+    if "turn" in arms:
+        rows, turn = turn_claims(arms["turn"])
+        claims += rows
+        turn["labels"] = labels["turn"]
+    if "ctrl" in arms:
+        claims += ctrl_claims(arms["ctrl"], runs["ctrl"])
+    if "grpo" in arms:
+        claims += grpo_claims(arms["grpo"], runs["grpo"])
+        _, _, gk = table(arms["grpo"], "kl")
+        _, _, gg = table(arms["grpo"], "gold")
+        grpo = {
+            "kl": np.nanmean(gk, -1).tolist(),
+            "gold": np.nanmean(gg, -1).tolist(),
+            "labels": labels["grpo"],
+        }
+    claims += duplicate_claims(arms)
+    missing = [a for a in ("turn", "ctrl", "grpo") if a not in arms]
+    name = figure(res, bon, turn, grpo)
+    lines = ["| claim | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {c['claim']} | {c['measured']} | {c['verdict']} |" for c in claims]
+    lines += [f"| {a} arm | - | not run |" for a in missing]
+    (res / "claims.md").write_text("\n".join(lines) + f"\n\n![]({name})\n")
+    (res / "claims.json").write_text(
+        json.dumps({"claims": claims, "bon": bon, "turn": turn}, indent=1, default=float) + "\n"
+    )
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(finish(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results" / "llm_study"))
