@@ -133,7 +133,10 @@ def prompt_bootstrap(
     draws = np.array(
         [stat([groups[i] for i in rng.integers(0, len(groups), len(groups))]) for _ in range(n_boot)]
     )
-    lo, hi = np.nanquantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    ok = draws[
+        np.isfinite(draws)
+    ]  # a resample whose statistic is undefined (a fit without a peak) is left out
+    lo, hi = np.quantile(ok, [(1 - level) / 2, (1 + level) / 2]) if ok.size else (np.nan, np.nan)
     return {"value": value, "lo": float(lo), "hi": float(hi), "n_prompts": len(groups), "n_boot": n_boot}
 
 
