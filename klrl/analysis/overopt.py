@@ -133,10 +133,9 @@ def prompt_bootstrap(
     draws = np.array(
         [stat([groups[i] for i in rng.integers(0, len(groups), len(groups))]) for _ in range(n_boot)]
     )
-    ok = draws[
-        np.isfinite(draws)
-    ]  # a resample whose statistic is undefined (a fit without a peak) is left out
-    lo, hi = np.quantile(ok, [(1 - level) / 2, (1 + level) / 2]) if ok.size else (np.nan, np.nan)
+    ok = draws[~np.isnan(draws)]  # a resample whose statistic is undefined is left out; inf (no turn) is kept
+    q = [(1 - level) / 2, (1 + level) / 2]  # the percentiles of the draws themselves (no interpolation)
+    lo, hi = np.quantile(ok, q, method="inverted_cdf") if ok.size else (np.nan, np.nan)
     return {"value": value, "lo": float(lo), "hi": float(hi), "n_prompts": len(groups), "n_boot": n_boot}
 
 
