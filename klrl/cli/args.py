@@ -49,9 +49,51 @@ def _parse_bool(s: str) -> bool:
     raise ValueError(f"not a boolean: {s!r}")
 
 
+_REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction)
+
+
+def repeated_flag(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The error for a flag that takes a value given twice in ``argv`` (two spellings of one field,
+    ``--lora.rank`` and ``--model.lora.rank``, count as one), None when there is none; flags meant to
+    repeat (``--sweep``, ``--prompt``) are not counted. Refused rather than last-wins: one of the two
+    values would be dropped without a word, and the base-plus-override habit has a spelling that keeps
+    both visible (``--config base.yaml --kl.beta 0.2``: flags override the file)."""
+    seen: dict[str, tuple[str, str]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            break
+        name, eq, value = token.partition("=")
+        action = parser._option_string_actions.get(name) if token.startswith("--") else None
+        if action is None or action.nargs == 0:
+            continue
+        if not eq and i < len(argv):
+            value, i = argv[i], i + 1
+        if isinstance(action, _REPEATABLE):
+            continue
+        if action.dest in seen:
+            first, v0 = seen[action.dest]
+            again = name if name == first else f"{name} (the same as {first})"
+            hint = (" (flags override --config FILE: a base plus an override is --config base.yaml and the "
+                    "flag)") if "--config" in parser._option_string_actions else ""  # fmt: skip
+            return f"{again}: given twice ({short(v0)}, then {short(value)}); give it once{hint}"
+        seen[action.dest] = (name, value)
+    return None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, status 2, no usage dump
         fail(message)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, refusing a flag given twice (:func:`repeated_flag`)."""
+        argv = sys.argv[1:] if args is None else list(args)
+        message = repeated_flag(self, argv)
+        if message is not None:
+            self.error(message)
+        return super().parse_known_args(argv, namespace)
 
 
 def build_parser(
@@ -195,14 +237,41 @@ def overrides_of(ns: argparse.Namespace) -> list[str]:
     return [d for d in vars(ns) if "." in d and d.split(".", 1)[0] in SECTIONS]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the later value
+    without a word); a merge key (``<<: *base``) overriding a merged value is YAML's own and allowed."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                earlier = first.get(key)
+                first.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            if earlier is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at "
+                    f"line {earlier}; a key may appear once, the later value would silently replace the "
+                    "earlier)", key_node.start_mark)  # fmt: skip
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config_file(path: str) -> RunConfig:
     """``--config FILE``: a JSON or YAML mapping ``{section: {field: value}}``."""
     p = Path(path)
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
-            d = yaml.safe_load(read_text(p))
+            d = yaml.load(read_text(p), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
         except RunDirError as e:
             fail(f"--config: {e}")
+        except yaml.constructor.ConstructorError as e:
+            if "duplicate key" not in str(e.problem):
+                fail(f"--config: {p}: not valid YAML ({type(e).__name__}: {short(str(e), 80)})")
+            fail(f"--config: {p}: {e.problem}")
         except (yaml.YAMLError, RecursionError) as e:
             fail(f"--config: {p}: not valid YAML ({type(e).__name__}: {short(str(e), 80)})")
     else:

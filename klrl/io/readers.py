@@ -83,9 +83,49 @@ def _read_bytes(path: Path, limit: int | None = None) -> bytes:
         raise RunDirError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
 
 
+class _Pairs(dict):
+    """A JSON object that had a key twice: ``dups`` names them (:func:`_loads` refuses it)."""
+
+    dups: tuple[str, ...] = ()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json``'s ``object_pairs_hook``: a dict, marked when a key appears twice (``json`` keeps the
+    later value without a word)."""
+    d = _Pairs(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        d.dups = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return d
+
+
+def duplicate_key(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first key given twice in a JSON value read by :func:`_loads`
+    (``kl.beta``), None when there is none."""
+    if isinstance(value, dict):
+        if getattr(value, "dups", ()):
+            return f"{path}.{value.dups[0]}".lstrip(".")
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for k, v in items:
+        if isinstance(v, dict | list) and (found := duplicate_key(v, f"{path}.{k}" if path else str(k))):
+            return found
+    return None
+
+
 def _loads(text: str, where: str) -> Any:
+    """The JSON value of ``text``; a key given twice in one object is refused (a silent last-wins
+    would drop the earlier value), naming its dotted path."""
     try:
-        return json.loads(text)
+        value = json.loads(text, object_pairs_hook=_object)
+        dup = duplicate_key(value)
+        if dup is not None:
+            raise RunDirError(f"{where}: duplicate key {dup!r} (a key may appear once; the later value "
+                              "would silently replace the earlier)")  # fmt: skip
+        return value
     except json.JSONDecodeError as e:
         raise RunDirError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
@@ -188,11 +228,21 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def what_is(path: Path) -> str:
+    """What ``path`` is, for a message where a directory was expected: ``a file``, ``a broken
+    symbolic link``, ``a named pipe (FIFO)``, ..., ``no such directory``."""
+    if path.is_file():
+        return "a file, not a directory; pass the run directory that holds config.json"
+    if path.is_symlink() and not path.exists():
+        return "a broken symbolic link"
+    return special_kind(path) or "no such directory"
+
+
 def read_run(run_dir: str | os.PathLike) -> tuple[RunConfig, list[dict[str, Any]]]:
     """A run directory's config and metrics rows (no metrics file: no rows)."""
     d = Path(run_dir)
     if not d.is_dir():
-        raise NotARunDirError(f"{d}: not a klrl run directory (no such directory)")
+        raise NotARunDirError(f"{d}: not a klrl run directory ({what_is(d)})")
     if not ((d / "config.json").exists() or (d / "config.json").is_symlink()):
         raise NotARunDirError(f"{d}: not a klrl run directory (no config.json)")
     cfg = read_config(d / "config.json")
