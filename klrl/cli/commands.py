@@ -336,12 +336,23 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     checked = _check_inputs(mode, ns, cfg, members)
     cfg, members = checked[0], None if members is None else checked
     if ns.check:  # nothing joined, built, compiled or written
+        _check_as_the_run(checked)
         if not distributed and members is None:
             _join(ns, False, True, cfg)
         print(f"check: ok ({len(checked)} member{'s' if len(checked) != 1 else ''})")
         return 0
     _join(ns, distributed, members is None, cfg)
     return _launch(mode, ns, cfg, members, axes)
+
+
+def _check_as_the_run(members: list[RunConfig]) -> None:
+    """``--check``: the checks the run makes once its task is built, without building it (the text
+    task's prompts, reward functions and adapters: :func:`klrl.checks.check_text_task`), failing with the
+    line the run would print. A sweep's task is its first member's, as the run builds it."""
+    from klrl.checks import check_text_task
+    from klrl.cli.launch import guarded
+
+    guarded(lambda: check_text_task(members[0]))
 
 
 def _launch(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None,

@@ -287,6 +287,7 @@ RESUME_MUTABLE = frozenset(
         "train.rollback_threshold",
         "train.rollback_factor",
         "train.max_rollbacks",
+        "reward.timeout",  # how long a hung reward call is waited for, not what a call computes
     }
 )
 
