@@ -13,6 +13,7 @@ naming the field and exit status 2, before anything compiles. An unknown flag ge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -352,11 +353,40 @@ def check_special_fields(cfgs: list[RunConfig]) -> None:
 
 
 # ---- paths a run will write ----------------------------------------------------------------------
-def _existing_ancestor(p: Path) -> Path:
+def _existing_ancestor(p: Path, what: str) -> Path:
+    """The nearest ancestor of ``p`` (``p`` itself included) that exists; a component that cannot be
+    looked up (a name too long, a symbolic link loop or one to nothing, no permission) is one line."""
     p = p.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
+    while True:
+        try:
+            os.stat(p)
+            return p
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.islink(p):  # (a loop is ELOOP below; here a link to a path that does not exist)
+                fail(f"{what}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
+            if p == p.parent:
+                return p
+            p = p.parent
+        except OSError as e:  # ENAMETOOLONG, ELOOP, EACCES
+            fail(f"{what}: {p}: {e.strerror or type(e).__name__}")
+
+
+def _probe(top: Path) -> None:
+    """Create a directory in ``top`` and a 4 KiB file in it, fsync'ed, then remove both (a full disk
+    refuses the file's block where an empty directory may still fit); raises what the disk raised."""
+    probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
+    try:
+        fd = os.open(os.path.join(probe, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(probe, "probe"))
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> None:
@@ -364,19 +394,35 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
 
     Tried, not inferred from permission bits (``os.access`` says yes to root in ``/proc``, or on a
     read-only mount): a directory (``path``'s first missing component) is created in the nearest
-    existing ancestor and removed at once; nothing is left behind."""
+    existing ancestor with a 4 KiB file in it (a full disk), and removed at once; nothing is left
+    behind. Every failure (a name too long, a symbolic link loop, a file in the way, read-only, no
+    permission, no space) is one line naming ``what``, the path and the cause, exit 2."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
+    top = _existing_ancestor(p, what)
+    if top == p.absolute() and not top.is_dir():
         fail(f"{what}: {p} exists and is not a directory")
-    top = _existing_ancestor(p)
     if not top.is_dir():
         fail(f"{what}: {p} cannot be created: {top} is not a directory")
     try:
-        probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
-        os.rmdir(probe)
+        _probe(top)
     except OSError as e:
         where = "" if top == p.absolute() else f" cannot be created: {top}"
         fail(f"{what}: {p}{where} is not writable ({e.strerror or type(e).__name__})")
+
+
+def check_new_path(path: str | os.PathLike, what: str, *, directory: bool) -> None:
+    """An output a command creates (``klrl export``'s ``OUT_DIR``, ``reward-model``'s ``--out`` with
+    ``directory``; ``generate --out FILE``): nothing there yet (an empty directory is allowed for a
+    directory) and its parent writable (:func:`check_writable_dir`); one line, exit 2, otherwise."""
+    p = Path(path)
+    top = _existing_ancestor(p, what)
+    if top == p.absolute():
+        if not directory or not p.is_dir() or any(p.iterdir()):
+            kind = "exists and is not an empty directory" if directory else "exists"
+            fail(f"{what}: {p}: {kind} (nothing is overwritten)")
+        check_writable_dir(p, what)
+        return
+    check_writable_dir(p.parent if not directory else p, what)
 
 
 def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
@@ -386,6 +432,8 @@ def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
 
     if new_run:
         check_writable_dir(cfg.train.out_dir, "train.out_dir")
+        if cfg.train.name:  # the run directory itself (a name too long, a loop or a file there)
+            check_writable_dir(Path(cfg.train.out_dir) / cfg.train.name, "train.name")
     if cfg.task.cache_dir:
         what = "task.cache_dir"
     elif os.environ.get("KLRL_CACHE"):
@@ -400,6 +448,10 @@ def check_run_dir_writable(run_dir: str | os.PathLike, what: str) -> None:
     d = Path(run_dir)
     if not os.access(d, os.W_OK | os.X_OK):
         fail(f"{what}: {d} is not writable (read-only or no permission)")
+    try:  # a full disk (os.access does not see it): a file of one block, written and removed
+        _probe(d)
+    except OSError as e:
+        fail(f"{what}: {d} is not writable ({e.strerror or type(e).__name__})")
     for name in ("metrics.jsonl", "config.json", "checkpoints", "events.jsonl", "report.md"):
         f = d / name
         if f.exists() and not os.access(f, os.W_OK):

@@ -80,7 +80,7 @@ DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 DISTRIBUTED_TIMEOUT_S = 120.0
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
-                errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG}  # fmt: skip
+                errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}  # fmt: skip
 # the flags besides the config fields, and their defaults (a namespace lacking one gets it)
 FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep", []), ("sweep_devices", 1),
                  ("study", False), ("quiet", False), ("check", False), ("distributed", False),
@@ -454,8 +454,22 @@ def _standalone(cmd: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``klrl COMMAND [flags]`` (:data:`COMMANDS`)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """``klrl COMMAND [flags]`` (:data:`COMMANDS`). A filesystem error no check caught first (a name too
+    long, a symbolic link loop, read-only, no permission, no space, a file in a directory's place) is
+    one line naming the path and the cause, exit 2, whichever command met it."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except OSError as e:
+        if e.errno not in _USER_ERRNOS:
+            raise
+        fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
+    except RuntimeError as e:  # pathlib's resolve() on a loop (Python < 3.13)
+        if not str(e).startswith("Symlink loop from "):
+            raise
+        fail(f"{str(e)[len('Symlink loop from ') :].strip(chr(39))}: a symbolic link loop")
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), end="")
         if not argv:

@@ -53,7 +53,7 @@ import numpy as np
 
 from klrl.algo import kl as kl_lib
 from klrl.algo.logprobs import token_logprobs
-from klrl.cli.args import fail
+from klrl.cli.args import check_new_path, fail
 from klrl.cli.flags import generate_parser
 from klrl.cli.sources import Source, SourceError, load_reference, load_source
 from klrl.config import ConfigError, DataConfig, SamplingConfig
@@ -106,8 +106,8 @@ def _check(cmd: str, ns: argparse.Namespace) -> None:
         if v not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             fail(f"--data.chat_template: expected true or false (got {ns.chat_template!r})")
         ns.chat_template = v in ("true", "1", "yes", "on")
-    if ns.out and Path(ns.out).exists():
-        fail(f"--out: {ns.out}: exists (nothing is overwritten)")
+    if ns.out:  # nothing there; a name too long, a loop, read-only, a full disk: one line
+        check_new_path(ns.out, "--out", directory=False)
     if ns.out and not Path(ns.out).resolve().parent.is_dir():
         fail(f"--out: {Path(ns.out).parent}: no such directory")
     if cmd == "eval" and ns.reward_fn and ns.reward_model:

@@ -228,20 +228,33 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def is_dir(path: str | os.PathLike) -> bool:
+    """``Path.is_dir`` that is False where the path cannot be looked up at all (a name too long)."""
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
+
+
 def what_is(path: Path) -> str:
     """What ``path`` is, for a message where a directory was expected: ``a file``, ``a broken
-    symbolic link``, ``a named pipe (FIFO)``, ..., ``no such directory``."""
+    symbolic link``, ``a named pipe (FIFO)``, the lookup's error (``Too many levels of symbolic links``,
+    ``File name too long``), ..., ``no such directory``."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else "no such directory"
+    except OSError as e:
+        return e.strerror or type(e).__name__
     if path.is_file():
         return "a file, not a directory; pass the run directory that holds config.json"
-    if path.is_symlink() and not path.exists():
-        return "a broken symbolic link"
-    return special_kind(path) or "no such directory"
+    return special_kind(path) or "not a directory"
 
 
 def read_run(run_dir: str | os.PathLike) -> tuple[RunConfig, list[dict[str, Any]]]:
     """A run directory's config and metrics rows (no metrics file: no rows)."""
     d = Path(run_dir)
-    if not d.is_dir():
+    if not is_dir(d):
         raise NotARunDirError(f"{d}: not a klrl run directory ({what_is(d)})")
     if not ((d / "config.json").exists() or (d / "config.json").is_symlink()):
         raise NotARunDirError(f"{d}: not a klrl run directory (no config.json)")
