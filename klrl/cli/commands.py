@@ -317,6 +317,10 @@ def _report(run_dir: str, ns: argparse.Namespace) -> int:
         print(write_report(run_dir, log=print))
     except (ReportError, RunDirError) as e:
         fail(f"--report: {e}")
+    except OSError as e:  # a write that failed (report.md is replaced atomically: the old one is whole)
+        if e.errno not in _USER_ERRNOS:
+            raise
+        fail(f"--report: {e.filename or run_dir}: {e.strerror} (report.md unchanged)")
     return 0
 
 
