@@ -20,7 +20,8 @@ resolved, 1, and 2 on the shape of a built-in task, :func:`klrl.tasks.base.built
 anything is built) and :func:`check_program` (2 and 3; the device split before the parts, whose reward
 is traced on one device's share of the batch) on the task they built; nothing below them checks again
 (``make_train`` trusts its input). The command line (:mod:`klrl.cli`) runs :func:`preflight` itself
-(before it joins a distributed run; ``klrl ... --check`` runs it alone) and tells the API
+(before it joins a distributed run; ``klrl ... --check`` runs it, then :func:`check_text_task`, the
+text task's checks of the built task made on its files alone) and tells the API
 (``checked=True``). A failure is a :class:`ConfigError` naming the field or the part.
 """
 

@@ -23,7 +23,9 @@ Every check that needs no compiled code (the config, the paths a run writes, the
 arguments, a damaged run directory, then :func:`klrl.checks.preflight`: the model paths and fields, the
 task's vocabulary and lengths) runs before anything is built, once (the API is told: ``checked=True``);
 a failure is one line on stderr and exit status 2. ``--check`` (every command that trains) runs those
-checks alone: ``check: ok (N members)`` and exit 0, or the error and exit 2; nothing is built or written.
+checks alone, and those the run makes once its task is built (the text task's prompts, reward
+functions and adapters, without reading a weight: :func:`klrl.checks.check_text_task`): ``check: ok (N
+members)`` and exit 0, or the run's error line and exit 2; nothing is built or written.
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
 """
@@ -93,9 +95,9 @@ def distributed_args(p: argparse.ArgumentParser) -> None:
     """``--quiet``, ``--check`` and the ``--distributed`` flags (every command that trains)."""
     p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
     p.add_argument("--check", action="store_true",
-                   help="run every check that needs no compiled code (klrl.checks.preflight), print one "
-                        "line and exit: 0 if they pass, 2 and the error otherwise; nothing is built or "
-                        "written")  # fmt: skip
+                   help="run every check the run makes before it compiles (klrl.checks.preflight and "
+                        "check_text_task: no weight is read), print one line and exit: 0 if they pass, 2 "
+                        "and the run's error otherwise; nothing is built or written")  # fmt: skip
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-process run (jax.distributed) before anything else; "
                         "auto-detected on Cloud TPU, Slurm, ...")  # fmt: skip
