@@ -6,8 +6,9 @@ writes (a run's ``train.out_dir``, export's ``OUT_DIR``, generate's and eval's `
 reward-model's ``--out``) or at the run directory it works in (resume, report): exit 2, one line naming
 the path and the cause, before anything is built, and nothing left behind.
 
-The read-only and full disks are tmpfs mounts (skipped where this sandbox cannot mount); permission
-is skipped for root (root is not refused by permission bits)."""
+The read-only and full disks are tmpfs mounts (skipped where this sandbox cannot mount); no
+permission is a directory of mode 0500, and for root (whom permission bits do not refuse) the refusal
+is injected where the checks meet it (``tempfile.mkdtemp`` and ``os.access`` under that directory)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,28 @@ def _fill(d: Path) -> None:
         os.close(fd)
 
 
+def _refuse_writes_under(base: Path, monkeypatch) -> None:
+    """As root: creating anything under ``base`` fails with EACCES, as it would for another user
+    (``tempfile.mkdtemp``, what the write check tries first; ``os.access`` as well)."""
+    import errno
+    import tempfile
+
+    real_mkdtemp, real_access = tempfile.mkdtemp, os.access
+
+    def mkdtemp(*a, dir=None, **k):
+        if dir is not None and Path(dir).absolute().is_relative_to(base):
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real_mkdtemp(*a, dir=dir, **k)
+
+    def access(path, mode, *a, **k):
+        if mode & os.W_OK and Path(path).absolute().is_relative_to(base):
+            return False
+        return real_access(path, mode, *a, **k)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(os, "access", access)
+
+
 @pytest.fixture
 def place(tmp_path, tiny_gguf_run, request):
     """``place(condition, run=False)``: a path under that condition (``run``: the tiny run copied there,
@@ -76,8 +99,6 @@ def place(tmp_path, tiny_gguf_run, request):
             (base / "afile").write_text("x")
             return base / "afile" / "sub"
         if condition == "permission":
-            if os.geteuid() == 0:
-                pytest.skip("root is not refused by permission bits")
             base.mkdir()
             target = base / "sub"
             if run:
@@ -85,6 +106,8 @@ def place(tmp_path, tiny_gguf_run, request):
                 target.chmod(0o500)
             base.chmod(0o500)
             request.addfinalizer(lambda: (base.chmod(0o700), target.exists() and target.chmod(0o700)))
+            if os.geteuid() == 0:  # root is not refused by permission bits: the refusal is injected
+                _refuse_writes_under(base, request.getfixturevalue("monkeypatch"))
             return target
         _mount(base, "8m" if condition == "read_only" else "4m")
         mounts.append(base)
