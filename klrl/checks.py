@@ -20,7 +20,8 @@ resolved, 1, and 2 on the shape of a built-in task, :func:`klrl.tasks.base.built
 anything is built) and :func:`check_program` (2 and 3; the device split before the parts, whose reward
 is traced on one device's share of the batch) on the task they built; nothing below them checks again
 (``make_train`` trusts its input). The command line (:mod:`klrl.cli`) runs :func:`preflight` itself
-(before it joins a distributed run; ``klrl ... --check`` runs it alone) and tells the API
+(before it joins a distributed run; ``klrl ... --check`` runs it, then :func:`check_text_task`, the
+text task's checks of the built task made on its files alone) and tells the API
 (``checked=True``). A failure is a :class:`ConfigError` naming the field or the part.
 """
 
@@ -42,6 +43,8 @@ from klrl.loop.user import from_config as user_hooks
 from klrl.models.base import CausalLM
 from klrl.models.catalog import MODEL_FIELDS, resolve_model_paths
 from klrl.models.gpt import GPT
+from klrl.models.hf import CheckpointFormatError
+from klrl.models.pretrained import pretrained_header
 from klrl.models.rollout import Rollout
 from klrl.rewards.host import HostReward as TextReward
 from klrl.rewards.host import RewardFunctionError
@@ -50,11 +53,12 @@ from klrl.step.parallel import mesh_from_config
 from klrl.step.parts import build_models
 from klrl.step.train import check_adapters
 from klrl.tasks.base import OWN_MODEL_TASKS, HostReward, JaxReward, Task, builtin_task_shape
-from klrl.tasks.text import check_model_paths
+from klrl.tasks.text import check_fields, check_model_paths, host_text_reward, load_prompts
 
 __all__ = [
     "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
     "check_export", "check_lora_widths", "check_model_fields", "check_task", "check_text_reward",
+    "check_text_task",
     "preflight", "text_reward",
 ]  # fmt: skip
 MODES = ("run", "sweep")  # preflight's modes: one run, or a sweep's stacked members
@@ -142,6 +146,32 @@ def preflight(
             if m.task.name in BUILTIN_TASKS:  # (a task registered elsewhere: checked once it is built)
                 check_task(m, builtin_task_shape(m))
     return resolved
+
+
+def check_text_task(cfg: RunConfig) -> None:
+    """``klrl ... --check`` on the text task: the checks the run makes once it has read ``model.path``,
+    without reading a weight (:func:`klrl.models.pretrained.pretrained_header`: the config or GGUF
+    metadata and the tokenizer): the prompt file tokenized as the run does
+    (:func:`klrl.data.prompts.load_prompts`), each host reward function called once on it
+    (:func:`check_text_reward`, held-out pool included) and the LoRA targets and ranks against the
+    model's layers (:func:`klrl.step.train.check_adapters` on the shapes). Raises what the run raises
+    (:class:`ConfigError`, :class:`klrl.data.prompts.PromptDataError`, a checkpoint format error).
+    Not part of :func:`preflight`: the run makes these checks itself once the task is built."""
+    if cfg.task.name != "text" or not cfg.model.path:
+        return
+    check_fields(cfg.data)
+    policy, tok = pretrained_header(cfg.model.path)
+    if tok is None:
+        raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
+    splits = load_prompts(cfg.data, tok)
+    if cfg.reward.fn:
+        for pool, where in ((splits.train, ""), (splits.eval, " (held-out)")):
+            if pool is not None and len(pool):
+                reward = host_text_reward(cfg, tok, pool.prompts, pool.columns)
+                check_text_reward(reward, np.asarray(pool.tokens), np.asarray(pool.mask), where)
+    if (cfg.lora.rank or cfg.model.value_model == "lora") and not cfg.model.adapter:
+        base = jax.eval_shape(policy.init, jax.random.PRNGKey(0))
+        check_adapters(build_models(cfg, policy), base, cfg.lora.critic_rank)
 
 
 def _installed(module: str) -> bool:

@@ -23,7 +23,15 @@ from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
 from klrl.config.fields import GPT_ONLY
 from klrl.io import checkpoint as ckpt
-from klrl.io.readers import RunDirError, config_diff, read_jsonl, read_sweep_members, read_task_info
+from klrl.io.readers import (
+    RunDirError,
+    config_diff,
+    is_dir,
+    read_jsonl,
+    read_sweep_members,
+    read_task_info,
+    what_is,
+)
 from klrl.io.resume import replace_file
 from klrl.io.samples import report_lines
 from klrl.registry import is_adaptive
@@ -132,8 +140,10 @@ def check_rows(root: Path, is_sweep: bool) -> str:
 
 
 def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
-    if not path.is_dir():
-        raise ReportError(f"{path}: no such run directory")
+    if not is_dir(path):
+        what = what_is(path)
+        raise ReportError(f"{path}: no such run directory" if what == "no such directory" else
+                          f"{path}: not a run directory ({what})")  # fmt: skip
     try:
         read_task_info(path)  # a damaged task.json: one line naming it
     except RunDirError as e:

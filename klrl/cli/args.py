@@ -13,6 +13,7 @@ naming the field and exit status 2, before anything compiles. An unknown flag ge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -49,9 +50,51 @@ def _parse_bool(s: str) -> bool:
     raise ValueError(f"not a boolean: {s!r}")
 
 
+_REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction)
+
+
+def repeated_flag(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The error for a flag that takes a value given twice in ``argv`` (two spellings of one field,
+    ``--lora.rank`` and ``--model.lora.rank``, count as one), None when there is none; flags meant to
+    repeat (``--sweep``, ``--prompt``) are not counted. Refused rather than last-wins: one of the two
+    values would be dropped without a word, and the base-plus-override habit has a spelling that keeps
+    both visible (``--config base.yaml --kl.beta 0.2``: flags override the file)."""
+    seen: dict[str, tuple[str, str]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            break
+        name, eq, value = token.partition("=")
+        action = parser._option_string_actions.get(name) if token.startswith("--") else None
+        if action is None or action.nargs == 0:
+            continue
+        if not eq and i < len(argv):
+            value, i = argv[i], i + 1
+        if isinstance(action, _REPEATABLE):
+            continue
+        if action.dest in seen:
+            first, v0 = seen[action.dest]
+            again = name if name == first else f"{name} (the same as {first})"
+            hint = (" (flags override --config FILE: a base plus an override is --config base.yaml and the "
+                    "flag)") if "--config" in parser._option_string_actions else ""  # fmt: skip
+            return f"{again}: given twice ({short(v0)}, then {short(value)}); give it once{hint}"
+        seen[action.dest] = (name, value)
+    return None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, status 2, no usage dump
         fail(message)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, refusing a flag given twice (:func:`repeated_flag`)."""
+        argv = sys.argv[1:] if args is None else list(args)
+        message = repeated_flag(self, argv)
+        if message is not None:
+            self.error(message)
+        return super().parse_known_args(argv, namespace)
 
 
 def build_parser(
@@ -195,14 +238,41 @@ def overrides_of(ns: argparse.Namespace) -> list[str]:
     return [d for d in vars(ns) if "." in d and d.split(".", 1)[0] in SECTIONS]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the later value
+    without a word); a merge key (``<<: *base``) overriding a merged value is YAML's own and allowed."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                earlier = first.get(key)
+                first.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            if earlier is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at "
+                    f"line {earlier}; a key may appear once, the later value would silently replace the "
+                    "earlier)", key_node.start_mark)  # fmt: skip
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config_file(path: str) -> RunConfig:
     """``--config FILE``: a JSON or YAML mapping ``{section: {field: value}}``."""
     p = Path(path)
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
-            d = yaml.safe_load(read_text(p))
+            d = yaml.load(read_text(p), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
         except RunDirError as e:
             fail(f"--config: {e}")
+        except yaml.constructor.ConstructorError as e:
+            if "duplicate key" not in str(e.problem):
+                fail(f"--config: {p}: not valid YAML ({type(e).__name__}: {short(str(e), 80)})")
+            fail(f"--config: {p}: {e.problem}")
         except (yaml.YAMLError, RecursionError) as e:
             fail(f"--config: {p}: not valid YAML ({type(e).__name__}: {short(str(e), 80)})")
     else:
@@ -283,11 +353,40 @@ def check_special_fields(cfgs: list[RunConfig]) -> None:
 
 
 # ---- paths a run will write ----------------------------------------------------------------------
-def _existing_ancestor(p: Path) -> Path:
+def _existing_ancestor(p: Path, what: str) -> Path:
+    """The nearest ancestor of ``p`` (``p`` itself included) that exists; a component that cannot be
+    looked up (a name too long, a symbolic link loop or one to nothing, no permission) is one line."""
     p = p.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
+    while True:
+        try:
+            os.stat(p)
+            return p
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.islink(p):  # (a loop is ELOOP below; here a link to a path that does not exist)
+                fail(f"{what}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
+            if p == p.parent:
+                return p
+            p = p.parent
+        except OSError as e:  # ENAMETOOLONG, ELOOP, EACCES
+            fail(f"{what}: {p}: {e.strerror or type(e).__name__}")
+
+
+def _probe(top: Path) -> None:
+    """Create a directory in ``top`` and a 4 KiB file in it, fsync'ed, then remove both (a full disk
+    refuses the file's block where an empty directory may still fit); raises what the disk raised."""
+    probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
+    try:
+        fd = os.open(os.path.join(probe, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(probe, "probe"))
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> None:
@@ -295,19 +394,35 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
 
     Tried, not inferred from permission bits (``os.access`` says yes to root in ``/proc``, or on a
     read-only mount): a directory (``path``'s first missing component) is created in the nearest
-    existing ancestor and removed at once; nothing is left behind."""
+    existing ancestor with a 4 KiB file in it (a full disk), and removed at once; nothing is left
+    behind. Every failure (a name too long, a symbolic link loop, a file in the way, read-only, no
+    permission, no space) is one line naming ``what``, the path and the cause, exit 2."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
+    top = _existing_ancestor(p, what)
+    if top == p.absolute() and not top.is_dir():
         fail(f"{what}: {p} exists and is not a directory")
-    top = _existing_ancestor(p)
     if not top.is_dir():
         fail(f"{what}: {p} cannot be created: {top} is not a directory")
     try:
-        probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
-        os.rmdir(probe)
+        _probe(top)
     except OSError as e:
         where = "" if top == p.absolute() else f" cannot be created: {top}"
         fail(f"{what}: {p}{where} is not writable ({e.strerror or type(e).__name__})")
+
+
+def check_new_path(path: str | os.PathLike, what: str, *, directory: bool) -> None:
+    """An output a command creates (``klrl export``'s ``OUT_DIR``, ``reward-model``'s ``--out`` with
+    ``directory``; ``generate --out FILE``): nothing there yet (an empty directory is allowed for a
+    directory) and its parent writable (:func:`check_writable_dir`); one line, exit 2, otherwise."""
+    p = Path(path)
+    top = _existing_ancestor(p, what)
+    if top == p.absolute():
+        if not directory or not p.is_dir() or any(p.iterdir()):
+            kind = "exists and is not an empty directory" if directory else "exists"
+            fail(f"{what}: {p}: {kind} (nothing is overwritten)")
+        check_writable_dir(p, what)
+        return
+    check_writable_dir(p.parent if not directory else p, what)
 
 
 def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
@@ -317,6 +432,8 @@ def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
 
     if new_run:
         check_writable_dir(cfg.train.out_dir, "train.out_dir")
+        if cfg.train.name:  # the run directory itself (a name too long, a loop or a file there)
+            check_writable_dir(Path(cfg.train.out_dir) / cfg.train.name, "train.name")
     if cfg.task.cache_dir:
         what = "task.cache_dir"
     elif os.environ.get("KLRL_CACHE"):
@@ -331,6 +448,10 @@ def check_run_dir_writable(run_dir: str | os.PathLike, what: str) -> None:
     d = Path(run_dir)
     if not os.access(d, os.W_OK | os.X_OK):
         fail(f"{what}: {d} is not writable (read-only or no permission)")
+    try:  # a full disk (os.access does not see it): a file of one block, written and removed
+        _probe(d)
+    except OSError as e:
+        fail(f"{what}: {d} is not writable ({e.strerror or type(e).__name__})")
     for name in ("metrics.jsonl", "config.json", "checkpoints", "events.jsonl", "report.md"):
         f = d / name
         if f.exists() and not os.access(f, os.W_OK):

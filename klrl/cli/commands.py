@@ -23,7 +23,9 @@ Every check that needs no compiled code (the config, the paths a run writes, the
 arguments, a damaged run directory, then :func:`klrl.checks.preflight`: the model paths and fields, the
 task's vocabulary and lengths) runs before anything is built, once (the API is told: ``checked=True``);
 a failure is one line on stderr and exit status 2. ``--check`` (every command that trains) runs those
-checks alone: ``check: ok (N members)`` and exit 0, or the error and exit 2; nothing is built or written.
+checks alone, and those the run makes once its task is built (the text task's prompts, reward
+functions and adapters, without reading a weight: :func:`klrl.checks.check_text_task`): ``check: ok (N
+members)`` and exit 0, or the run's error line and exit 2; nothing is built or written.
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
 """
@@ -80,7 +82,7 @@ DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
 DISTRIBUTED_TIMEOUT_S = 120.0
 # OSErrors that are the environment's fault (a full or read-only disk, permissions), not a bug
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
-                errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG}  # fmt: skip
+                errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}  # fmt: skip
 # the flags besides the config fields, and their defaults (a namespace lacking one gets it)
 FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep", []), ("sweep_devices", 1),
                  ("study", False), ("quiet", False), ("check", False), ("distributed", False),
@@ -93,9 +95,9 @@ def distributed_args(p: argparse.ArgumentParser) -> None:
     """``--quiet``, ``--check`` and the ``--distributed`` flags (every command that trains)."""
     p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
     p.add_argument("--check", action="store_true",
-                   help="run every check that needs no compiled code (klrl.checks.preflight), print one "
-                        "line and exit: 0 if they pass, 2 and the error otherwise; nothing is built or "
-                        "written")  # fmt: skip
+                   help="run every check the run makes before it compiles (klrl.checks.preflight and "
+                        "check_text_task: no weight is read), print one line and exit: 0 if they pass, 2 "
+                        "and the run's error otherwise; nothing is built or written")  # fmt: skip
     p.add_argument("--distributed", action="store_true",
                    help="join a multi-process run (jax.distributed) before anything else; "
                         "auto-detected on Cloud TPU, Slurm, ...")  # fmt: skip
@@ -317,6 +319,10 @@ def _report(run_dir: str, ns: argparse.Namespace) -> int:
         print(write_report(run_dir, log=print))
     except (ReportError, RunDirError) as e:
         fail(f"--report: {e}")
+    except OSError as e:  # a write that failed (report.md is replaced atomically: the old one is whole)
+        if e.errno not in _USER_ERRNOS:
+            raise
+        fail(f"--report: {e.filename or run_dir}: {e.strerror} (report.md unchanged)")
     return 0
 
 
@@ -336,12 +342,23 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     checked = _check_inputs(mode, ns, cfg, members)
     cfg, members = checked[0], None if members is None else checked
     if ns.check:  # nothing joined, built, compiled or written
+        _check_as_the_run(checked)
         if not distributed and members is None:
             _join(ns, False, True, cfg)
         print(f"check: ok ({len(checked)} member{'s' if len(checked) != 1 else ''})")
         return 0
     _join(ns, distributed, members is None, cfg)
     return _launch(mode, ns, cfg, members, axes)
+
+
+def _check_as_the_run(members: list[RunConfig]) -> None:
+    """``--check``: the checks the run makes once its task is built, without building it (the text
+    task's prompts, reward functions and adapters: :func:`klrl.checks.check_text_task`), failing with the
+    line the run would print. A sweep's task is its first member's, as the run builds it."""
+    from klrl.checks import check_text_task
+    from klrl.cli.launch import guarded
+
+    guarded(lambda: check_text_task(members[0]))
 
 
 def _launch(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None,
@@ -443,8 +460,22 @@ def _standalone(cmd: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``klrl COMMAND [flags]`` (:data:`COMMANDS`)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """``klrl COMMAND [flags]`` (:data:`COMMANDS`). A filesystem error no check caught first (a name too
+    long, a symbolic link loop, read-only, no permission, no space, a file in a directory's place) is
+    one line naming the path and the cause, exit 2, whichever command met it."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except OSError as e:
+        if e.errno not in _USER_ERRNOS:
+            raise
+        fail(f"{e.filename or ''}: {e.strerror}".lstrip(": "))
+    except RuntimeError as e:  # pathlib's resolve() on a loop (Python < 3.13)
+        if not str(e).startswith("Symlink loop from "):
+            raise
+        fail(f"{str(e)[len('Symlink loop from ') :].strip(chr(39))}: a symbolic link loop")
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), end="")
         if not argv:

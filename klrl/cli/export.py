@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
-from klrl.cli.args import check_special, fail
+from klrl.cli.args import check_new_path, check_special, fail
 from klrl.cli.flags import BASE, export_parser  # (BASE: a LoRA run's float base in OUT_DIR)
 from klrl.config import ConfigError
 from klrl.eval.policy import PolicyError as ExportError
@@ -202,6 +202,7 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     check_special(ns.run_dir, "RUN_DIR")
     check_special(ns.out_dir, "OUT_DIR")
+    check_new_path(ns.out_dir, "OUT_DIR", directory=True)  # too long, a loop, read-only, full: one line
     try:
         print(export(ns.run_dir, ns.out_dir, ns.step, base=ns.base))
     except ExportError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from klrl.cli.args import _Parser as _ArgsParser
 from klrl.cli.args import fail
 from klrl.config import DataConfig, SamplingConfig
 
@@ -25,7 +26,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(_ArgsParser):  # a flag given twice refused (klrl.cli.args.repeated_flag)
     def error(self, message: str):  # one line, exit 2
         fail(f"{self.prog}: {message}")
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from klrl.cli.args import fail
+from klrl.cli.args import check_new_path, fail
 from klrl.cli.flags import generate_parser
 from klrl.config import ConfigError, DataConfig
 from klrl.config.schema import closest
@@ -113,8 +113,8 @@ def _check(cmd: str, ns: argparse.Namespace) -> None:
             setattr(ns, dest, v in ("true", "1", "yes", "on"))
     if getattr(ns, "judge_chat_template", None) is not None and not ns.judge:
         fail("--judge.chat_template: give --judge MODEL too")
-    if ns.out and Path(ns.out).exists():
-        fail(f"--out: {ns.out}: exists (nothing is overwritten)")
+    if ns.out:  # nothing there; a name too long, a loop, read-only, a full disk: one line
+        check_new_path(ns.out, "--out", directory=False)
     if ns.out and not Path(ns.out).resolve().parent.is_dir():
         fail(f"--out: {Path(ns.out).parent}: no such directory")
     if cmd == "eval" and ns.reward_fn and ns.reward_model:

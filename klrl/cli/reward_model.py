@@ -49,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from klrl.cli.args import check_special, fail, load_config_file
+from klrl.cli.args import check_new_path, check_special, fail, load_config_file
 from klrl.cli.flags import DEPRECATED, reward_model_parser
 from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
@@ -122,9 +122,7 @@ def _check(ns: argparse.Namespace) -> None:
             fail(f"{flag}: {rule} (got {getattr(ns, dest)})")
     for flag, path in (("--pairs", ns.pairs), ("--out", ns.out), ("--model.path", ns.model_path)):
         check_special(path, flag)  # before anything opens it (a FIFO would wait forever)
-    out = Path(ns.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        fail(f"--out: {out}: exists and is not an empty directory (nothing is overwritten)")
+    check_new_path(ns.out, "--out", directory=True)  # also a name too long, a loop, read-only, a full disk
     try:
         ns.model_path = resolve_model_path(ns.model_path)
     except ConfigError as e:

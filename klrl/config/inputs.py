@@ -31,10 +31,17 @@ class RewardConfig:
         "the reference policy, once at the start (gain and bias in task.json; klrl.rewards.standardize)",
     )  # fmt: skip
     standardize_samples: int = _f(256, "reference responses sampled for reward.standardize's mean and std")
+    timeout: float = _f(
+        600.0, "seconds one call of a reward.fn function (one batch) may take; a call that has not returned "
+        "by then ends the run as a failing function does: one line, last good state saved, exit 2 (0 = no "
+        "limit)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.missing_eos_penalty), "reward.missing_eos_penalty", "must be finite")
         _check(self.standardize_samples >= 2, "reward.standardize_samples", "must be >= 2 (a std needs two)")
+        _check(math.isfinite(self.timeout) and self.timeout >= 0, "reward.timeout",
+               "must be a number of seconds >= 0 (0 = no limit)")  # fmt: skip
         fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
         _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
         if self.weights.strip():

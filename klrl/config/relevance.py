@@ -96,6 +96,8 @@ IRRELEVANT: tuple[Rule, ...] = (
            "prompts" + ("; its prompt length is task.prompt_len" if f == "prompt_len" else "")
            + "; data.* applies to task.name=text)", on_task=True) for f in _DATA),
     Rule("reward.standardize_samples", lambda c: not c.reward.standardize, "without reward.standardize"),
+    Rule("reward.timeout", lambda c: not c.reward.fn.strip(), "without reward.fn (no host reward function "
+         "to time)"),
     *(Rule(f"log.{f}", lambda c: not c.log.wandb, "without log.wandb (no W&B run)")
       for f in ("wandb_project", "wandb_name", "wandb_group", "wandb_mode")),
 )  # fmt: skip

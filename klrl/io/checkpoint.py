@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,38 @@ class _OrbaxErrors(logging.Filter):
         return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
+class _UnretrievedWriteErrors(logging.Filter):
+    """Drops asyncio's ``Task exception was never retrieved`` records of a failed save's writes: orbax
+    writes each array in a task of its own; when the disk fills, every pending write fails and those
+    whose error no one awaited are logged by asyncio's default handler at garbage collection, one
+    traceback each (241 lines in issue 52). The save's first error reaches the caller (a
+    :class:`DiskFull`, one line), so these repeat it: dropped when the error is a full disk or
+    tensorstore's ``RESOURCE_EXHAUSTED``, or the task ran orbax's code."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(("Task exception was never retrieved",
+                                           "Future exception was never retrieved")):  # fmt: skip
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        if is_disk_full(exc) or "RESOURCE_EXHAUSTED" in str(exc):
+            return False
+        tb = exc.__traceback__
+        while tb is not None:
+            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
 def _install_quiet_errors() -> None:
     log = logging.getLogger("absl")
     if not any(isinstance(f, _OrbaxErrors) for f in log.filters):
         log.addFilter(_OrbaxErrors())
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _UnretrievedWriteErrors) for f in log.filters):
+        log.addFilter(_UnretrievedWriteErrors())
 
 
 _install_drain()
@@ -210,10 +239,22 @@ def set_aside(run_dir: str | Path, steps: list[int]) -> list[str]:
     return out
 
 
+def remove_partial(run_dir: str | Path) -> list[str]:
+    """Remove the temporary directories of saves that never finished (``<step>.orbax-checkpoint-tmp*``:
+    a save cut short by a full disk; never listed as a checkpoint) from ``run_dir``'s checkpoints, freeing
+    their space; returns their names. Called once no save is pending (the run is ending)."""
+    removed = []
+    for p in sorted(directory(run_dir).glob("*.orbax-checkpoint-tmp*")):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    return removed
+
+
 def disk_full_error(run_dir: str | Path, cause: BaseException | None = None) -> DiskFull:
     """The one-line :class:`DiskFull` for ``run_dir``, naming the file that could not be written (when
     ``cause``'s chain names it) and the last complete checkpoint."""
     d = Path(run_dir).absolute()
+    remove_partial(d)
     done = complete_steps(d)
     last = (
         f"the last complete checkpoint, {done[-1]}, is intact: free space or copy {d} to another disk "

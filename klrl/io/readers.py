@@ -83,9 +83,49 @@ def _read_bytes(path: Path, limit: int | None = None) -> bytes:
         raise RunDirError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
 
 
+class _Pairs(dict):
+    """A JSON object that had a key twice: ``dups`` names them (:func:`_loads` refuses it)."""
+
+    dups: tuple[str, ...] = ()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json``'s ``object_pairs_hook``: a dict, marked when a key appears twice (``json`` keeps the
+    later value without a word)."""
+    d = _Pairs(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        d.dups = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return d
+
+
+def duplicate_key(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first key given twice in a JSON value read by :func:`_loads`
+    (``kl.beta``), None when there is none."""
+    if isinstance(value, dict):
+        if getattr(value, "dups", ()):
+            return f"{path}.{value.dups[0]}".lstrip(".")
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for k, v in items:
+        if isinstance(v, dict | list) and (found := duplicate_key(v, f"{path}.{k}" if path else str(k))):
+            return found
+    return None
+
+
 def _loads(text: str, where: str) -> Any:
+    """The JSON value of ``text``; a key given twice in one object is refused (a silent last-wins
+    would drop the earlier value), naming its dotted path."""
     try:
-        return json.loads(text)
+        value = json.loads(text, object_pairs_hook=_object)
+        dup = duplicate_key(value)
+        if dup is not None:
+            raise RunDirError(f"{where}: duplicate key {dup!r} (a key may appear once; the later value "
+                              "would silently replace the earlier)")  # fmt: skip
+        return value
     except json.JSONDecodeError as e:
         raise RunDirError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
@@ -188,11 +228,34 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def is_dir(path: str | os.PathLike) -> bool:
+    """``Path.is_dir`` that is False where the path cannot be looked up at all (a name too long)."""
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
+
+
+def what_is(path: Path) -> str:
+    """What ``path`` is, for a message where a directory was expected: ``a file``, ``a broken
+    symbolic link``, ``a named pipe (FIFO)``, the lookup's error (``Too many levels of symbolic links``,
+    ``File name too long``), ..., ``no such directory``."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else "no such directory"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    if path.is_file():
+        return "a file, not a directory; pass the run directory that holds config.json"
+    return special_kind(path) or "not a directory"
+
+
 def read_run(run_dir: str | os.PathLike) -> tuple[RunConfig, list[dict[str, Any]]]:
     """A run directory's config and metrics rows (no metrics file: no rows)."""
     d = Path(run_dir)
-    if not d.is_dir():
-        raise NotARunDirError(f"{d}: not a klrl run directory (no such directory)")
+    if not is_dir(d):
+        raise NotARunDirError(f"{d}: not a klrl run directory ({what_is(d)})")
     if not ((d / "config.json").exists() or (d / "config.json").is_symlink()):
         raise NotARunDirError(f"{d}: not a klrl run directory (no config.json)")
     cfg = read_config(d / "config.json")
@@ -237,6 +300,7 @@ RESUME_MUTABLE = frozenset(
         "train.rollback_threshold",
         "train.rollback_factor",
         "train.max_rollbacks",
+        "reward.timeout",  # how long a hung reward call is waited for, not what a call computes
     }
 )
 

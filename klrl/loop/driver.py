@@ -22,6 +22,7 @@ in :mod:`klrl.loop.stops`, :class:`Program` in :mod:`klrl.loop.program`.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -181,12 +182,18 @@ def _new(prog: Program, write: bool, out_dir: str | Path | None, guard: reliabil
     cfgs, main = prog.configs, distributed.is_main()  # several processes: only process 0 writes
     root, writers = None, []
     if write and main:
+        fresh = out_dir is None or not Path(out_dir).exists()
         root = Path(out_dir) if out_dir is not None else new_run_dir(cfgs[0])
         root.mkdir(parents=True, exist_ok=True)
-        if guard is not None:
-            guard.hold(root)  # one writer per run directory, before anything is written into it
-        swept = varying_fields(cfgs) if prog.stacked else []
-        writers = create_dirs(root, cfgs, prog.stacked, swept, prog.task_info)
+        try:
+            if guard is not None:
+                guard.hold(root)  # one writer per run directory, before anything is written into it
+            swept = varying_fields(cfgs) if prog.stacked else []
+            writers = create_dirs(root, cfgs, prog.stacked, swept, prog.task_info)
+        except OSError:  # (a full disk from the start) no directory without its config is left behind
+            if fresh:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
     if write:
         root = distributed.agree_path(root)
     state = prog.init()

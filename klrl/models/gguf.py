@@ -94,6 +94,26 @@ def _check_tensors(path, names: dict[str, str], expected: dict, shapes: dict) ->
             )
 
 
+def gguf_model(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = False):
+    """The model a GGUF file describes, from its metadata and tensor shapes alone (no tensor is read;
+    its tokens are set by :func:`load_gguf`): its ``vocab_size`` and ``max_len`` before the load.
+    ``tokenizer``: ``(model, tokenizer)``, the tokenizer read from the metadata as the load does."""
+    path = Path(path)
+    try:
+        fields, listed = read_gguf(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0]})") from None
+    arch, cls, reading = _family(fields, path)
+    field = lambda k, default=None, **kw: _field(fields, f"{arch}.{k}", default, path=path, **kw)
+    try:
+        model = cls(reading.config(arch, field, {t.name: t.shape for t in listed}, path), dtype)
+    except ValueError as e:
+        if isinstance(e, CheckpointFormatError):
+            raise
+        raise CheckpointFormatError(f"{path}: {e}") from None
+    return (model, read_tokenizer(fields, path, reading)) if tokenizer else model
+
+
 def load_gguf(path: str | Path, *, dtype=jnp.float32, put=None):
     """A GGUF file -> ``(model, params, tokenizer)`` with float32 parameter leaves (numpy, or
     what ``put`` makes of each as soon as it is dequantised, e.g. ``jnp.asarray``)."""

@@ -13,8 +13,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from klrl.data.hf_tokenizer import HFTokenizer, TokenizerFormatError, load_tokenizer_dir
-from klrl.models.gguf import load_gguf
-from klrl.models.hf import CheckpointFormatError, load_hf, save_hf
+from klrl.models.gguf import gguf_model, load_gguf
+from klrl.models.hf import CheckpointFormatError, family_from_config, load_hf, read_config, save_hf
 
 
 def check_vocab(model, tokenizer, where: str) -> None:
@@ -24,6 +24,41 @@ def check_vocab(model, tokenizer, where: str) -> None:
             f"{where}: the tokenizer's vocabulary has {tokenizer.vocab_size} tokens, "
             f"the embedding only {model.vocab_size} rows (vocab_size)"
         )
+
+
+def pretrained_shape(path: str | Path) -> tuple[int, int] | None:
+    """``(vocab_size, max_len)`` of the model at ``path`` (an HF directory or a ``.gguf`` file) from its
+    ``config.json`` or GGUF metadata alone, no weight read: the lengths checked before anything is
+    built (``klrl ... --check`` as the run). None where the config cannot be read: the load says why."""
+    path = Path(path)
+    try:
+        if path.suffix == ".gguf" or path.is_file():
+            model = gguf_model(path)
+        else:
+            model = family_from_config(read_config(path), where=str(path / "config.json"))
+        return int(model.vocab_size), int(model.max_len)
+    except (CheckpointFormatError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def pretrained_header(path: str | Path, *, dtype=jnp.float32):
+    """``(model, tokenizer or None)`` of an HF directory or a ``.gguf`` file without reading a weight:
+    what :func:`from_pretrained` checks before it reads the weights (the config or metadata, the
+    tokenizer, the vocabulary), the same :class:`CheckpointFormatError` where they fail."""
+    path = Path(path)
+    if path.suffix == ".gguf" or path.is_file():
+        model, tok = gguf_model(path, dtype=dtype, tokenizer=True)
+        check_vocab(model, tok, str(path))
+        return model, tok
+    model = family_from_config(read_config(path), dtype=dtype, where=str(path / "config.json"))
+    tok = None
+    if (path / "tokenizer.json").is_file():
+        try:
+            tok = load_tokenizer_dir(path)
+        except TokenizerFormatError as e:
+            raise CheckpointFormatError(str(e)) from None
+        check_vocab(model, tok, str(path / "tokenizer.json"))
+    return model, tok
 
 
 def from_pretrained(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = True):

@@ -38,6 +38,11 @@ checkpoint), and the training-time calls run on XLA's callback threads, which Py
 interrupt. Only where no such handler is installed and a SIGINT did arrive while the function ran
 on the main thread (e.g. the check called by hand) is ``KeyboardInterrupt`` passed on as the user's.
 
+A call that has not returned after ``timeout`` seconds (``reward.timeout``, 600 by default in a run) is
+the function's failure too (``TIMED_OUT``): the function runs on a daemon thread that the caller waits
+for that long; Python cannot stop a thread, so the hung call is left running, no later call is made
+(``stop_after_error``) and the process exits through the failure path all the same.
+
 The callback: ``jax.pure_callback`` with ``vmap_method="expand_dims"``. Scoring text is a pure
 function of (prompt, completion, columns), so the purity contract holds; it batches under
 ``vmap`` (a sweep axis) into ONE host call that gets the stacked ``[S, B, R]`` batch, where
@@ -91,6 +96,7 @@ STRINGS_HINT = (
     "use c, not c[0]['content']"
 )
 OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE, ABORTED, NO_SCORE = 0, 1, 2, 3, 4, 5, 6
+TIMED_OUT = 7  # a call that had not returned after ``timeout`` seconds (reward.timeout)
 ALL_NONE_LIMIT = 3  # consecutive training calls scoring no completion at all end the run (NO_SCORE)
 MEANING = {
     NO_SCORE: f"returned None for every completion of {ALL_NONE_LIMIT} consecutive batches",
@@ -99,6 +105,7 @@ MEANING = {
     WRONG_COUNT: "returned the wrong number of values",
     WRONG_TYPE: "returned a value that is not a number",
     ABORTED: "failed earlier (no later call is scored)",
+    TIMED_OUT: "did not return in time (reward.timeout)",
 }
 
 
@@ -108,6 +115,10 @@ class RewardLoadError(ValueError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed during the run. The message names the function and the problem."""
+
+
+class _TimedOut(Exception):
+    """A reward function's call that had not returned in time (:meth:`HostReward._invoke`)."""
 
 
 def describe(e: BaseException) -> str:
@@ -300,6 +311,7 @@ class HostReward:
         columns: dict[str, Sequence[Any]] | None = None,
         *,
         stop_after_error: bool = False,
+        timeout: float | None = None,
     ):
         if not fns:
             raise RewardLoadError("reward: no reward function given")
@@ -327,6 +339,7 @@ class HostReward:
         # a training run's mode: once a function failed, every row of that call and of every later call
         # is an error (ABORTED where nothing else went wrong), so no later iteration is accepted
         self.stop_after_error = stop_after_error
+        self.timeout = timeout or None  # seconds a call may take (reward.timeout; None or 0: no limit)
         self._lock = threading.RLock()  # device shards call back from several threads: one at a time
         self.errors: list[str] = []  # the first MAX_MESSAGES problems, in the order they happened
         self.n_errors = 0
@@ -444,7 +457,10 @@ class HostReward:
         kw = kwargs if acc is None else {k: v for k, v in kwargs.items() if k in acc}
         with user_code() as seen:
             try:
-                out = self.fns[j](**kw)
+                out = self._invoke(j, kw)
+            except _TimedOut:
+                why = f"did not return within {self.timeout:g} s (reward.timeout; its call is left running)"
+                return values, np.full(m, TIMED_OUT, np.int32), [why]
             except BaseException as e:  # noqa: BLE001  (sys.exit(), KeyboardInterrupt: its failure too)
                 if _passed_on(e, seen):
                     raise
@@ -476,6 +492,31 @@ class HostReward:
             else:
                 values[i] = x
         return values, codes, problems
+
+    def _invoke(self, j: int, kw: dict[str, Any]) -> Any:
+        """``fns[j](**kw)``; with a ``timeout``, on a daemon thread waited for that long: a call that
+        has not returned raises :class:`_TimedOut`. Python cannot stop a thread, so a hung call is left
+        running (daemon: it does not keep the process alive; the run ends through the failure path and
+        the process exits with it). What the function raises is re-raised here; a Ctrl-C during the
+        wait reaches this (the main) thread as before (:func:`user_code`)."""
+        if self.timeout is None:
+            return self.fns[j](**kw)
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["out"] = self.fns[j](**kw)
+            except BaseException as e:  # noqa: BLE001  (re-raised on the caller's thread)
+                box["raised"] = e
+
+        t = threading.Thread(target=target, name=f"klrl-reward-{self.names[j]}", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        if t.is_alive():
+            raise _TimedOut
+        if "raised" in box:
+            raise box["raised"]
+        return box["out"]
 
     def _overflow(self, values: np.ndarray, score: float, where: Any) -> str:
         used = [
@@ -570,6 +611,9 @@ def make_host_reward(
     columns: dict[str, Sequence[Any]] | None = None,
     *,
     stop_after_error: bool = False,
+    timeout: float | None = None,
 ) -> HostReward:
-    """A :class:`HostReward` over the pool ``prompts`` (index ``prompt_idx`` into it) and ``columns``."""
-    return HostReward(fns, weights, tokenizer, prompts, columns, stop_after_error=stop_after_error)
+    """A :class:`HostReward` over the pool ``prompts`` (index ``prompt_idx`` into it) and ``columns``;
+    ``timeout``: seconds a call may take (None: no limit)."""
+    return HostReward(fns, weights, tokenizer, prompts, columns, stop_after_error=stop_after_error,
+                      timeout=timeout)  # fmt: skip

@@ -32,6 +32,7 @@ import numpy as np
 from klrl.config import RunConfig, TaskShape
 from klrl.data.tokenizer import Tokenizer
 from klrl.models.base import CausalLM
+from klrl.models.pretrained import pretrained_shape
 from klrl.registry import TASKS
 from klrl.tasks import language
 
@@ -223,8 +224,10 @@ OWN_MODEL_TASKS = ("testbed", "wordclass", "peer")
 
 def builtin_task_shape(cfg: RunConfig) -> TaskShape:
     """The shape of the built-in task ``cfg.task.name`` builds, known without building it."""
-    if cfg.task.name == "text":  # a pretrained model's: known once it is read (checked again then)
-        return TaskShape(2**31 - 1, cfg.data.prompt_len, 2**31 - 1)
+    if cfg.task.name == "text":  # a pretrained model's: from its config alone (checked again once read)
+        shape = pretrained_shape(cfg.model.path) if cfg.model.path else None
+        vocab, max_len = shape or (2**31 - 1, 2**31 - 1)  # unreadable: the load says why
+        return TaskShape(vocab, cfg.data.prompt_len, max_len)
     # PAD, EOS, the words (they never depend on the seed)
     vocab = 2 + sum(len(words) for words in language._LEXICON.values())
     t = cfg.task

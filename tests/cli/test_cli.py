@@ -380,7 +380,8 @@ def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys, mon
 
     hub, snap, runs = fake_hub
     out_dir = str(tmp_path / "runs")
-    assert main(["train", "--model.path", "Org/Tiny-Llama", "--train.out_dir", out_dir]) == 0
+    fits = ["--data.prompt_len", "16"]  # the tiny model's context is 64 tokens (checked before the run)
+    assert main(["train", "--model.path", "Org/Tiny-Llama", "--train.out_dir", out_dir, *fits]) == 0
     assert runs[-1].model.path == str(snap) and runs[-1].task.name == "text"  # config.json records it
     assert f"model.path: Org/Tiny-Llama is {snap}" in capsys.readouterr().out
     line = one_line_error(capsys, main, ["train", "--model.path", "HuggingFaceTB/SmolLM2-135M-Instruct"])
@@ -394,7 +395,10 @@ def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys, mon
 
     swept = []  # every member of a sweep resolved, the line printed once
     monkeypatch.setattr(C, "run_sweep", lambda members, *a, **k: swept.append(members) or 0)
-    assert main(["sweep", "kl.beta=0.1,1", "--model.path", "Org/Tiny-Llama", "--train.out_dir", out_dir]) == 0
+    assert (
+        main(["sweep", "kl.beta=0.1,1", "--model.path", "Org/Tiny-Llama", "--train.out_dir", out_dir, *fits])
+        == 0
+    )
     assert [m.model.path for m in swept[-1]] == [str(snap)] * 2
     assert capsys.readouterr().out.count("model.path: Org/Tiny-Llama is") == 1
     line = one_line_error(

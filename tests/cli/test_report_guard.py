@@ -102,15 +102,19 @@ def test_report_is_written_atomically(good, monkeypatch, capsys):
     """A write that fails (the disk full at the flush) leaves the good report.md whole."""
     d, before = good
 
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    fsync = os.fsync
+
+    def full(fd):  # the report's own file (the write check's probe before it passes)
+        if ".report.md" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
 
     monkeypatch.setattr(os, "fsync", full)
     (d / "metrics.jsonl").write_text("".join(json.dumps({**r, "reward/task": 9.0}) + "\n" for r in ROWS))
     from klrl.cli import main
 
-    with pytest.raises(OSError):
-        main(["report", str(d)])
+    line = one_line_error(capsys, main, ["report", str(d)])  # (was a traceback: issue 52)
+    assert line == f"error: --report: {d / 'report.md'}: No space left on device (report.md unchanged)", line
     assert (d / "report.md").read_bytes() == before
     assert not [p for p in d.iterdir() if p.name.startswith(".report.md")]  # no temporary file left
 

@@ -682,6 +682,8 @@ def test_disk_full_from_the_start_names_the_directory_and_the_file(where, cache_
     if file:
         assert f"writing {tmp_path / 'r' / file}" in out[0], out[0]
     assert not (tmp_path / "r" / ".klrl.lock").exists()
+    if where in ("lock", "task_json", "config_json"):  # the directory's files were never written
+        assert not (tmp_path / "r").exists()  # no empty run directory left behind (issue 52)
 
 
 def _raise(e):
@@ -708,7 +710,9 @@ def test_real_disk_full_from_the_start_is_one_line_naming_the_directory(small_di
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
-    assert "disk full" in err[0] and str(small_disk / "sub" / "r") in err[0], err[0]
+    # refused before anything is built or created (issue 52: the write check's probe sees the full disk)
+    assert "No space left on device" in err[0] and str(small_disk / "sub") in err[0], err[0]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["fill"]  # no empty run directory
 
 
 @pytest.fixture

@@ -58,6 +58,19 @@ def nothing(completions, **kwargs):  # no opinion on anything: the third such ba
     _count()
     return [None] * len(completions)
 
+def hangs(completions, **kwargs):  # call 4 does not return until the test releases it
+    if _count() >= 4:
+        import os, time
+        while not os.path.exists(__file__ + ".release"):
+            time.sleep(0.05)
+    return [1.0] * len(completions)
+
+def spins(completions, **kwargs):  # call 4 never returns (a busy loop: it takes the GIL between switches)
+    if _count() >= 4:
+        while True:
+            pass
+    return [1.0] * len(completions)
+
 def topic(prompts, completions, topic):
     # the shipped prompts' topic column is a substring of the prompt of the same row
     assert all(t in p for p, t in zip(prompts, topic)), list(zip(prompts, topic))
@@ -71,6 +84,8 @@ MESSAGES = {
     "exits": r"reward function {f}:exits: called sys.exit\(3\)",
     "huge": r"reward function {f}:huge: returned 1e\+39 for completion \d+ \(prompt row \d+\) "
     r"\(inf in float32",
+    "hangs": r"reward function {f}:hangs: did not return within 2 s \(reward\.timeout; its call is left "
+    r"running\)",
     "nothing": r"reward function {f}:nothing: returned None for every completion of 3 consecutive batches "
     r"\(4 completions in the last\): no task reward to learn from",
 }
@@ -132,6 +147,44 @@ def test_a_reward_that_never_scores_ends_the_run_and_all_none_is_logged(capsys, 
     rows = _lines(run / "metrics.jsonl")
     assert [r["reward/all_none_frac"] for r in rows] == [1.0, 1.0]
     assert [r["reward/task"] for r in rows] == [0.0, 0.0]
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_a_reward_that_does_not_return_ends_the_run_as_one_that_raises(capsys, tmp_path):
+    """Issue 52: a call still running after reward.timeout seconds is the function's failure: one line
+    naming it, the last good state checkpointed, the lock released (before: the run waited for ever,
+    holding its lock)."""
+    from klrl.io.lock import run_lock
+
+    run = tmp_path / "r"
+    try:
+        line = _fails(capsys, _argv(tmp_path, "hangs", "r", "--reward.timeout", "2"))
+    finally:
+        (tmp_path / "rewards.py.release").touch()  # the call left running returns
+    _check_failed_run(tmp_path, line, "hangs", run)
+    assert not (run / ".klrl.lock").exists()
+    with run_lock(run):  # free: another process may resume it
+        pass
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+def test_a_process_whose_reward_never_returns_exits(tmp_path):
+    """The command as a process, the call spinning for ever on its thread: exit 2 in bounded time, one
+    line on stderr, checkpoint 2 committed (Python cannot stop the thread; it is a daemon, so the
+    process ends anyway)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root), KLRL_CACHE=str(tmp_path / "cache"))
+    argv = [sys.executable, "-m", "klrl", "train", *_argv(tmp_path, "spins", "r", "--reward.timeout", "2")]
+    p = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, (p.returncode, p.stderr[-3000:])
+    assert "spins: did not return within 2 s (reward.timeout" in lines[0], lines
+    assert lines[0].endswith(f"last good state: checkpoint 2 in {tmp_path / 'r' / 'checkpoints'}"), lines
+    assert _latest_step(tmp_path / "r") == 2 and not (tmp_path / "r" / ".klrl.lock").exists()
 
 
 @pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")

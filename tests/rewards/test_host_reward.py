@@ -600,10 +600,15 @@ def test_a_real_ctrl_c_during_the_call_is_the_users(tok) -> None:
         return [1.0] * len(completions)
 
     rw = make_host_reward([slow], None, tok, PROMPTS)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        rw.probe([0], ["x"])
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
-    with StopSignals(log=lambda s: None) as stop:
-        rw.probe([0], ["x"])  # no failure: the call finished
-        assert stop.name == "SIGINT"
+    # Python's default handler, installed here: a pytest started from a background shell (nohup, many
+    # CI runners) inherits SIGINT ignored, and Python then leaves it ignored (issue 49)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rw.probe([0], ["x"])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+        with StopSignals(log=lambda s: None) as stop:
+            rw.probe([0], ["x"])  # no failure: the call finished
+            assert stop.name == "SIGINT"
+    finally:
+        signal.signal(signal.SIGINT, inherited)
