@@ -132,6 +132,7 @@ NOT_REFUSED = {
     "ppo.whiten_rewards": "PPOConfig (needs ppo.advantage=gae)",
     "reward.fn": "RunConfig (needs task.name=text)",
     "reward.weights": "RewardConfig (needs reward.fn)",
+    "reward.completions": "RewardConfig (needs reward.fn)",
     **{
         f"diag.{f}": "adaptive beta only; the diagnosis thresholds are read again by klrl report, whose "
         "sweep may hold adaptive members"

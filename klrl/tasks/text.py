@@ -139,7 +139,9 @@ def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> Ja
     on every row, so the step's guard rejects the iteration; the run loop then calls the reward's
     ``check`` (its message: :class:`klrl.rewards.RewardFunctionError`) and ends the run."""
     specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
-    host = make_host_reward(specs, weights, tok, texts, columns, stop_after_error=True)
+    host = make_host_reward(
+        specs, weights, tok, texts, columns, stop_after_error=True, completions=cfg.reward.completions
+    )
 
     def with_metrics(env: Any, ro: Rollout) -> tuple[Array, dict[str, Array]]:
         if ro.prompt_idx is None:
