@@ -146,7 +146,7 @@ def _load(ns: argparse.Namespace):
             lora = lora_lib.LoRA(model, ns.lora_rank, ns.lora_alpha, lora_lib.parse_targets(ns.lora_targets))
             lora_lib.check(lora, base)
         except ValueError as e:
-            fail(str(e).replace("model.lora.", "--lora."))
+            fail(str(e).replace("lora.", "--lora.", 1) if str(e).startswith("lora.") else str(e))
     return model, base, tok, lora
 
 
