@@ -58,7 +58,7 @@ from klrl.models.catalog import resolve_model_path
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import from_pretrained
 from klrl.rewards.pairs import PairsError, encode_as_ppo, format_line, read_pairs, split, text_format
-from klrl.rewards.train import TrainSettings, save_reward_model, train
+from klrl.rewards.train import TrainSettings, heldout_warning, save_reward_model, train
 
 RESULT = "reward_model.json"
 
@@ -201,6 +201,9 @@ def run(ns: argparse.Namespace) -> dict:
     (Path(ns.out) / RESULT).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"held-out accuracy {last['eval_accuracy']:.3f}; wrote {ns.out} (--model.reward_path {ns.out}; "
           f"Python: klrl.load_reward_model({str(ns.out)!r}).score(prompts, responses))")  # fmt: skip
+    warning = heldout_warning(last["eval_accuracy"], len(ev))
+    if warning:
+        print(warning, file=sys.stderr)
     return doc
 
 

@@ -49,7 +49,7 @@ from klrl.models.hf import CheckpointFormatError, load_hf, read_config
 from klrl.models.pretrained import from_pretrained, save_pretrained
 from klrl.models.rollout import Rollout, response_slice, sequence
 from klrl.rewards import make_host_reward, parse_specs
-from klrl.rewards.model import format_mismatch
+from klrl.rewards.model import format_note
 from klrl.tasks.base import Evaluators, HeldOut, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
@@ -273,11 +273,11 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     else:
         reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
         info["reward"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
-        note = (
-            format_mismatch(cfg.model.reward_path, cfg.data, cfg.sampling) if cfg.model.reward_path else None
-        )
-        if note is not None:  # logged with the prompt notes, once the run's checks have passed
-            info["notes"] = [*info.get("notes", []), note]
+        if cfg.model.reward_path:  # logged with the prompt notes, once the run's checks have passed
+            info["notes"] = [
+                *info.get("notes", []),
+                format_note(cfg.model.reward_path, cfg.data, cfg.sampling),
+            ]
     heldout = None
     if held is not None and len(held):
         pool = TokenPool(jnp.asarray(held.tokens), jnp.asarray(held.mask, jnp.float32))
