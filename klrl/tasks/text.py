@@ -30,6 +30,7 @@ anything compiles.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,10 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     check_model_paths(cfg)
     if prompts is None:
         check_fields(cfg.data)  # before the model is read
+    t0 = time.time()
     policy, params, tok = _load(cfg.model.path, compute_dtype(cfg), tokenizer=True)
+    if log is not None:
+        log(f"loaded {cfg.model.path} ({type(policy).__name__}) in {time.time() - t0:.1f} s")
     if tok is None:
         raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
     info: dict[str, Any] = {"model_path": str(cfg.model.path)}
