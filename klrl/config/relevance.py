@@ -163,6 +163,13 @@ def irrelevant(cfg: RunConfig, *, task_given: bool = False) -> list[tuple[str, s
     return out
 
 
+def unread_fields(cfg: RunConfig) -> set[str]:
+    """The fields ``cfg`` does not read, whatever their values (a rule of :data:`IRRELEVANT` whose
+    condition holds, e.g. ``ctrl.target`` with ``ctrl.kind=fixed``): what a sweep member's name leaves
+    out (:func:`klrl.io.results.member_names`)."""
+    return {rule.field for rule in IRRELEVANT if rule.when(cfg)}
+
+
 def check_relevance(
     members: list[RunConfig], only: list[str] | None = None, *, task_given: bool = False
 ) -> None:
