@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
+from jax.experimental.compilation_cache import compilation_cache as cc
 
 __all__ = [
     "CACHE_ENV",
@@ -76,8 +78,6 @@ def machine_key(cpuinfo: str | None = None) -> str:
         if k in ("model name", "flags", "Features", "CPU part", "vendor_id") and k not in fields:
             fields[k] = " ".join(sorted(v.split())) if k in ("flags", "Features") else v.strip()
     cpu = repr(sorted(fields.items())) if fields else platform.processor()
-    import jaxlib
-
     kinds = sorted({d.device_kind for d in jax.devices()})
     parts = [platform.machine(), platform.system(), cpu, jax.__version__, jaxlib.__version__, *kinds]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -102,8 +102,6 @@ def enable_cache(root: str | os.PathLike) -> Path | None:
             os.chmod(p, 0o700)
     except OSError:
         return None  # an unwritable cache: compile as before
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     jax.config.update("jax_compilation_cache_dir", str(path))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # (the user's own: kept)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
