@@ -113,7 +113,10 @@ class CacheStats:
     """Counts of persistent-cache hits and misses and the backend compile seconds, from JAX's monitoring
     events (listeners registered once per process); :meth:`since` gives the change since a snapshot."""
 
-    _counts: dict[str, float] = {"hits": 0, "misses": 0, "compile_s": 0.0}
+    _counts: dict[str, float] = {"hits": 0, "misses": 0, "trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
+    _durations = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                  "/jax/core/compile/backend_compile_duration": "compile_s"}  # fmt: skip
     _registered = False
 
     @classmethod
@@ -127,8 +130,8 @@ class CacheStats:
                 cls._counts[names[event]] += 1
 
         def on_duration(event: str, duration: float, **kw: Any) -> None:
-            if event == "/jax/core/compile/backend_compile_duration":
-                cls._counts["compile_s"] += duration
+            if event in cls._durations:
+                cls._counts[cls._durations[event]] += duration
 
         jax.monitoring.register_event_listener(on_event)
         jax.monitoring.register_event_duration_secs_listener(on_duration)
@@ -160,9 +163,10 @@ def phase_log(quiet: bool) -> Callable[[str], None] | None:
 
 
 def compile_line(seconds: float, stats: dict[str, float], callbacks: bool = False) -> str:
-    """``compiled the train step in 41.2 s (persistent cache: 1 read, 0 written)``; ``callbacks``: the
-    step calls host functions (``reward.fn``), and JAX writes no program with host callbacks to its
-    persistent cache, which the line says when nothing was read or written."""
+    """``compiled the train step in 41.2 s (tracing 6.1 s, lowering 2.0 s, XLA 33.0 s; persistent cache:
+    1 read, 0 written)`` (XLA: its compile, or the read from the cache); ``callbacks``: the step calls
+    host functions (``reward.fn``), and JAX writes no program with host callbacks to its persistent
+    cache, which the line says when nothing was read or written."""
     hits, misses = int(stats["hits"]), int(stats["misses"])
     if hits or misses:
         cache = f"persistent cache: {hits} read, {misses} written"
@@ -172,7 +176,10 @@ def compile_line(seconds: float, stats: dict[str, float], callbacks: bool = Fals
         cache = "not cached: JAX's persistent cache skips programs with host callbacks, here reward.fn's"
     else:
         cache = "persistent cache: nothing read or written"
-    return f"compiled the train step in {seconds:.1f} s ({cache})"
+    parts = (
+        f"tracing {stats['trace_s']:.1f} s, lowering {stats['lower_s']:.1f} s, XLA {stats['compile_s']:.1f} s"
+    )
+    return f"compiled the train step in {seconds:.1f} s ({parts}; {cache})"
 
 
 @contextlib.contextmanager
