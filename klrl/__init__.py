@@ -27,6 +27,7 @@ _NAMES = {
     "Controller": ("klrl.algo.control", "Controller"),
     "ControllerState": ("klrl.algo.control", "ControllerState"),
     "write_report": ("klrl.analysis.report", "write_report"),
+    "hook": ("klrl.loop.user", "hook"),  # klrl.hook(fn, every=N), Levanter's add_hook
     "RunResult": ("klrl.analysis.results", "RunResult"),
     "load_run": ("klrl.analysis.results", "load_run"),
     "load_sweep": ("klrl.analysis.results", "load_sweep"),
@@ -89,6 +90,7 @@ __all__ = [
     "advantages",
     "control",
     "generate",
+    "hook",
     "kl",
     "load_reward_model",
     "load_run",

@@ -114,9 +114,9 @@ def preflight(
 ) -> list[RunConfig]:
     """Every check of ``members`` (``mode``: ``"run"``, one member, or ``"sweep"``) that needs neither a
     built task nor a device, once: a Hub name in a ``model.*`` path resolved to its snapshot in the local
-    Hugging Face cache (:func:`klrl.models.catalog.resolve_model_paths`; ``log(line)`` once per name
-    resolved), :func:`check_config`, then per member the checkpoint paths that must exist
-    (:func:`klrl.tasks.text.check_model_paths`), the ``model.*`` fields the run reads
+    Hugging Face cache, fetched there when it is not (:func:`klrl.models.catalog.resolve_model_paths`;
+    ``log(line)`` once per name resolved), :func:`check_config`, then per member the checkpoint paths
+    that must exist (:func:`klrl.tasks.text.check_model_paths`), the ``model.*`` fields the run reads
     (:func:`check_model_fields`), the user's ``train.hooks`` and ``train.metric_fns`` (each imported:
     :func:`klrl.loop.user.from_config`) and a built-in task's vocabulary and lengths (:func:`check_task` on
     :func:`klrl.tasks.base.builtin_task_shape`; the last two not for a task the caller brings,
@@ -125,7 +125,7 @@ def preflight(
     if mode not in MODES:
         raise ValueError(f"preflight: mode must be one of {', '.join(MODES)}, got {mode!r}")
     stacked = mode == "sweep"
-    resolved = [resolve_model_paths(m) for m in members]
+    resolved = [resolve_model_paths(m, log) for m in members]
     lines = [
         f"model.{f}: {getattr(old.model, f)} is {getattr(m.model, f)} (the local Hugging Face cache)"
         for old, m in zip(members, resolved, strict=True)

@@ -102,6 +102,11 @@ def _public_names_bound():
             getattr(klrl, name)
 
 
+# no test reaches the network: a Hub name not in the (temporary) cache is refused, not fetched
+# (klrl.models.catalog.fetch_hub_model; tests/models/test_catalog_fetch.py serves one from 127.0.0.1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def klrl_cache_env(tmp_path_factory):
     """Every cache lookup of the session (and of its subprocesses) lands in a temporary directory."""

@@ -71,8 +71,10 @@ def xlabel(axes: list[Axes], given: bool, text: str = ITERATIONS) -> None:
 
 def band_title(groups: Sequence[Group], smooth: int = 1, extra: str = "") -> str:
     lines = [extra] if extra else []
-    if smooth > 1:
-        lines.append(f"curves: trailing {smooth}-iteration means")
+    if smooth > 1:  # the statistic, named: the last point is the report's "final" of the same window
+        lines.append(f"curves: trailing {smooth}-iteration means\n(last point: mean of the last {smooth})")
+    else:
+        lines.append("curves: each iteration's value")
     if any(g.n > 1 for g in groups):
         lines.append("line: mean over seeds; band: 95% t-interval")
     else:

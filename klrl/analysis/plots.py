@@ -123,8 +123,10 @@ def beta_kl(
     beta: str = BETA,
     smooth: int = SMOOTH,
     ax: Sequence[Axes] | None = None,
+    beta_smooth: int = 1,
 ) -> Figure:
-    """Beta (top, as set) and KL (bottom) over iterations; the target (``ctrl/target``, else
+    """Beta (top, as set; trailing ``beta_smooth``-iteration means where > 1) and KL (bottom, trailing
+    ``smooth``-iteration means) over iterations; the target (``ctrl/target``, else
     ``config.ctrl.target``) dashed for adaptive settings whose target is in the KL's unit.
 
     ``kl=None`` shows KL per token when every adaptive setting targets nats/token
@@ -136,7 +138,7 @@ def beta_kl(
     names = auto if kl is None else kl
     handles, texts, betas, kl_seen, targets = [], [], [], [], False
     for g, lab, col in zip(gs, labels, colors, strict=True):
-        bname, bline, bmean = curve_into(ax_b, g, beta, 1, col)
+        bname, bline, bmean = curve_into(ax_b, g, beta, beta_smooth, col)
         kname, kline, _ = curve_into(ax_k, g, names, smooth, col)
         if bline is None and kline is None:
             continue
@@ -161,8 +163,9 @@ def beta_kl(
         extra = []
         if targets:
             extra = [Line2D([], [], color="k", ls="-", lw=1.5), Line2D([], [], color="k", ls="--", lw=1)]
+        how = "beta: as set" if beta_smooth <= 1 else f"beta: trailing {beta_smooth}-iteration means too"
         legend(ax_b, handles + extra, texts + (["KL", "target [ctrl/target]"] if targets else []),
-                band_title(gs, smooth, "beta: as set"), ax is None)  # fmt: skip
+                band_title(gs, smooth, how), ax is None)  # fmt: skip
     else:
         empty(ax_b, beta)
         if kl_seen:
@@ -194,6 +197,9 @@ def frontier(
     Axes per panel.
     """
     rewards = [reward] if isinstance(reward, str) else list(reward)
+    if ax is None:  # a panel per reward some run logs (a text task has no gold reward: no empty panel)
+        rs = [results] if isinstance(results, RunResult) else list(results)
+        rewards = [n for n in rewards if first_logged(rs, n)] or rewards[:1]
     fig, axes = axes_for(ax, len(rewards), 3.6, "frontier")
     gs, labels, colors = groups(results)
     n_max = max((len(v) for g in gs for r in g.runs for v in r.metrics.values()), default=0)
@@ -217,7 +223,9 @@ def frontier(
             kl_seen.append(kname)
             r_seen.append(rname)
         if not handles:
-            empty(a, f"{names if isinstance(names, str) else ' or '.join(names)} or KL")
+            rs = [r for g in gs for r in g.runs]
+            missing = [n for n in (names, kl) if first_logged(rs, n) is None]
+            empty(a, " and ".join(n if isinstance(n, str) else " or ".join(n) for n in missing))
             continue
         xl = metric_label(kl_seen)
         a.set_ylabel(metric_label(r_seen))

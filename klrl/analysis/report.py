@@ -21,6 +21,7 @@ import numpy as np
 from klrl.analysis.aggregate import label, seed_groups, t_interval, tail_mean, unit_of
 from klrl.analysis.diagnosis import final_regime, timeline
 from klrl.analysis.results import RunResult, load_run, load_sweep
+from klrl.analysis.summary import cannot_differ_note
 from klrl.config.fields import GPT_ONLY
 from klrl.io import checkpoint as ckpt
 from klrl.io.readers import (
@@ -41,6 +42,8 @@ from klrl.registry import is_adaptive
 
 
 REPORT_NAME = "report.md"
+# the tables' final value is the plots' last point: the plots are drawn with the report's window
+_SAME = "final is the last point of each curve in the plots, drawn as trailing means over the same window"
 WINDOW = 10  # iterations: start and final values are means over the first / last (at most) WINDOW
 
 
@@ -88,6 +91,13 @@ def _plots_for(results: list[RunResult]) -> list[tuple[str, str]]:
     if any(is_adaptive(r.config.ctrl.kind) for r in results):
         out.append(("controller_comparison", "controller: KL / target and beta"))
     return out
+
+
+def _window_of(plot: str, w: int) -> dict[str, int]:
+    """The report's window for a plot, so that its curves end on the tables' final values: the trailing
+    mean of the beta and KL curves (beta too), the frontier's windows."""
+    kw = {"beta_kl": {"smooth": w, "beta_smooth": w}, "frontier": {"window": w}}
+    return kw.get(plot, {"smooth": w} if plot in ("perplexity_diversity", "controller_comparison") else {})
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -284,7 +294,7 @@ def _single(r: RunResult, root: Path, w: int) -> list[str]:
     rows = [[k, unit_of(k), *_start_end(r.metrics[k], w)] for k in _keys([r])]
     lines += _table(["metric", "unit", "start", "final"], rows) if rows else ["No metrics logged."]
     lines += ["", f"Start and final are means over the first and the last {_its(w)} (the window: at most "
-              f"{WINDOW}, at most a third of the run).", ""]  # fmt: skip
+              f"{WINDOW}, at most a third of the run); {_SAME}.", ""]  # fmt: skip
     lines += ["## Diagnosis timeline", "", *_timeline_table(r), ""]
     lines += report_lines(r.dir)
     ev = _run_events(r.dir)
@@ -335,12 +345,13 @@ def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
         f"{len(results)} members, {max(_n_iter(r) for r in results)} iterations of task `{base.task.name}`"
         + (f"; members differ in {', '.join(f'`{v}`' for v in vary)}." if vary else "."),
         "",
+        *([f"**{note}**", ""] if (note := cannot_differ_note(results)) else []),
         "## Settings (aggregated over seeds)",
         "",
         *_settings_table(results, vary, keys, w),
         "",
         f"{n_set} settings: members whose configs differ only in `train.seed` (or the run's name). "
-        f"Cells are final values (means over the last {_its(w)} of each member) as the mean over "
+        f"Cells are final values (means over the last {_its(w)} of each member: {_SAME}) as the mean over "
         "seeds ± the half-width of its 95% Student-t interval (t with n - 1 degrees of freedom times the "
         "standard deviation over seeds over sqrt(n)); a mean alone where a setting has one seed.",
         "",
@@ -356,7 +367,8 @@ def _sweep(results: list[RunResult], root: Path, w: int) -> list[str]:
             cells.append(f"{_fmt(s)} -> {_fmt(e)}")
         rows.append(cells)
     lines += _table(["member", *vary, "label", "final regime", *(f"{k} ({unit_of(k)})" for k in keys)], rows)
-    lines += ["", f"Metric cells are start -> final: means over the first and the last {_its(w)}.", "",
+    lines += ["", f"Metric cells are start -> final: means over the first and the last {_its(w)} ({_SAME}).",
+              "",
               "## Diagnosis timeline", ""]  # fmt: skip
     for i, r in enumerate(results):
         name = r.dir.name if r.dir is not None else f"member {i:02d}"
@@ -410,7 +422,7 @@ def write_report(
 
         lines += ["## Plots", ""]
         for name, title in _plots_for(results):
-            fig = getattr(P, name)(results)
+            fig = getattr(P, name)(results, **_window_of(name, window))
             fname = f"report-{name}.png"
             fig.savefig(root / fname, dpi=dpi, bbox_inches="tight")
             lines += [f"### {title}", "", f"![{name}]({fname})", ""]

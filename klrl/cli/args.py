@@ -130,15 +130,18 @@ def build_parser(
         if name == "model" and any(show(f"model.{f}") for f in GPT_ONLY):
             gpt = p.add_argument_group(f"{name} (klrl's built-in GPT only)", GPT_HELP)
         for f in dataclasses.fields(cls):
-            spellings = (f"--{name}.{f.name}",) + ((f"--model.lora.{f.name}",) if name == "lora" else ())
             help_ = f"{f.metadata.get('help', '')} (default: {f.default!r})"
+            dest, metavar = f"{name}.{f.name}", type(f.default).__name__.upper()
             (gpt if name == "model" and f.name in GPT_ONLY else g).add_argument(
-                *spellings,
-                dest=f"{name}.{f.name}",
+                f"--{dest}",
+                dest=dest,
                 default=argparse.SUPPRESS,
-                metavar=type(f.default).__name__.upper(),
-                help=help_ if show(f"{name}.{f.name}") else argparse.SUPPRESS,
+                metavar=metavar,
+                help=help_ if show(dest) else argparse.SUPPRESS,
             )
+            if name == "lora":  # an older spelling, still read; --help, README and docs write --lora.FIELD
+                hidden = {"default": argparse.SUPPRESS, "metavar": metavar, "help": argparse.SUPPRESS}
+                g.add_argument(f"--model.lora.{f.name}", dest=dest, **hidden)
     return p
 
 
@@ -168,8 +171,8 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
     if "." in bare:
         sec, fld = bare.split(".", 1)
         shown = sec
-        if sec == "model" and fld.startswith("lora."):  # the --model.lora.FIELD spelling of lora.FIELD
-            sec, fld, shown = "lora", fld[len("lora.") :], "model.lora"
+        if sec == "model" and fld.startswith("lora."):  # the older --model.lora.FIELD spelling of lora.FIELD
+            sec, fld, shown = "lora", fld[len("lora.") :], "lora"
         if sec in SECTIONS:
             valid = [f.name for f in dataclasses.fields(SECTIONS[sec])]
             near = closest(fld, valid)
@@ -177,6 +180,7 @@ def unknown_flag_message(token: str, flags: list[str]) -> str:
                 return f"{shown}.{fld}: unknown field; did you mean --{shown}.{near}?"
             # another spelling, nearly the same (model.lora_rank); else the valid names say more
             near = closest(bare, [f[2:] for f in flags if "." in f], cutoff=0.85)
+            near = near and near.removeprefix("model.")  # model.lora.X: written lora.X (one spelling)
             hint = f"; did you mean --{near}?" if near else f" (valid: {', '.join(valid)})"
             return f"{shown}.{fld}: unknown field{hint}"
         near = closest(bare, field_names())

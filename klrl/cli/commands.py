@@ -15,8 +15,8 @@
   ``--model.path`` (:func:`klrl.models.catalog.find_models`).
 
 A Hub name in a ``model.*`` path (``--model.path HuggingFaceTB/SmolLM2-135M-Instruct``) is read from
-the local Hugging Face cache, offline (:func:`klrl.models.catalog.resolve_model_paths`); the run's
-``config.json`` records the snapshot's path.
+the local Hugging Face cache, fetched into it first when it is not there
+(:func:`klrl.models.catalog.resolve_model_paths`); the run's ``config.json`` records the snapshot's path.
 
 ``python experiments/run.py [flags]`` is this command, chosen by its flags (:mod:`klrl.cli.legacy`).
 Every check that needs no compiled code (the config, the paths a run writes, the ``--distributed``
@@ -444,7 +444,10 @@ def models_main(argv: list[str]) -> int:
     for f in found:
         print(f.line())
     print("looked in: " + "; ".join(f"{what} {', '.join(map(str, dirs))}" for what, dirs in looked.items()))
-    print("a Hub name (--model.path Org/Name) is read from the Hugging Face cache; klrl downloads nothing")
+    print(
+        "a Hub name (--model.path Org/Name) is read from the Hugging Face cache, and fetched into it with "
+        "huggingface_hub when it is not there (never with HF_HUB_OFFLINE=1)"
+    )
     return 0
 
 

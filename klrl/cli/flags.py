@@ -157,12 +157,22 @@ def reward_model_parser() -> argparse.ArgumentParser:
                    help="train the score head alone on the frozen trunk (a linear probe)")  # fmt: skip
     g.add_argument("--head-only", dest="head_only", action="store_const", const=True, help=argparse.SUPPRESS)
     g.add_argument("--max-len", dest="max_len", default=None, help=argparse.SUPPRESS)
-    a("--lora.rank", "--model.lora.rank", dest="lora_rank", type=int, default=0,
-      help="LoRA adapter rank (0: full fine-tuning)")  # fmt: skip
-    a("--lora.alpha", "--model.lora.alpha", dest="lora_alpha", type=float, default=16.0,
-      help="LoRA scale numerator: (alpha / rank) A B")  # fmt: skip
-    a("--lora.targets", "--model.lora.targets", dest="lora_targets", default="",
-      help="regex of the adapted modules ('' = the family's defaults)")  # fmt: skip
+    a("--lora.rank", dest="lora_rank", type=int, default=0, help="LoRA adapter rank (0: full fine-tuning)")
+    a(
+        "--lora.alpha",
+        dest="lora_alpha",
+        type=float,
+        default=16.0,
+        help="LoRA scale numerator: (alpha / rank) A B",
+    )
+    a(
+        "--lora.targets",
+        dest="lora_targets",
+        default="",
+        help="regex of the adapted modules ('' = the family's defaults)",
+    )
+    for f, kind in (("rank", int), ("alpha", float), ("targets", str)):  # the older spelling, still read
+        a(f"--model.lora.{f}", dest=f"lora_{f}", type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 

@@ -184,7 +184,8 @@ def prepare_reward(ns: argparse.Namespace, src: Source, pool: PromptPool) -> tup
         return (lambda *_: None), "no reward (give --reward.fn or --reward-model)"
     try:
         specs, w = parse_specs(spec, weights)
-        host = make_host_reward(specs, w, src.tok, pool.prompts, pool.columns)
+        form = src.cfg.reward.completions if src.cfg is not None else "auto"  # a run's own rule
+        host = make_host_reward(specs, w, src.tok, pool.prompts, pool.columns, completions=form)
     except RewardLoadError as e:
         fail(f"--reward.fn: {e}")
 

@@ -58,7 +58,7 @@ from klrl.models.catalog import resolve_model_path
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import from_pretrained
 from klrl.rewards.pairs import PairsError, encode_as_ppo, format_line, read_pairs, split, text_format
-from klrl.rewards.train import TrainSettings, save_reward_model, train
+from klrl.rewards.train import TrainSettings, heldout_warning, save_reward_model, train
 
 RESULT = "reward_model.json"
 
@@ -144,7 +144,7 @@ def _load(ns: argparse.Namespace):
             lora = lora_lib.LoRA(model, ns.lora_rank, ns.lora_alpha, lora_lib.parse_targets(ns.lora_targets))
             lora_lib.check(lora, base)
         except ValueError as e:
-            fail(str(e).replace("model.lora.", "--lora."))
+            fail(str(e).replace("lora.", "--lora.", 1) if str(e).startswith("lora.") else str(e))
     return model, base, tok, lora
 
 
@@ -199,6 +199,9 @@ def run(ns: argparse.Namespace) -> dict:
     (Path(ns.out) / RESULT).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"held-out accuracy {last['eval_accuracy']:.3f}; wrote {ns.out} (--model.reward_path {ns.out}; "
           f"Python: klrl.load_reward_model({str(ns.out)!r}).score(prompts, responses))")  # fmt: skip
+    warning = heldout_warning(last["eval_accuracy"], len(ev))
+    if warning:
+        print(warning, file=sys.stderr)
     return doc
 
 

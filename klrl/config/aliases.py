@@ -273,8 +273,8 @@ FLAG_NOTES: dict[str, str] = {
     "total_episodes": "episodes = sequences: --train.iterations = total_episodes / batch_size",
     "steps": "TRL 0.11: PPO steps = iterations",
     "lr_scheduler_type": "klrl: constant, linear, cosine (OpenRLHF's cosine_with_min_lr has no floor here)",
-    "model_name_or_path": "a local HF model directory, a .gguf file, or a Hub name already in the local "
-    "Hugging Face cache: klrl downloads nothing; `klrl models` lists what it can see",
+    "model_name_or_path": "a local HF model directory, a .gguf file, or a Hub name (read from the local "
+    "Hugging Face cache, fetched there when it is not); `klrl models` lists what it can see",
     "value_model_path": "with --model.value_model separate",
     "critic_pretrain": "with --model.value_model separate",
     "critic.model.path": "with --model.value_model separate",

@@ -154,7 +154,7 @@ class ModelConfig:
 
 @section("lora")
 class LoRAConfig:
-    """LoRA adapters on the frozen base (klrl.models.lora; also spelled --model.lora.FIELD)."""
+    """LoRA adapters on the frozen base (klrl.models.lora)."""
 
     rank: int = _f(0, "adapter rank of the policy: 0 = full fine-tuning; > 0 = the policy is the frozen "
                    "base plus adapters, the reference the base with them off")  # fmt: skip

@@ -9,7 +9,9 @@ from klrl.config.fields import Help, _check, _choice, _f
 from klrl.config.schema import section
 from klrl.registry import REWARDS  # the built-in rewards' names, for reward.fn's help
 
-__all__ = ["FORMATS", "TRUNCATE", "DataConfig", "RewardConfig"]
+__all__ = ["COMPLETIONS", "FORMATS", "TRUNCATE", "DataConfig", "RewardConfig"]
+
+COMPLETIONS = ("auto", "text", "messages")
 
 
 @section("reward")
@@ -22,6 +24,11 @@ class RewardConfig:
                  "module:function or file.py:function ('' = the reward model of model.reward_path)"),
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
+    completions: str = _f(
+        "auto", "the form of reward.fn's completions: auto (TRL's rule: a message list "
+        "[{'role': 'assistant', 'content': text}] where the row's prompt is a conversation, the text "
+        "otherwise), text (always the text) or messages (always a message list)",
+    )  # fmt: skip
     missing_eos_penalty: float = _f(
         0.0,
         "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty)",
@@ -39,11 +46,13 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.missing_eos_penalty), "reward.missing_eos_penalty", "must be finite")
+        _choice(self.completions, "reward.completions", COMPLETIONS)
         _check(self.standardize_samples >= 2, "reward.standardize_samples", "must be >= 2 (a std needs two)")
         _check(math.isfinite(self.timeout) and self.timeout >= 0, "reward.timeout",
                "must be a number of seconds >= 0 (0 = no limit)")  # fmt: skip
         fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
         _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
+        _check(bool(fns) or self.completions == "auto", "reward.completions", "given without reward.fn")
         if self.weights.strip():
             _check(bool(fns), "reward.weights", "given without reward.fn")
             try:

@@ -134,6 +134,7 @@ NOT_REFUSED = {
     "ppo.whiten_rewards": "PPOConfig (needs ppo.advantage=gae)",
     "reward.fn": "RunConfig (needs task.name=text)",
     "reward.weights": "RewardConfig (needs reward.fn)",
+    "reward.completions": "RewardConfig (needs reward.fn)",
     **{
         f"diag.{f}": "adaptive beta only; the diagnosis thresholds are read again by klrl report, whose "
         "sweep may hold adaptive members"
@@ -162,6 +163,13 @@ def irrelevant(cfg: RunConfig, *, task_given: bool = False) -> list[tuple[str, s
         seen.add(rule.field)
         out.append((rule.field, f"{rule.field}={value!r} has no effect {rule.why.format(c=cfg)}"))
     return out
+
+
+def unread_fields(cfg: RunConfig) -> set[str]:
+    """The fields ``cfg`` does not read, whatever their values (a rule of :data:`IRRELEVANT` whose
+    condition holds, e.g. ``ctrl.target`` with ``ctrl.kind=fixed``): what a sweep member's name leaves
+    out (:func:`klrl.io.results.member_names`)."""
+    return {rule.field for rule in IRRELEVANT if rule.when(cfg)}
 
 
 def check_relevance(

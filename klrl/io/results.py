@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from klrl.config import RunConfig
+from klrl.config.relevance import unread_fields
 
 SUMMARY_KEYS = (
     "reward/task",
@@ -126,14 +127,21 @@ def _value_text(v: Any) -> str:
 
 def member_names(configs: list[RunConfig]) -> list[str]:
     """A sweep's member directory names after the swept values, ``kl.beta=0.1,train.seed=1``
-    (fields in sorted order, ``train.name`` left out; characters other than ``A-Za-z0-9._=,+-``
-    become ``_``); ``member-XX`` when no field differs, when two names would be equal or when one
-    would be longer than ``MAX_NAME`` characters."""
+    (fields in sorted order, ``train.name`` left out, and each member's name only from the fields it
+    reads: a fixed-beta member of a study is ``ctrl.kind=fixed,kl.beta=0.01``, without the
+    ``ctrl.target`` its controller ignores, :func:`klrl.config.relevance.unread_fields`; characters other than
+    ``A-Za-z0-9._=,+-`` become ``_``); ``member-XX`` when no field differs, when two names would be
+    equal or when one would be longer than ``MAX_NAME`` characters."""
     axes = [a for a in varying_fields(configs) if a != "train.name"]
     fallback = [f"member-{j:02d}" for j in range(len(configs))]
     if not axes:
         return fallback
-    names = [_UNSAFE.sub("_", ",".join(f"{a}={_value_text(_get(c, a))}" for a in axes)) for c in configs]
+    names = []
+    for c in configs:
+        skip = unread_fields(c)
+        names.append(
+            _UNSAFE.sub("_", ",".join(f"{a}={_value_text(_get(c, a))}" for a in axes if a not in skip))
+        )
     if len(set(names)) < len(names) or any(len(n) > MAX_NAME for n in names):
         return fallback
     return names

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 from klrl import distributed
 from klrl.algo.control import from_config
 from klrl.config import ConfigError, RunConfig
+from klrl.loop.compile import elapsed, enable_cache, phase_log
 from klrl.loop.program import Program
 from klrl.models import peft
 from klrl.models.hf import CheckpointFormatError
@@ -33,6 +35,7 @@ from klrl.step.parallel import mesh_from_config, shard_step
 from klrl.step.parts import Train, TrainState, as_ref_dtype, init_state, set_learning_rate, state_shardings
 from klrl.step.train import make_train
 from klrl.tasks.base import Task
+from klrl.tasks.pretrain import cache_root
 from klrl.tasks.text import value_models
 
 __all__ = ["adopt_adapter", "build_task", "make_program", "member_state"]
@@ -88,7 +91,15 @@ def make_program(
     base, tc = members[0], members[0].train
     mesh = mesh if mesh is not None else mesh_from_config(tc, sweep_devices)
     say = log or partial(print, file=sys.stderr, flush=True)
-    task, models = _task_and_models(members, task, stacked, None if tc.quiet else log, models)
+    enable_cache(cache_root(base.task.cache_dir))  # (klrl.loop.compile: before anything compiles)
+    phase = phase_log(tc.quiet) if distributed.is_main() else None
+    t0 = time.time()
+    if phase is not None and task is None:
+        phase(f"building the task {base.task.name}" + (f" on {base.model.path}" if base.model.path else "")
+              + " (model load, reference) ...")  # fmt: skip
+    task, models = _task_and_models(members, task, stacked, None if tc.quiet else (log or phase), models)
+    if phase is not None:
+        phase(f"task ready in {elapsed(t0)}")
     if check is not None:
         check(members, task, mesh.shape["data"], policy=models.get("policy"), reward=models.get("reward"))
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0

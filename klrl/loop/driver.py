@@ -40,6 +40,7 @@ from klrl.io.results import RunResult, varying_fields
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
 from klrl.loop import frozen, reliability
+from klrl.loop.compile import CacheStats, compile_line, phase_log, xla_banners
 from klrl.loop.files import (
     ROLLED_BACK,
     SAMPLES_ROLLED_BACK,
@@ -300,7 +301,10 @@ def _step(loop: Loop, fetch: list[_Fetch], hooks: _Hooks) -> bool:
     """One step; its metrics fetched now (a checkpoint is due: returns True) or with the next one,
     with when its outputs were ready (:class:`~klrl.loop.hooks.ReadyTimes`)."""
     release_freed_memory()  # freed heap (compiles, checkpoints) back before the step
-    loop.state, metrics = loop.prog.step(loop.state, loop.prog.env)
+    if loop.i == loop.start:  # the call compiles the step (klrl.loop.compile: its line, XLA's banners)
+        loop.state, metrics = _first_step(loop)
+    else:
+        loop.state, metrics = loop.prog.step(loop.state, loop.prog.env)
     done = (loop.i, metrics, hooks.ready.watch(metrics))
     if loop.i == loop.start:  # the call compiled the step: its heap, while the step runs
         release_freed_memory()
@@ -311,6 +315,23 @@ def _step(loop: Loop, fetch: list[_Fetch], hooks: _Hooks) -> bool:
     else:
         loop.pending = done
     return sync
+
+
+def _first_step(loop: Loop) -> tuple[Any, Any]:
+    """The first step of this process's loop, which compiles it: a phase line before and one with its
+    seconds and the persistent cache's reads after (:func:`klrl.loop.compile.phase_log`), XLA's
+    banners to the run's ``xla.log`` (:func:`klrl.loop.compile.xla_banners`)."""
+    say = phase_log(loop.configs[0].train.quiet) if loop.main else None
+    n = len(loop.configs)
+    if say is not None:
+        say(f"compiling the train step{f' ({n} members in one program)' if n > 1 else ''} ...")
+    snap, t0 = CacheStats.snapshot(), time.time()
+    with xla_banners(loop.root if loop.main else None, say):
+        out = loop.prog.step(loop.state, loop.prog.env)
+    if say is not None:
+        callbacks = any(c.reward.fn.strip() for c in loop.configs)
+        say(compile_line(time.time() - t0, CacheStats.since(snap), callbacks))
+    return out
 
 
 def _record(loop: Loop, hooks: _Hooks, fetch: list[_Fetch]) -> Rejected | str | None:

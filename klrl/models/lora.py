@@ -43,7 +43,7 @@ def family_targets(model: Any) -> str:
     """The regex of the module paths of ``model``'s family that may carry an adapter (``LORA_TARGETS``)."""
     t = getattr(type(model), "LORA_TARGETS", None)
     if t is None:
-        raise ValueError(f"model.lora.rank: the {type(model).__name__} family declares no LoRA targets")
+        raise ValueError(f"lora.rank: the {type(model).__name__} family declares no LoRA targets")
     return t
 
 
@@ -108,7 +108,7 @@ class LoRA:
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
-            raise ValueError(f"model.lora.rank: must be > 0 for adapters (got {self.rank})")
+            raise ValueError(f"lora.rank: must be > 0 for adapters (got {self.rank})")
         base = self.base
         if self.remat is None:
             object.__setattr__(self, "remat", getattr(base, "remat", "none"))
@@ -193,15 +193,15 @@ def adapted_modules(model: LoRA, base_params: Any) -> list[str]:
     return list(adapted_widths(model, base_params))
 
 
-def check(model: LoRA, base_params: Any, field: str = "model.lora.rank") -> list[str]:
-    """The adapted module paths; a ``ValueError`` naming ``model.lora.targets`` when none matches, or
+def check(model: LoRA, base_params: Any, field: str = "lora.rank") -> list[str]:
+    """The adapted module paths; a ``ValueError`` naming ``lora.targets`` when none matches, or
     ``field`` (the rank's) when the rank exceeds an adapted layer's width ``min(in, out)`` (a larger
     rank adds parameters and memory, never expressiveness: ``A B`` has rank ``<= min(in, out)``)."""
     widths = adapted_widths(model, base_params)
     if not widths:
         fam = family_targets(model.base)
         raise ValueError(
-            f"model.lora.targets: {model.targets!r} matches no linear layer of the "
+            f"lora.targets: {model.targets!r} matches no linear layer of the "
             f"{type(model.base).__name__} family (its adaptable modules: {fam})"
         )
     name, (n_in, n_out) = min(widths.items(), key=lambda kv: min(kv[1]))
@@ -236,9 +236,9 @@ def merged_kernels(base_params: Any, adapters: Any, scale: float) -> Any:
 
 
 def parse_targets(targets: str) -> str:
-    """``targets`` checked as a regex (a ``ValueError`` naming ``model.lora.targets`` otherwise)."""
+    """``targets`` checked as a regex (a ``ValueError`` naming ``lora.targets`` otherwise)."""
     try:
         re.compile(targets)
     except re.error as e:
-        raise ValueError(f"model.lora.targets: {targets!r} is not a regular expression ({e})") from None
+        raise ValueError(f"lora.targets: {targets!r} is not a regular expression ({e})") from None
     return targets

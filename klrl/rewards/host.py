@@ -20,9 +20,13 @@ Unlike TRL, a *returned* NaN or inf is an error, not a skip: it ends the run. Va
 as the step sees them, in float32: ``1e39`` (finite in Python, inf in float32) is not finite, and
 so is a weighted sum that overflows float32.
 
-``completions`` are plain strings (the decoded response text), never TRL's conversational form (a
-list of ``{"role", "content"}`` messages per completion): a TRL conversational reward that reads
-``c[0]["content"]`` fails with "string indices must be integers", and the message says so.
+**Conversational completions** (TRL's rule, ``completions="auto"``, ``reward.completions``): where
+the row's prompt is a conversation (a list of ``{"role", "content"}`` messages), its completion is
+TRL's message list ``[{"role": "assistant", "content": text}]``; where it is a string, the completion
+is the text (``GRPOTrainer`` decides by ``is_conversational`` of the prompt in the same way).
+``completions="text"`` always passes the text, ``"messages"`` always the message list. A function
+that reads ``c[0]["content"]`` from a string, or calls a string method on a message list, fails on
+its first call with the rule and the setting that changes it in the message (:func:`describe`).
 
 Before anything compiles, :func:`klrl.checks.check_reward` checks each function's signature
 (:func:`check_signature`: it takes ``completions`` by name, or ``**kwargs``, and every other
@@ -92,9 +96,14 @@ F32_MAX = float(np.finfo(np.float32).max)
 # keywords every call passes (besides the prompt data's columns)
 PASSED = ("prompts", "completions", "completion_ids")
 STRINGS_HINT = (
-    "completions are plain strings (the decoded text), not TRL conversational message lists: "
-    "use c, not c[0]['content']"
+    "completions are plain strings (the decoded text), not TRL conversational message lists (those come "
+    "for conversation prompts, or with reward.completions=messages): use c, not c[0]['content']"
 )
+MESSAGES_HINT = (
+    "completions are TRL conversational message lists [{'role': 'assistant', 'content': text}] as the "
+    "prompts are conversations: use c[0]['content'], or set reward.completions=text for plain strings"
+)
+COMPLETION_FORMS = ("auto", "text", "messages")
 OK, RAISED, NOT_FINITE, WRONG_COUNT, WRONG_TYPE, ABORTED, NO_SCORE = 0, 1, 2, 3, 4, 5, 6
 TIMED_OUT = 7  # a call that had not returned after ``timeout`` seconds (reward.timeout)
 ALL_NONE_LIMIT = 3  # consecutive training calls scoring no completion at all end the run (NO_SCORE)
@@ -124,7 +133,8 @@ class _TimedOut(Exception):
 def describe(e: BaseException) -> str:
     """What user code did, on one line: ``called sys.exit(5)``, ``raised KeyboardInterrupt``,
     ``raised ValueError: ...`` (a completion used as a message list, ``c[0]["content"]`` or
-    ``c.get(...)`` on a string, adds :data:`STRINGS_HINT`)."""
+    ``c.get(...)`` on a string, adds :data:`STRINGS_HINT`; a string method on a message list,
+    :data:`MESSAGES_HINT`)."""
     if isinstance(e, SystemExit):
         return f"called sys.exit({'' if e.code is None else repr(e.code)})"
     if isinstance(e, KeyboardInterrupt):
@@ -132,7 +142,30 @@ def describe(e: BaseException) -> str:
     out = f"raised {one_line(e)}"
     if isinstance(e, TypeError | AttributeError) and ("string indices" in str(e) or "'str' object" in str(e)):
         out += f" ({STRINGS_HINT})"
+    elif isinstance(e, TypeError | AttributeError) and any(
+        k in str(e) for k in ("'list' object", "not list", "got 'list'")
+    ):
+        out += f" ({MESSAGES_HINT})"
     return out
+
+
+def is_conversation(prompt: Any) -> bool:
+    """TRL's ``is_conversational`` for one prompt value: a non-empty list of ``{"role", ...}`` dicts."""
+    return (
+        isinstance(prompt, list | tuple)
+        and bool(prompt)
+        and all(isinstance(m, dict) and "role" in m for m in prompt)
+    )
+
+
+def as_completions(prompts: Sequence[Any], texts: Sequence[str], form: str) -> list[Any]:
+    """The ``completions`` argument for ``texts`` answering ``prompts`` (module docstring): the text,
+    or TRL's ``[{"role": "assistant", "content": text}]`` where ``form`` is ``messages``, or ``auto``
+    and the prompt is a conversation."""
+    if form not in COMPLETION_FORMS:
+        raise RewardLoadError(f"reward completions {form!r}: expected one of {', '.join(COMPLETION_FORMS)}")
+    msgs = [form == "messages" or (form == "auto" and is_conversation(p)) for p in prompts]
+    return [[{"role": "assistant", "content": t}] if m else t for t, m in zip(texts, msgs, strict=True)]
 
 
 @contextlib.contextmanager
@@ -312,6 +345,7 @@ class HostReward:
         *,
         stop_after_error: bool = False,
         timeout: float | None = None,
+        completions: str = "auto",
     ):
         if not fns:
             raise RewardLoadError("reward: no reward function given")
@@ -328,6 +362,10 @@ class HostReward:
         self.weights = np.asarray(w, dtype=np.float64)
         self.tokenizer = tokenizer
         self.prompts = list(prompts)
+        as_completions(
+            self.prompts[:1], [""] * min(1, len(self.prompts)), completions
+        )  # a bad form: one line
+        self.completions = completions
         self.columns = {k: list(v) for k, v in (columns or {}).items()}
         for k, v in self.columns.items():
             if len(v) != len(self.prompts):
@@ -440,9 +478,10 @@ class HostReward:
             error[:] = NO_SCORE
 
     def _kwargs(self, idx: np.ndarray, completions: list[str], ids: list[list[int]]) -> dict[str, Any]:
+        prompts = [self.prompts[i] for i in idx]
         return {
-            "prompts": [self.prompts[i] for i in idx],
-            "completions": completions,
+            "prompts": prompts,
+            "completions": as_completions(prompts, completions, self.completions),
             "completion_ids": ids,
             **{k: [v[i] for i in idx] for k, v in self.columns.items()},
         }
@@ -542,7 +581,7 @@ class HostReward:
             for j in range(len(self.fns)):
                 values[:, j], _, problems = self._call(j, kwargs, idx, lambda i: i)
                 if problems:
-                    note = "" if STRINGS_HINT in problems[0] else "; completions are plain strings"
+                    note = self._form_note(kwargs["completions"], problems[0])
                     raise RewardFunctionError(
                         f"reward function {self.names[j]}: {problems[0]} (a call before compiling, on "
                         f"{len(idx)} prompt(s) with their own text as the completions{note})"
@@ -551,6 +590,15 @@ class HostReward:
         bad = np.flatnonzero(~_finite32(scores))
         if bad.size:
             raise RewardFunctionError(self._overflow(values[bad[0]], scores[bad[0]], int(bad[0])))
+
+    @staticmethod
+    def _form_note(completions: list[Any], problem: str) -> str:
+        """What the completions were, for a probe's failure (nothing where its hint says it)."""
+        if STRINGS_HINT in problem or MESSAGES_HINT in problem:
+            return ""
+        if all(isinstance(c, str) for c in completions):
+            return "; completions are plain strings"
+        return "; completions are TRL message lists [{'role': 'assistant', 'content': text}]"
 
     # ---- device side -------------------------------------------------------------------------
 
@@ -612,8 +660,10 @@ def make_host_reward(
     *,
     stop_after_error: bool = False,
     timeout: float | None = None,
+    completions: str = "auto",
 ) -> HostReward:
     """A :class:`HostReward` over the pool ``prompts`` (index ``prompt_idx`` into it) and ``columns``;
-    ``timeout``: seconds a call may take (None: no limit)."""
+    ``timeout``: seconds a call may take (None: no limit); ``completions``: the form of the functions'
+    completions (module docstring)."""
     return HostReward(fns, weights, tokenizer, prompts, columns, stop_after_error=stop_after_error,
-                      timeout=timeout)  # fmt: skip
+                      timeout=timeout, completions=completions)  # fmt: skip

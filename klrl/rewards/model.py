@@ -105,23 +105,22 @@ def load_reward_model(path: str | Path, *, dtype: Any = jnp.float32) -> RewardMo
     return RewardModel(model, params, score[0], tok, data, sampling, str(p))
 
 
+# the text-format fields reward_model.json records -> their config section
+_SECTION = {"chat_template": "data", "prompt_len": "data", "truncate": "data", "response_len": "sampling",
+            "use_eos": "sampling"}  # fmt: skip
+
+
 def format_mismatch(path: str | Path, data: DataConfig, sampling: SamplingConfig) -> str | None:
     """One line when the reward model in ``path`` was trained (``reward_model.json``'s ``text_format``)
     on another text format than a PPO run with ``data`` and ``sampling`` shows it; None when they agree
     or nothing is recorded (a directory klrl reward-model did not write)."""
-    f = Path(path) / RESULT
-    try:
-        fmt = json.loads(f.read_text()).get("text_format") if f.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(fmt, dict):
+    fmt = _recorded(path)
+    if fmt is None:
         return None
     run = {**dataclasses.asdict(data), **dataclasses.asdict(sampling)}
-    names = {"chat_template": "data", "prompt_len": "data", "truncate": "data", "response_len": "sampling",
-             "use_eos": "sampling"}  # fmt: skip
     differ = [
         f"{sec}.{k} {fmt[k]!r} (this run: {run[k]!r})"
-        for k, sec in names.items()
+        for k, sec in _SECTION.items()
         if k in fmt and fmt[k] != run[k]
     ]
     if not differ:
@@ -131,3 +130,31 @@ def format_mismatch(path: str | Path, data: DataConfig, sampling: SamplingConfig
         + ", ".join(differ)
         + "; retrain it with these flags (or --config of this run), or set them here (docs/reward-model.md)"
     )
+
+
+def _recorded(path: str | Path) -> dict | None:
+    """``reward_model.json``'s ``text_format`` in ``path``; None when there is none (or it is unreadable)."""
+    f = Path(path) / RESULT
+    try:
+        fmt = json.loads(f.read_text()).get("text_format") if f.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return fmt if isinstance(fmt, dict) else None
+
+
+def format_note(path: str | Path, data: DataConfig, sampling: SamplingConfig) -> str:
+    """The line a PPO run with ``model.reward_path`` logs about the text format: the warning of
+    :func:`format_mismatch`; else, when ``reward_model.json`` records a format, that it matches (the
+    fields compared, with their values); else that none is recorded (a directory klrl reward-model
+    did not write: nothing to compare)."""
+    mismatch = format_mismatch(path, data, sampling)
+    if mismatch is not None:
+        return mismatch
+    fmt = _recorded(path)
+    if fmt is None:
+        return (
+            f"model.reward_path {path}: no text format recorded (no {RESULT} from klrl reward-model), "
+            "so it is not compared with this run's"
+        )
+    shown = ", ".join(f"{_SECTION[k]}.{k} {fmt[k]!r}" for k in _SECTION if k in fmt)
+    return f"model.reward_path {path}: text format matches the one it was trained on ({shown})"

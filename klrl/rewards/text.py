@@ -2,7 +2,9 @@
 :data:`klrl.registry.REWARDS`.
 
 Each is ``fn(prompts, completions, **columns) -> list[float | None]`` (one value per completion;
-``None``: no opinion, skipped in the weighted sum, as TRL does). ``get(name, **params)`` returns
+``None``: no opinion, skipped in the weighted sum, as TRL does). A completion may be the text or
+TRL's conversational ``[{"role": "assistant", "content": text}]`` (:func:`completion_text` reads
+either; klrl.rewards.host says which it gets). ``get(name, **params)`` returns
 one by name: ``positivity``, ``length`` (``target``, ``unit``), ``arithmetic``. A reward is
 registered as the function itself, or (``factory=True``) as a function of its parameters that
 returns one (``length``).
@@ -75,10 +77,27 @@ def positivity_score(text: str) -> float:
     return total / math.sqrt(max(len(ws), 1))
 
 
+def completion_text(c: Any) -> str:
+    """The text of one completion: a string as it is, or the last message's ``content`` of TRL's
+    conversational form ``[{"role": "assistant", "content": text}]``."""
+    if isinstance(c, str):
+        return c
+    if (
+        isinstance(c, list | tuple)
+        and c
+        and isinstance(c[-1], dict)
+        and isinstance(c[-1].get("content"), str)
+    ):
+        return c[-1]["content"]
+    raise TypeError(
+        f"a completion is a string or a list of {{role, content}} messages, not {type(c).__name__}"
+    )
+
+
 @REWARDS.register("positivity")
-def positivity(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
+def positivity(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
     """The lexicon positivity of each completion (see the module docstring)."""
-    return [positivity_score(c) for c in completions]
+    return [positivity_score(completion_text(c)) for c in completions]
 
 
 @REWARDS.register("length")
@@ -89,8 +108,9 @@ def length_target(target: float = 20.0, unit: str = "words") -> RewardFn:
     if unit not in ("words", "chars"):
         raise ValueError(f"length reward: unit must be 'words' or 'chars' (got {unit!r})")
 
-    def length(prompts: list[Any], completions: list[str], **columns: Any) -> list[float]:
-        n = [len(c.split()) if unit == "words" else len(c) for c in completions]
+    def length(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        texts = [completion_text(c) for c in completions]
+        n = [len(c.split()) if unit == "words" else len(c) for c in texts]
         return [-abs(k - target) / target for k in n]
 
     length.__qualname__ = f"length_target(target={target}, unit={unit!r})"
@@ -116,7 +136,7 @@ def _as_number(x: Any) -> float | None:
 
 @REWARDS.register("arithmetic")
 def arithmetic(
-    prompts: list[Any], completions: list[str], answer: list[Any] | None = None, **columns: Any
+    prompts: list[Any], completions: list[Any], answer: list[Any] | None = None, **columns: Any
 ) -> list[float | None]:
     """1.0 where the completion's last number equals ``answer``, 0.0 otherwise, None without an answer."""
     if answer is None:
@@ -124,7 +144,7 @@ def arithmetic(
     out: list[float | None] = []
     for c, a in zip(completions, answer, strict=True):
         want = _as_number(a)
-        got = last_number(c)
+        got = last_number(completion_text(c))
         out.append(None if want is None else float(got is not None and abs(got - want) < 1e-9))
     return out
 

@@ -51,6 +51,34 @@ def accuracy(r_chosen: Array, r_rejected: Array) -> Array:
     return jnp.mean((r_chosen > r_rejected).astype(jnp.float32))
 
 
+MIN_HELDOUT = 50  # fewer held-out pairs than this: the accuracy is reported with a warning
+
+
+def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion ``accuracy`` over ``n`` trials (Wilson 1927;
+    Brown, Cai & DasGupta 2001): ``(p + z^2/2n +- z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)``; unlike
+    ``p +- z sqrt(p(1-p)/n)`` it is not empty at ``p`` = 0 or 1. ``(0, 1)`` for ``n`` = 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p, z2 = float(accuracy), z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * float(np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def heldout_warning(accuracy: float, n: int) -> str | None:
+    """One line when a held-out accuracy rests on fewer than :data:`MIN_HELDOUT` pairs (its 95% Wilson
+    interval, :func:`wilson_interval`); None otherwise."""
+    if n >= MIN_HELDOUT:
+        return None
+    lo, hi = wilson_interval(accuracy, n)
+    return (
+        f"warning: the held-out accuracy {accuracy:.3f} rests on {n} pair{'s' if n != 1 else ''} (fewer than "
+        f"{MIN_HELDOUT}): its 95% interval is [{lo:.2f}, {hi:.2f}] (Wilson); more pairs or a larger "
+        "--rm.eval_fraction narrow it"
+    )
+
+
 def last_token(hidden: Array, mask: Array) -> Array:
     """``hidden [B, T, D]`` at each row's last real token (right-padded ``mask [B, T]``) -> ``[B, D]``."""
     n = jnp.sum(mask, axis=-1).astype(jnp.int32)

@@ -34,6 +34,7 @@ from klrl.models.base import CausalLM, forward
 from klrl.models.gpt import GPT
 from klrl.models.heads import ScalarHead, attach, detach
 from klrl.models.rollout import generate, sequence
+from klrl.rewards.train import heldout_warning
 from klrl.tasks import gold as G
 from klrl.tasks import language as L
 from klrl.tasks.base import Evaluators, JaxReward, Task, TokenPool, register_task
@@ -142,6 +143,9 @@ def train_reward_model(cfg: RunConfig, lang, ref_model, ref_params, gold_params,
             "rm_ref_mean": float(ref_scores.mean()), "rm_ref_std": float(ref_scores.std())}  # fmt: skip
     if log:
         log(f"reward model held-out pairwise accuracy vs gold {acc:.3f} (noisy labels agree {label_acc:.3f})")
+        warning = heldout_warning(acc, int(decided.sum()))  # the pairs the gold reward decides
+        if warning:
+            log(warning.replace("--rm.eval_fraction", "--task.rm_heldout"))
     return params, info
 
 

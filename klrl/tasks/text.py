@@ -30,6 +30,7 @@ anything compiles.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from klrl.models.hf import CheckpointFormatError, load_hf, read_config
 from klrl.models.pretrained import from_pretrained, save_pretrained
 from klrl.models.rollout import Rollout, response_slice, sequence
 from klrl.rewards import make_host_reward, parse_specs
-from klrl.rewards.model import format_mismatch
+from klrl.rewards.model import format_note
 from klrl.tasks.base import Evaluators, HeldOut, JaxReward, Task, TokenPool, register_task
 
 Array = jax.Array
@@ -140,7 +141,7 @@ def host_text_reward(cfg: RunConfig, tok: Any, texts: list, columns: dict) -> Ja
     ``check`` (its message: :class:`klrl.rewards.RewardFunctionError`) and ends the run."""
     specs, weights = parse_specs(cfg.reward.fn, cfg.reward.weights)
     host = make_host_reward(specs, weights, tok, texts, columns, stop_after_error=True,
-                            timeout=cfg.reward.timeout)  # fmt: skip
+                            timeout=cfg.reward.timeout, completions=cfg.reward.completions)  # fmt: skip
 
     def with_metrics(env: Any, ro: Rollout) -> tuple[Array, dict[str, Array]]:
         if ro.prompt_idx is None:
@@ -252,7 +253,10 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     check_model_paths(cfg)
     if prompts is None:
         check_fields(cfg.data)  # before the model is read
+    t0 = time.time()
     policy, params, tok = _load(cfg.model.path, compute_dtype(cfg), tokenizer=True)
+    if log is not None:
+        log(f"loaded {cfg.model.path} ({type(policy).__name__}) in {time.time() - t0:.1f} s")
     if tok is None:
         raise CheckpointFormatError(f"{cfg.model.path}: no tokenizer.json (task text needs the tokenizer)")
     info: dict[str, Any] = {"model_path": str(cfg.model.path)}
@@ -272,11 +276,11 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
     else:
         reward = model_reward(*reward_model(cfg, policy, params, seed=cfg.train.seed + 2))
         info["reward"] = cfg.model.reward_path or "policy trunk, fresh scalar head, frozen"
-        note = (
-            format_mismatch(cfg.model.reward_path, cfg.data, cfg.sampling) if cfg.model.reward_path else None
-        )
-        if note is not None:  # logged with the prompt notes, once the run's checks have passed
-            info["notes"] = [*info.get("notes", []), note]
+        if cfg.model.reward_path:  # logged with the prompt notes, once the run's checks have passed
+            info["notes"] = [
+                *info.get("notes", []),
+                format_note(cfg.model.reward_path, cfg.data, cfg.sampling),
+            ]
     heldout = None
     if held is not None and len(held):
         pool = TokenPool(jnp.asarray(held.tokens), jnp.asarray(held.mask, jnp.float32))

@@ -151,7 +151,20 @@ def test_missing_metrics_are_skipped(name, tmp_path):
             assert not drawn and all(empty_text(a) for a in fig.axes)
     # gold missing: the gold frontier panel says so, the proxy one is drawn
     fig = plots.frontier([synthetic(gold=False)], ax=list(Figure().subplots(2, 1)))
-    assert fig.axes[0].lines and empty_text(fig.axes[1]) == ["no reward/gold or KL logged"]
+    assert fig.axes[0].lines and empty_text(fig.axes[1]) == ["no reward/gold logged"]  # (the KL is)
+
+
+def test_frontier_draws_only_the_rewards_logged():
+    """A text task logs reward/task and the KL, no gold: the default frontier is one panel, drawn, with
+    no empty half (issue 48: 'no reward/gold or KL logged' beside a logged KL)."""
+    r = synthetic(gold=False)
+    text_task = RunResult(r.config, None, {k: v for k, v in r.metrics.items() if k != "reward/proxy"})
+    fig = plots.frontier([text_task])
+    assert len(fig.axes) == 1 and fig.axes[0].lines and not empty_text(fig.axes[0])
+    assert "reward/task" in fig.axes[0].get_ylabel()
+    assert len(plots.frontier([synthetic()]).axes) == 2  # proxy and gold: both drawn
+    nothing = plots.frontier([RunResult(r.config, None, {"kl/exact_seq_sum": r.metrics["kl/exact_seq_sum"]})])
+    assert [empty_text(a) for a in nothing.axes] == [["no reward/proxy or reward/task logged"]]
 
 
 def test_seeds_are_one_line_with_the_t_interval_band():

@@ -90,7 +90,7 @@ def test_short_run_windows_are_sized_to_the_run(tmp_path):
     assert "the first and the last 10 iterations" in text
     sweep = [synthetic(b, seed=i, n=6) for i, b in enumerate((0.01, 0.1))]
     text = klrl.write_report(sweep, out_dir=tmp_path / "sw", plots=False).read_text()
-    assert "the last 2 iterations of each member" in text and "the first and the last 2 iterations." in text
+    assert "the last 2 iterations of each member" in text and "the first and the last 2 iterations (" in text
 
 
 def test_config_block_leaves_out_the_gpt_fields_on_a_pretrained_model(tmp_path):
@@ -107,3 +107,58 @@ def test_config_block_leaves_out_the_gpt_fields_on_a_pretrained_model(tmp_path):
     config = text.split("## Config", 1)[1]
     assert '"path": "/m/SmolLM2.gguf"' in config
     assert '"n_layers"' not in config and '"d_model"' not in config and "Left out: model.n_layers" in config
+
+
+def test_plots_end_on_the_tables_final_values(tmp_path, monkeypatch):
+    """The report draws its curves with its own window (issue 48: the beta-KL plot ended at the trailing
+    10-iteration mean, 0.055, where the table said 0.1096, the last value): the last point of each KL
+    and beta curve, and the frontier's large point, are the table's final values, and both say so."""
+    from klrl.analysis import plots as P
+
+    rs = [synthetic(b, kind, seed=i, n=8) for i, (b, kind) in enumerate(((0.01, "fixed"), (0.05, "pi")))]
+    figs = {}
+    for name in ("beta_kl", "frontier"):
+        real = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _f=real, _n=name, **k: figs.setdefault(_n, _f(*a, **k)))
+    text = klrl.write_report(rs, out_dir=tmp_path).read_text()
+    w = klrl.analysis.report.report_window(8)
+    assert w == 2 and "the last point of each curve in the plots" in text
+    _, members = table(text, "## Members")
+    head = table(text, "## Members")[0]
+    ax_b, ax_k = figs["beta_kl"].axes[:2]
+    front = figs["frontier"].axes[0]
+    for j, (row, r) in enumerate(zip(members, rs, strict=True)):
+        cell = dict(zip(head, row, strict=True))
+        final = lambda key: float(cell[f"{key} ({klrl.analysis.aggregate.unit_of(key)})"].split(" -> ")[1])
+        kl = r.metrics["kl/exact_seq_sum"]
+        assert final("kl/exact_seq_sum") == pytest.approx(np.mean(kl[-w:]), rel=1e-3)
+        assert ax_k.lines[j].get_ydata()[-1] == pytest.approx(final("kl/exact_seq_sum"), rel=1e-3)
+        assert ax_b.lines[j].get_ydata()[-1] == pytest.approx(final("ctrl/beta"), rel=1e-3)
+        large = [ln for ln in front.lines if ln.get_markersize() == 8][j]  # the last window's point
+        assert large.get_xdata()[0] == pytest.approx(final("kl/exact_seq_sum"), rel=1e-3)
+        assert large.get_ydata()[0] == pytest.approx(final("reward/proxy"), rel=1e-3)
+    titles = [leg.get_title().get_text() for leg in figs["beta_kl"].legends + ax_b.get_children()
+              if hasattr(leg, "get_title") and hasattr(leg, "get_texts")]  # fmt: skip
+    assert any(f"trailing {w}-iteration means" in t and f"mean of the last {w}" in t for t in titles), titles
+
+
+def test_a_sweep_whose_kl_never_moved_says_its_members_cannot_differ(tmp_path):
+    """Members differing only in beta while the KL stays ~0 (a 2-iteration sweep): one line says why
+    they are the same run so far; members with a KL that moved, or differing in a seed, get none."""
+    from klrl.analysis.results import RunResult
+    from klrl.analysis.summary import KL_AT_ZERO, cannot_differ_note, summary_table
+
+    def member(beta, kl, **cfg):
+        m = {"kl/exact_seq_sum": np.asarray(kl, float), "ctrl/beta": np.full(len(kl), beta),
+             "reward/task": np.zeros(len(kl))}  # fmt: skip
+        return RunResult(klrl.RunConfig().replace(kl={"beta": beta}, **cfg), None, m)
+
+    still = [member(b, [-3.5e-7, 4e-4]) for b in (0.01, 0.1, 1.0)]
+    note = cannot_differ_note(still)
+    assert note is not None and note.startswith("Members cannot differ yet: they differ only in kl.beta")
+    assert "largest |kl/exact_seq_sum| 0.0004" in note and f"below {KL_AT_ZERO:g} nats/sequence" in note
+    assert note in klrl.write_report(still, out_dir=tmp_path, plots=False).read_text()
+    assert summary_table(still, ["kl.beta"]).endswith(note)
+    assert cannot_differ_note([member(b, [0.0, 0.5]) for b in (0.01, 0.1)]) is None  # the KL moved
+    seeds = [member(0.1, [0.0, 1e-4], train={"seed": s}) for s in (0, 1)]
+    assert cannot_differ_note(seeds) is None  # seeds differ whatever the KL

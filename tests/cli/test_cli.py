@@ -221,10 +221,10 @@ def test_config_file_and_flags_override_it(suffix, tmp_path, modes) -> None:
     [
         (["--kl.betta", "1"], "kl.betta: unknown field; did you mean --kl.beta?"),
         (["--ctrl.targte", "1"], "did you mean --ctrl.target?"),
-        (["--model.lora.rnak", "8"], "model.lora.rnak: unknown field; did you mean --model.lora.rank?"),
+        (["--model.lora.rnak", "8"], "lora.rnak: unknown field; did you mean --lora.rank?"),
         (["--lora.rnak", "8"], "lora.rnak: unknown field; did you mean --lora.rank?"),
-        (["--model.lora_rank", "8"], "did you mean --model.lora.rank?"),
-        (["--model.lora.zzz", "8"], "model.lora.zzz: unknown field (valid: rank, alpha, targets, critic_"),
+        (["--model.lora_rank", "8"], "did you mean --lora.rank?"),
+        (["--model.lora.zzz", "8"], "lora.zzz: unknown field (valid: rank, alpha, targets, critic_"),
         (["--rnak", "8"], "--rnak: unknown flag; did you mean --lora.rank?"),
         (["--kl_coef", "0.1"], "--kl_coef: not a klrl flag; klrl's is --kl.beta"),
         (["--init_kl_coef", "0.1"], "klrl's is --kl.beta"),

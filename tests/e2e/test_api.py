@@ -156,7 +156,7 @@ def test_load_run_reads_the_run_back(run_result):
 
 def test_sweep_members_written_and_loaded_back(sweep_results, out, tmp_path):
     root = out / "sweep"
-    names = ["ctrl.kind=fixed,ctrl.target=6.0,kl.beta=0.01", "ctrl.kind=fixed,ctrl.target=6.0,kl.beta=0.1",
+    names = ["ctrl.kind=fixed,kl.beta=0.01", "ctrl.kind=fixed,kl.beta=0.1",  # (a fixed beta reads no target)
              "ctrl.kind=proportional,ctrl.target=1.0,kl.beta=0.05"]  # fmt: skip
     index = json.loads((root / "sweep.json").read_text())
     assert index["members"] == names and index["axes"]["ctrl.kind"] == ["fixed", "proportional"]

@@ -205,7 +205,15 @@ def test_member_names_fall_back_to_member_xx(cache_dir):
         base.replace(ctrl={"kind": "fixed", "target": 1.0}),
         base.replace(ctrl={"kind": "pi", "target": 0.5}),
     ]
-    assert member_names(odd) == ["ctrl.kind=fixed,ctrl.target=1.0", "ctrl.kind=pi,ctrl.target=0.5"]
+    # each name from the fields its member reads (issue 48): a fixed-beta controller reads no target
+    assert member_names(odd) == ["ctrl.kind=fixed", "ctrl.kind=pi,ctrl.target=0.5"]
+    study = [base.replace(kl={"beta": b}) for b in (0.01, 0.1)]  # fixed beta: the default ctrl knobs
+    study.append(
+        base.replace(kl={"beta": 0.1}, ctrl={"kind": "proportional", "target": 3.0, "horizon": 50.0})
+    )
+    want = ["ctrl.kind=fixed,kl.beta=0.01", "ctrl.kind=fixed,kl.beta=0.1",
+            "ctrl.horizon=50.0,ctrl.kind=proportional,ctrl.target=3.0,kl.beta=0.1"]  # fmt: skip
+    assert member_names(study) == want  # (before: ctrl.horizon=...,ctrl.target=... in every name)
     assert member_names([base.replace(kl={"beta": 1e-3}), base])[0] == "kl.beta=0.001"
     # a value with characters unsafe in a path: replaced by "_"
     out = member_names([base.replace(train={"out_dir": "a/b c"}), base.replace(train={"out_dir": "x"})])

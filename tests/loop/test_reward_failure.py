@@ -235,7 +235,7 @@ import sys
 def positional(prompts, texts):  # no 'completions'
     return [0.0] * len(texts)
 
-def conversational(completions, **kwargs):  # TRL's conversational form: completions are strings here
+def conversational(completions, **kwargs):  # TRL's conversational form: string prompts give strings
     return [float(len(c[0]["content"])) for c in completions]
 
 def exits(completions, **kwargs):
@@ -257,7 +257,8 @@ def ok(completions, **kwargs):
 FIRST_CALL_MESSAGES = {
     "positional": "takes no 'completions' argument by name (its signature: positional(prompts, texts))",
     "conversational": "raised TypeError: string indices must be integers, not 'str' (completions are plain "
-    "strings (the decoded text), not TRL conversational message lists: use c, not c[0]['content']) "
+    "strings (the decoded text), not TRL conversational message lists (those come for conversation prompts, "
+    "or with reward.completions=messages): use c, not c[0]['content']) "
     "(a call before compiling",
     "exits": "called sys.exit(5) (a call before compiling",
     "interrupt": "raised KeyboardInterrupt (a call before compiling",
@@ -321,3 +322,50 @@ def test_a_resume_checks_the_function_before_compiling(capsys, tmp_path, monkeyp
     assert f"reward function {f}:ok: raised TypeError: string indices must be integers" in line, line
     assert "completions are plain strings" in line
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+
+CONVERSATIONAL = """
+import json, os
+
+def trl_style(prompts, completions, **kwargs):  # as TRL's docs write a conversational reward
+    with open(os.environ["KLRL_TEST_SEEN"], "a") as f:
+        f.write(json.dumps({"prompts": prompts, "completions": completions}) + "\\n")
+    return [float(len(c[0]["content"])) for c in completions]
+
+def plain(completions, **kwargs):
+    return [float(len(c.split())) for c in completions]
+"""
+
+
+@pytest.mark.filterwarnings("ignore::klrl.data.prompts.PromptTruncationWarning")
+@pytest.mark.parametrize("fn,extra", [("trl_style", ()), ("plain", ("--reward.completions", "text"))])
+def test_conversation_prompts_give_trl_message_lists_end_to_end(capsys, tmp_path, monkeypatch, fn, extra):
+    """A prompt file of TRL conversations and a TRL conversational reward: the reward is called with
+    ``[{"role": "assistant", "content": ...}]`` per completion (TRL's rule) and the run goes on to
+    compile; ``--reward.completions text`` gives a string function the text."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say {w}."}]}) + "\n"
+                            for w in ("hi", "yes", "no", "ok")))  # fmt: skip
+    f = tmp_path / "conv.py"
+    f.write_text(CONVERSATIONAL)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("KLRL_TEST_SEEN", str(seen))
+    import klrl.loop.build
+
+    class Compiled(Exception):
+        pass
+
+    def reached(*a, **k):
+        raise Compiled
+
+    monkeypatch.setattr(klrl.loop.build, "make_train", reached)
+    argv = _argv(tmp_path, fn, "r", "--data.path", str(data), *extra)
+    argv[argv.index("--reward.fn") + 1] = f"{f}:{fn}"
+    argv[argv.index("--data.limit") + 1] = "4"
+    with pytest.raises(Compiled):
+        legacy_main(argv)
+    if fn == "trl_style":
+        call = json.loads(seen.read_text().splitlines()[0])
+        assert call["prompts"][0] == [{"role": "user", "content": "Say hi."}]
+        assert [c[0]["role"] for c in call["completions"]] == ["assistant"] * len(call["prompts"])
+        assert all(len(c) == 1 and isinstance(c[0]["content"], str) for c in call["completions"])

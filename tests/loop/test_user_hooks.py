@@ -100,3 +100,37 @@ def test_a_hook_from_the_cli_and_check_refuses_a_bad_one(tiny_cfg, tmp_path, mon
         assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: train.hooks:"), err
         assert why in err, err
         assert not (tmp_path / "bad").exists()  # --check builds and writes nothing
+
+
+def test_the_docs_metric_function_example_runs(tiny_cfg, tiny_task, tmp_path, monkeypatch):
+    """docs/python.md's metric-function example (issue 48: the page never mentioned ``metrics=`` or
+    ``train.metric_fns``): its code block, run as written but with ``klrl.run`` caught, hands
+    ``klrl.run`` a function that, on the tiny task, logs ``user/beta_x100`` every iteration and
+    ``user/completion_chars`` (the samples' mean completion length) on the iterations with samples."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "python.md").read_text()
+    section = text.split("## Hooks and metric functions", 1)[1].split("\n## ", 1)[0]
+    assert "--train.metric_fns" in section and "klrl.hook(" in section
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    caught = {}
+    monkeypatch.setattr(klrl, "run", lambda cfg, **kw: caught.update(cfg=cfg, **kw) or _Result())
+    exec(block, {})
+    (fn,) = caught["metrics"]
+    cfg = tiny_cfg.replace(
+        train={"iterations": 3, "samples_every": 2, "out_dir": str(tmp_path), "name": "r", "quiet": True}
+    )
+    monkeypatch.undo()
+    rows = _rows(klrl.run(cfg, task=tiny_task, metrics=[fn]).dir)
+    assert [x["user/beta_x100"] for x in rows] == pytest.approx([100 * x["ctrl/beta"] for x in rows])
+    samples = [json.loads(x) for x in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
+    with_samples = sorted({s["iteration"] for s in samples})
+    assert [x["iteration"] for x in rows if "user/completion_chars" in x] == with_samples == [0, 2]
+    for it in with_samples:
+        mine = [len(s["completion"]) for s in samples if s["iteration"] == it]
+        assert rows[it]["user/completion_chars"] == pytest.approx(sum(mine) / len(mine))
+
+
+class _Result:
+    metrics = {"user/beta_x100": []}

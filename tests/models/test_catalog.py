@@ -115,14 +115,16 @@ def test_a_gguf_repository_resolves_to_its_one_gguf(hub) -> None:
         catalog.resolve_model_path("Org/Tiny-GGUF")
 
 
-def test_a_name_not_in_the_cache_is_one_line_saying_where_klrl_looked(hub) -> None:
+def test_a_name_not_in_the_cache_is_one_line_saying_where_klrl_looked(hub, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: nothing is fetched (online: test_catalog_fetch.py)
     with pytest.raises(ConfigError) as e:
         catalog.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct", "model.reward_path")
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("model.reward_path: HuggingFaceTB/SmolLM2-135M-Instruct: no such file or directory")
     assert str(hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct") in msg
-    assert "klrl reads local paths" in msg and "downloads nothing" in msg and "klrl models" in msg
+    assert "offline (HF_HUB_OFFLINE=1), so klrl fetches nothing" in msg and "klrl models" in msg
+    assert "`hf download HuggingFaceTB/SmolLM2-135M-Instruct`" in msg
 
 
 def test_local_paths_and_other_strings_are_left_alone(hub, tmp_path, monkeypatch) -> None:

@@ -87,11 +87,9 @@ def test_targets_narrow_the_adapted_modules_and_a_miss_is_one_line():
         "layers/v_proj",
     ]
     assert len(lora.check(lora.LoRA(model, 2, 4.0), params)) == 7  # q k v o gate up down
-    with pytest.raises(
-        ValueError, match=r"model.lora.targets: 'lm_head' matches no linear layer of the Llama"
-    ):
+    with pytest.raises(ValueError, match=r"lora.targets: 'lm_head' matches no linear layer of the Llama"):
         lora.check(lora.LoRA(model, 2, 4.0, targets="lm_head"), params)
-    with pytest.raises(ValueError, match="model.lora.rank: must be > 0"):
+    with pytest.raises(ValueError, match="lora.rank: must be > 0"):
         lora.LoRA(model, 0, 4.0)
 
 
@@ -266,4 +264,4 @@ def test_a_lora_target_error_comes_before_the_task_notes(tmp_path, capsys):
             "--train.batch_size", "4", "--train.iterations", "1",
             "--train.out_dir", str(tmp_path)]  # fmt: skip
     line = one_line_error(capsys, main, argv)
-    assert line.startswith("error: model.lora.targets: 'zzz' matches no linear layer"), line
+    assert line.startswith("error: lora.targets: 'zzz' matches no linear layer"), line

@@ -44,7 +44,16 @@ ROOT_LAYERS = {"api": "api", "checks": "api", "registry": "registry", "distribut
 EXEMPT = {"klrl", "klrl.__main__"}  # the package root (the public API) and ``python -m klrl``
 
 # imports inside a function: optional dependencies, imported where they are needed (first-level names)
-OPTIONAL = {"matplotlib", "pandas", "pyarrow", "datasets", "IPython", "wandb", "vaderSentiment"}
+OPTIONAL = {
+    "matplotlib",
+    "pandas",
+    "pyarrow",
+    "datasets",
+    "IPython",
+    "wandb",
+    "huggingface_hub",
+    "vaderSentiment",
+}
 # the command line imports inside its functions, so that ``klrl --help`` does not import jax
 # (:func:`test_the_command_line_starts_without_jax`; tests/cli/test_cli.py runs it)
 FAST_START = ("klrl/cli/",)

@@ -98,3 +98,66 @@ def test_package_map_parser_and_tree(tmp_path):
 def test_relative_links_parser():
     text = "[a](docs/x.md) [b](https://e.org/y) [c](#anchor) [d](../z.md#sec) `[e](f)` [g](mailto:h)"
     assert relative_links(text) == ["docs/x.md", "../z.md", "f"]
+
+
+# --- the README's command lines parse -----------------------------------------------------------------
+
+
+def command_lines(text: str) -> list[str]:
+    """The ``klrl ...`` lines of the page's code blocks (a trailing ``# comment``, ``[optional]`` parts
+    and ``...`` dropped; a line continued with a backslash joined)."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+    out = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if not line.startswith("klrl "):
+                continue
+            line = re.sub(r"\s+#.*$", "", line)
+            line = re.sub(r"\[[^\]]*\]", "", line).replace("...", "")
+            out.append(" ".join(line.split()))
+    return out
+
+
+def parse_command(line: str) -> None:
+    """Parse one ``klrl`` command line with the command's real parser (nothing is run): a flag or
+    value the parser refuses is the one-line error and ``SystemExit(2)``."""
+    import shlex
+
+    from klrl.cli import commands
+    from klrl.cli.args import config_from_args, parse
+    from klrl.cli.flags import PARSERS
+
+    cmd, *rest = shlex.split(line)[1:]
+    if cmd == "models":
+        assert rest == [], line
+        return
+    if cmd in PARSERS:
+        PARSERS[cmd]().parse_args(rest)
+        return
+    assert cmd in commands.COMMANDS, f"{line}: not a klrl command"
+    ns = parse(commands._command_parser(cmd), rest, positional_axes=cmd == "sweep")
+    if cmd in ("train", "sweep", "study") and not getattr(ns, "config", None):
+        config_from_args(ns)  # the values' types and ranges: RunConfig's checks
+
+
+def test_every_command_line_of_the_readme_and_docs_parses(capsys):
+    """Each ``klrl ...`` command in a code block of the README (and of docs/) parses with the real
+    parser, and the LoRA flags are written one way, ``--lora.FIELD``, as ``--help`` lists them
+    (issue 48: the README wrote ``--model.lora.rank``)."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    lines = [(p, ln) for p in pages for ln in command_lines(p.read_text())]
+    assert sum(p == README for p, _ in lines) >= 15, "the README's commands were not found"
+    bad = []
+    for page, line in lines:
+        try:
+            parse_command(line)
+        except SystemExit as e:
+            bad.append(f"{page.name}: {line}: {capsys.readouterr().err.strip()} (exit {e.code})")
+        if "--model.lora." in line:
+            bad.append(f"{page.name}: {line}: writes --model.lora.*, --help lists --lora.*")
+    assert not bad, "\n".join(bad)
+    from klrl.cli import commands
+
+    shown = commands._command_parser("train").format_help()
+    assert "--lora.rank" in shown and "--model.lora" not in shown

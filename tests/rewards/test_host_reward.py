@@ -534,7 +534,7 @@ def test_probe_calls_each_function_once_as_training_does(tok) -> None:
     _probe_fails(tok, exits, r"exits: called sys.exit\(3\) \(a call before compiling, on 2 prompt\(s\)")
     _probe_fails(tok, interrupts, r"interrupts: raised KeyboardInterrupt \(a call before compiling")
     _probe_fails(tok, conversational, r"raised TypeError: string indices must be integers.*not TRL "
-                 r"conversational message lists: use c, not c\[0\]\['content'\]\) \(a call")  # fmt: skip
+                 r"conversational message lists \(.*\): use c, not c\[0\]\['content'\]\)")  # fmt: skip
     _probe_fails(tok, lambda completions: [1e39, 0.0], r"returned 1e\+39 for completion 0 \(prompt row 0\) "
                  r"\(inf in float32, whose largest value is 3.4e\+38\)")  # fmt: skip
     _probe_fails(tok, lambda completions: [1.0], r"returned 1 values for 2 completions")
@@ -612,3 +612,68 @@ def test_a_real_ctrl_c_during_the_call_is_the_users(tok) -> None:
             assert stop.name == "SIGINT"
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+# ---- conversational completions (TRL's rule) ----------------------------------------------------
+
+CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
+
+
+def test_conversation_prompts_get_trl_message_lists(tok, batch) -> None:
+    """TRL's GRPOTrainer: where ``is_conversational(prompt)``, each completion is
+    ``[{"role": "assistant", "content": text}]``; a string prompt's completion is its text. A pool
+    mixing both gets each row's own form; ``text``/``messages`` force one form."""
+    seen = {}
+
+    def trl_style(prompts, completions, **kw):  # a TRL conversational reward, as TRL's docs write them
+        seen["completions"] = completions
+        return [float(len(c[0]["content"])) for c in completions]
+
+    resp, mask = batch
+    rw = make_host_reward([trl_style], None, tok, CHATS, COLUMNS)
+    scores, error = jax.jit(rw)(jnp.asarray(IDX), jnp.asarray(resp), jnp.asarray(mask))
+    assert not np.asarray(error).any()
+    assert seen["completions"] == [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    np.testing.assert_array_equal(np.asarray(scores), [float(len(c)) for c in COMPLETIONS])
+    mixed = [CHATS[0], PROMPTS[1], CHATS[2], PROMPTS[3]]
+    record = lambda completions: seen.update(completions=completions) or [0.0] * len(completions)  # noqa: E731
+    make_host_reward([record], None, tok, mixed).score_numpy(IDX[:4], resp[:4], mask[:4])
+    assert seen["completions"] == [
+        [{"role": "assistant", "content": COMPLETIONS[0]}], COMPLETIONS[1],
+        [{"role": "assistant", "content": COMPLETIONS[2]}], COMPLETIONS[3],
+    ]  # fmt: skip
+    make_host_reward([record], None, tok, CHATS, completions="text").score_numpy(IDX[:2], resp[:2], mask[:2])
+    assert seen["completions"] == COMPLETIONS[:2]
+    make_host_reward([record], None, tok, PROMPTS, completions="messages").score_numpy(
+        IDX[:1], resp[:1], mask[:1]
+    )
+    assert seen["completions"] == [[{"role": "assistant", "content": COMPLETIONS[0]}]]
+    with pytest.raises(
+        RewardLoadError, match=r"^reward completions 'chat': expected one of auto, text, messages$"
+    ):
+        make_host_reward([record], None, tok, PROMPTS, completions="chat")
+
+
+def test_builtins_read_both_forms(tok, batch) -> None:
+    """The built-in rewards score a conversation prompt's message lists as they score the text."""
+    resp, mask = batch
+    text = make_host_reward(["positivity", "arithmetic"], None, tok, PROMPTS, COLUMNS).score_numpy(
+        IDX, resp, mask
+    )
+    chat = make_host_reward(["positivity", "arithmetic"], None, tok, CHATS, COLUMNS).score_numpy(
+        IDX, resp, mask
+    )
+    np.testing.assert_array_equal(text[1], chat[1])
+    np.testing.assert_array_equal(text[0], chat[0])
+
+
+def test_a_string_reward_on_conversations_is_told_the_rule(tok) -> None:
+    """A function written for strings, given TRL's lists (conversation prompts), fails on its probe
+    call with the rule and the setting that gives strings."""
+    lower = lambda completions: [float("good" in c.lower()) for c in completions]  # noqa: E731
+    rw = make_host_reward([lower], None, tok, CHATS)
+    with pytest.raises(RewardFunctionError, match=r"raised AttributeError: 'list' object has no attribute "
+                       r"'lower' \(completions are TRL conversational message lists .* set "
+                       r"reward.completions=text for plain strings\) \(a call before compiling"):  # fmt: skip
+        rw.probe([0, 1], ["a good day", "17"])
+    make_host_reward([lower], None, tok, CHATS, completions="text").probe([0, 1], ["a good day", "17"])

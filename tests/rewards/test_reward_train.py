@@ -230,7 +230,13 @@ def test_command_writes_the_directory_and_its_numbers(tmp_path, capsys):
     assert klrl_main(argv) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert captured.err.strip() == "warning: --eval-fraction is deprecated; use --rm.eval_fraction"
+    err = captured.err.strip().splitlines()
+    assert err[0] == "warning: --eval-fraction is deprecated; use --rm.eval_fraction"
+    assert (
+        len(err) == 2
+        and err[1].startswith("warning: the held-out accuracy ")
+        and "rests on 3 pairs" in err[1]
+    )
     assert lines[0].startswith("text format") and "chat template on" in lines[0], lines[0]
     assert "data.prompt_len 32" in lines[0] and "sampling.response_len 12" in lines[0]
     assert sum(line.startswith("epoch ") for line in lines) == 2 and "LoRA rank 2" in lines[1]
@@ -428,6 +434,37 @@ def test_ppo_notes_a_reward_model_trained_on_another_text_format(trained, tmp_pa
     assert "data.prompt_len" not in notes[0]
     assert format_mismatch(rm, cfg.data, cfg.sampling.__class__(response_len=16)) is None
     assert format_mismatch(trained["out"], cfg.data, cfg.sampling) is None  # nothing recorded
+    # the same format: one line saying it matches, with the fields compared (issue 48: it said nothing)
+    same = cfg.replace(sampling={"response_len": 16})
+    notes = [n for n in make_text_task(same).info.get("notes", []) if "reward_path" in n]
+    assert notes == [
+        f"model.reward_path {rm}: text format matches the one it was trained on (data.chat_template "
+        "True, data.prompt_len 64, data.truncate 'left', sampling.response_len 16, sampling.use_eos "
+        "True)"
+    ]
+    none = cfg.replace(model={"reward_path": str(trained["out"])})
+    notes = [n for n in make_text_task(none).info.get("notes", []) if "reward_path" in n]
+    assert len(notes) == 1 and "no text format recorded" in notes[0], notes
+
+
+def test_heldout_warning_below_50_pairs():
+    """The Wilson interval against hand values (n=2, p=1: centre (1 + 0.96)/2.92, half-width
+    1.96/2.92 * sqrt(3.8416/16)); the warning from 49 pairs down, none at 50."""
+    from klrl.rewards.train import MIN_HELDOUT, heldout_warning, wilson_interval
+
+    z2 = 1.96**2
+    lo, hi = wilson_interval(1.0, 2)
+    centre, half = (1 + z2 / 4) / (1 + z2 / 2), 1.96 / (1 + z2 / 2) * np.sqrt(z2 / 16)
+    assert (lo, hi) == pytest.approx((centre - half, min(1.0, centre + half)))
+    assert lo == pytest.approx(0.342, abs=1e-3) and hi == 1.0
+    lo, hi = wilson_interval(0.8, 100)  # Brown, Cai & DasGupta's example scale: about 0.71 .. 0.87
+    assert (round(lo, 3), round(hi, 3)) == (0.711, 0.867)
+    assert MIN_HELDOUT == 50 and heldout_warning(0.9, 50) is None
+    line = heldout_warning(1.0, 2)
+    assert line == (
+        "warning: the held-out accuracy 1.000 rests on 2 pairs (fewer than 50): its 95% interval is "
+        "[0.34, 1.00] (Wilson); more pairs or a larger --rm.eval_fraction narrow it"
+    )
 
 
 def test_config_of_the_ppo_run_gives_the_text_format_and_flags_override_it(tmp_path):
