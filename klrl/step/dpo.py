@@ -192,7 +192,7 @@ def dpo_iteration(prog: DPOProgram, state: DPOState, base: Any, data: PairData) 
         params, opt_state = carry
         b, r = mb
         grads, metrics = jax.grad(dpo_loss, argnums=1, has_aux=True)(prog, params, base, b, r, state.beta)
-        metrics["dpo/grad_norm"] = optax.global_norm(grads)
+        metrics["dpo/grad_norm"] = optax.tree.norm(grads)
         upd, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, upd), opt_state), metrics
 
