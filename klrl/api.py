@@ -37,6 +37,7 @@ from klrl.loop.dpo import drive as drive_dpo
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.models import lora as lora_lib
 from klrl.models.catalog import resolve_model_path
+from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import from_pretrained
 from klrl.rewards.pairs import Pairs, check_pairs, encode_as_ppo, heldout_prompts, read_pairs, split
 from klrl.step.dpo import DPOProgram, Heldout, PairData
@@ -234,7 +235,12 @@ def dpo(
         if model_path is None:
             raise ConfigError("model.path: required (or model=(family, params, tokenizer))")
         model_path = resolve_model_path(str(model_path))
-        family, base, tok = from_pretrained(model_path)
+        if not Path(model_path).exists():
+            raise ConfigError(f"model.path: {model_path}: no such file or directory")
+        try:
+            family, base, tok = from_pretrained(model_path)
+        except (CheckpointFormatError, OSError, ValueError) as e:
+            raise ConfigError(f"model.path: {e}") from None
         if tok is None:
             raise ConfigError(
                 f"model.path: {model_path}: no tokenizer (an HF directory needs tokenizer.json)"
