@@ -100,11 +100,11 @@ def run(ns: argparse.Namespace):
         kw = settings(ns)
     except ConfigError as e:
         fail(f"--{e}")
-    import klrl  # after the flags: jax is imported here
+    from klrl.api import dpo  # after the flags: jax is imported here
     from klrl.rewards.pairs import PairsError
 
     try:
-        result = klrl.dpo(ns.pairs, run_dir=ns.out or ns.resume, resume=bool(ns.resume), log=print, **kw)
+        result = dpo(ns.pairs, run_dir=ns.out or ns.resume, resume=bool(ns.resume), log=print, **kw)
     except ConfigError as e:
         fail(str(e) if str(e).startswith(("run_dir", "resume", "pairs")) else f"--{e}")
     except PairsError as e:

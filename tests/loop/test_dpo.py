@@ -24,8 +24,16 @@ from klrl.models.base import forward
 GGUF = Path(__file__).parents[1] / "data" / "tiny_gguf" / "tiny.gguf"
 WORDS = "ab cd ef gh ij kl mn op".split()
 TEXT = dict(data=DataConfig(chat_template=False, prompt_len=4), sampling=SamplingConfig(response_len=6))
-CFG = klrl.DPOConfig(lr=1e-2, batch_size=8, minibatches=2, iterations=8, eval_every=4, checkpoint_every=4,
-                     eval_prompts=4, eval_fraction=0.2)  # fmt: skip
+CFG = klrl.DPOConfig(
+    lr=1e-2,
+    batch_size=8,
+    minibatches=2,
+    iterations=8,
+    eval_every=4,
+    checkpoint_every=4,
+    eval_prompts=4,
+    eval_fraction=0.2,
+)
 
 
 def marker_pairs(n: int, seed: int = 0) -> list[dict]:
@@ -50,8 +58,15 @@ def pairs_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, pairs_file):
     out = tmp_path_factory.mktemp("dpo") / "run"
-    r = klrl.dpo(pairs_file, model_path=GGUF, cfg=CFG, betas=[0.1, 1.0], lora=LoRAConfig(rank=4, alpha=8.0),
-                 run_dir=out, **TEXT)  # fmt: skip
+    r = klrl.dpo(
+        pairs_file,
+        model_path=GGUF,
+        cfg=CFG,
+        betas=[0.1, 1.0],
+        lora=LoRAConfig(rank=4, alpha=8.0),
+        run_dir=out,
+        **TEXT,
+    )
     return r, out
 
 
@@ -74,8 +89,14 @@ def test_a_sweep_trains(sweep):
         assert held[-1] >= 0.75
     rows = [json.loads(x) for x in (r.members[1].dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in rows] == list(range(9)) and rows[0]["dpo/beta"] == 1.0
-    assert {"dpo/loss", "dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/reward_margin",
-            "dpo/reward_accuracy", "kl/exact_seq_sum"} <= set(rows[0])  # fmt: skip
+    assert {
+        "dpo/loss",
+        "dpo/rewards_chosen",
+        "dpo/rewards_rejected",
+        "dpo/reward_margin",
+        "dpo/reward_accuracy",
+        "kl/exact_seq_sum",
+    } <= set(rows[0])
     assert json.loads((out / "sweep.json").read_text())["members"] == [m.dir.name for m in r.members]
 
 
@@ -85,8 +106,16 @@ def test_resume_is_bit_for_bit(sweep, pairs_file, tmp_path):
     shutil.copytree(out, cut, ignore=shutil.ignore_patterns("policy", "base"))
     shutil.rmtree(cut / "checkpoints" / "8")  # killed after checkpoint 4 and 4 more rows
     with pytest.raises(klrl.ConfigError, match="dpo.lr"):
-        klrl.dpo(pairs_file, model_path=GGUF, cfg=klrl.DPOConfig(**{**CFG.__dict__, "lr": 0.5}),
-                 betas=[0.1, 1.0], lora=LoRAConfig(rank=4, alpha=8.0), run_dir=cut, resume=True, **TEXT)  # fmt: skip
+        klrl.dpo(
+            pairs_file,
+            model_path=GGUF,
+            cfg=klrl.DPOConfig(**{**CFG.__dict__, "lr": 0.5}),
+            betas=[0.1, 1.0],
+            lora=LoRAConfig(rank=4, alpha=8.0),
+            run_dir=cut,
+            resume=True,
+            **TEXT,
+        )
     klrl_main(["dpo", "--resume", str(cut), "--pairs", str(pairs_file)])
     for m in r.members:
         a = (m.dir / "metrics.jsonl").read_bytes()
@@ -111,11 +140,14 @@ def test_export_loads_in_peft_with_klrl_logits(sweep):
         adapter, dtype=torch.float32, attn_implementation="eager"
     )
     tf = hf_import("transformers")
-    merged = tf.AutoModelForCausalLM.from_pretrained(r.members[1].dir / "policy", dtype=torch.float32,
-                                                     attn_implementation="eager")  # fmt: skip
-    kw = dict(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
-              attention_mask=torch.tensor(m.astype(np.int64)),
-              position_ids=torch.tensor(np.maximum(np.cumsum(m, axis=1) - 1, 0)))  # fmt: skip
+    merged = tf.AutoModelForCausalLM.from_pretrained(
+        r.members[1].dir / "policy", dtype=torch.float32, attn_implementation="eager"
+    )
+    kw = dict(
+        input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
+        attention_mask=torch.tensor(m.astype(np.int64)),
+        position_ids=torch.tensor(np.maximum(np.cumsum(m, axis=1) - 1, 0)),
+    )
     with torch.no_grad():
         for hf in (pm.eval(), merged.eval()):
             assert np.abs(hf(**kw).logits.numpy() - want)[m].max() < 1e-4
@@ -125,19 +157,37 @@ def test_export_loads_in_peft_with_klrl_logits(sweep):
 
 def test_bad_input_is_one_line(capsys, pairs_file, tmp_path):
     base = ["dpo", "--model.path", str(GGUF), "--pairs", str(pairs_file)]
-    assert "--dpo.beta: must be > 0" in one_line_error(capsys, klrl_main, [*base, "--out", str(tmp_path / "a"),
-                                                                           "--dpo.beta", "0"])  # fmt: skip
-    assert "--dpo.loss" in one_line_error(capsys, klrl_main, [*base, "--out", str(tmp_path / "a"),
-                                                              "--dpo.loss", "kto"])  # fmt: skip
+    assert "--dpo.beta: must be > 0" in one_line_error(
+        capsys, klrl_main, [*base, "--out", str(tmp_path / "a"), "--dpo.beta", "0"]
+    )
+    assert "--dpo.loss" in one_line_error(
+        capsys, klrl_main, [*base, "--out", str(tmp_path / "a"), "--dpo.loss", "kto"]
+    )
     assert "--out" in one_line_error(capsys, klrl_main, base)
-    assert "--dpo.betas" in one_line_error(capsys, klrl_main, [*base, "--out", str(tmp_path / "a"),
-                                                               "--dpo.betas", "0.1,x"])  # fmt: skip
-    err = one_line_error(capsys, klrl_main, ["dpo", "--model.path", str(tmp_path / "none.gguf"), "--pairs",
-                                             str(pairs_file), "--out", str(tmp_path / "b")])  # fmt: skip
+    assert "--dpo.betas" in one_line_error(
+        capsys, klrl_main, [*base, "--out", str(tmp_path / "a"), "--dpo.betas", "0.1,x"]
+    )
+    err = one_line_error(
+        capsys,
+        klrl_main,
+        [
+            "dpo",
+            "--model.path",
+            str(tmp_path / "none.gguf"),
+            "--pairs",
+            str(pairs_file),
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
     assert "--model.path" in err and "no such file" in err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert "--pairs" in one_line_error(capsys, klrl_main, ["dpo", "--model.path", str(GGUF), "--pairs",
-                                                           str(empty), "--out", str(tmp_path / "c")])  # fmt: skip
-    assert "--resume" in one_line_error(capsys, klrl_main, ["dpo", "--pairs", str(pairs_file), "--resume",
-                                                            str(tmp_path)])  # fmt: skip
+    assert "--pairs" in one_line_error(
+        capsys,
+        klrl_main,
+        ["dpo", "--model.path", str(GGUF), "--pairs", str(empty), "--out", str(tmp_path / "c")],
+    )
+    assert "--resume" in one_line_error(
+        capsys, klrl_main, ["dpo", "--pairs", str(pairs_file), "--resume", str(tmp_path)]
+    )
