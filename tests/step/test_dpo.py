@@ -58,15 +58,19 @@ def _seq_logp(model, params, ids: np.ndarray, plen: int) -> jax.Array:
     return total
 
 
-def _reference_loss(lora, base, adapters, pairs, rows, beta, loss):
-    params = lora_lib.merge(base, adapters)
+def _reference_loss(lora, base, adapters, pairs, rows, beta, loss, family=None):
+    """The mean loss of ``rows``: LoRA (``adapters`` beside ``base``) or, with ``family``, full
+    fine-tuning (``adapters`` the whole model's parameters)."""
+    params = lora_lib.merge(base, adapters) if family is None else adapters
+    policy = lora if family is None else family
+    ref = lora.base if family is None else family
     losses = []
     for i in rows:
         h = []
         for side in ("chosen", "rejected"):
             n = int(getattr(pairs, f"{side}_mask")[i].sum())
             ids, plen = getattr(pairs, side)[i, :n], int(getattr(pairs, f"{side}_prompt_len")[i])
-            h.append(_seq_logp(lora, params, ids, plen) - _seq_logp(lora.base, base, ids, plen))
+            h.append(_seq_logp(policy, params, ids, plen) - _seq_logp(ref, base, ids, plen))
         d = h[0] - h[1]
         if loss == "sigmoid":
             losses.append(jnp.log1p(jnp.exp(-beta * d)))
@@ -95,12 +99,13 @@ def _adamw_clip(params, grads_list, lr, clip, b1=0.9, b2=0.999, eps=1e-8):
     return jax.tree.unflatten(tree, p)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_iteration_matches_a_python_loop(tiny, loss):
+@pytest.mark.parametrize("loss,full", [("sigmoid", False), ("ipo", False), ("sigmoid", True)])
+def test_iteration_matches_a_python_loop(tiny, loss, full):
     model, base, _, pairs = tiny
-    cfg = DPOConfig(loss=loss, lr=1e-2, batch_size=4, minibatches=2, max_grad_norm=0.5)
+    cfg = DPOConfig(loss=loss, lr=1e-2 if not full else 1e-3, batch_size=4, minibatches=2, max_grad_norm=0.5)
     lora = lora_lib.LoRA(model, 2, 4.0)
-    prog = S.DPOProgram(model, lora, cfg)
+    prog = S.DPOProgram(model, None if full else lora, cfg)
+    family = model if full else None
     beta = 0.5
     state = S.init_state(prog, base, 3, beta)
     # B = 0 at init: nudge the adapters so the first gradient is not only through B
@@ -109,11 +114,13 @@ def test_iteration_matches_a_python_loop(tiny, loss):
     rows = np.asarray(S.batch_indices(state, len(pairs), 4))
     new, metrics = jax.jit(lambda s, b, d: S.dpo_iteration(prog, s, b, d))(state, base, S.PairData.of(pairs))
 
-    f = lambda r: lambda a: jax.grad(lambda q: _reference_loss(lora, base, q, pairs, r, beta, loss))(a)
+    f = lambda r: (
+        lambda a: jax.grad(lambda q: _reference_loss(lora, base, q, pairs, r, beta, loss, family))(a)
+    )
     want = _adamw_clip(state.params, [f(rows[:2]), f(rows[2:])], cfg.lr, cfg.max_grad_norm)
     for got, ref in zip(jax.tree.leaves(new.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-4, atol=2e-6)
-    first = float(_reference_loss(lora, base, state.params, pairs, rows[:2], beta, loss))
+    first = float(_reference_loss(lora, base, state.params, pairs, rows[:2], beta, loss, family))
     assert int(new.iteration) == 1 and new.beta.dtype == jnp.float32
     assert (
         np.isfinite(float(metrics["dpo/loss"])) and float(metrics["dpo/loss"]) != first
