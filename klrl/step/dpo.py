@@ -206,8 +206,11 @@ def dpo_iteration(prog: DPOProgram, state: DPOState, base: Any, data: PairData) 
 def make_sweep_step(prog: DPOProgram) -> Any:
     """``step(states, base, data) -> (states, {name: [members]})``: one compiled program for all the
     stacked members (``jit(vmap(dpo_iteration))``; the base and the pairs are shared, not mapped)."""
-    one = lambda s, b, d: dpo_iteration(prog, s, b, d)
-    return jax.jit(jax.vmap(one, in_axes=(0, None, None)), donate_argnums=0)
+
+    def dpo_sweep_step(states, base, data):  # (the name the compile logs show)
+        return jax.vmap(lambda s: dpo_iteration(prog, s, base, data))(states)
+
+    return jax.jit(dpo_sweep_step, donate_argnums=0)
 
 
 # ---- held-out metrics --------------------------------------------------------------------------------
@@ -274,8 +277,13 @@ def make_sweep_eval(
     prog: DPOProgram, sampling: SamplingConfig, stop_ids: tuple[int, ...], pad_id: int
 ) -> Any:
     """``evaluate(states, base, held) -> {name: [members]}``, jitted, vmapped over the members."""
-    one = lambda s, b, h: heldout_metrics(prog, sampling, tuple(stop_ids), pad_id, s, b, h)
-    return jax.jit(jax.vmap(one, in_axes=(0, None, None)))
+
+    def dpo_sweep_eval(states, base, held):
+        return jax.vmap(lambda s: heldout_metrics(prog, sampling, tuple(stop_ids), pad_id, s, base, held))(
+            states
+        )
+
+    return jax.jit(dpo_sweep_eval)
 
 
 def to_host(metrics: dict[str, Array]) -> dict[str, np.ndarray]:
