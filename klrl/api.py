@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from klrl import distributed
 from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_run, load_sweep
@@ -257,9 +258,12 @@ def dpo(
             lora_lib.check(adapters, base, "lora.rank")
         except ValueError as e:
             raise ConfigError(str(e).replace("model.lora.", "lora.")) from None
+    if resume and run_dir is None:
+        raise ConfigError("resume: needs run_dir (the run directory to continue)")
     prompts, pmask = heldout_prompts(held_pairs, cfg.eval_prompts, tok.pad_id)
     as_jnp = lambda x: None if x is None else jnp.asarray(x)
-    held = Heldout(PairData.of(held_pairs), as_jnp(prompts), as_jnp(pmask))
+    scored = held_pairs.take(np.arange(min(len(held_pairs), cfg.eval_prompts)))
+    held = Heldout(PairData.of(scored) if len(scored) else None, as_jnp(prompts), as_jnp(pmask))
     doc = {
         "dpo": dataclasses.asdict(cfg),
         "lora": dataclasses.asdict(lora),

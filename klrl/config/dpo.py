@@ -35,7 +35,9 @@ class DPOConfig:
     eval_every: int = _f(
         10, "held-out metrics every N iterations, and after the last (0 = after the last only)"
     )
-    eval_prompts: int = _f(64, "held-out prompts answered for the exact KL (at most; 0 = none)")
+    eval_prompts: int = _f(
+        64, "held-out pairs scored and prompts answered for the exact KL (at most; 0 = none)"
+    )
     checkpoint_every: int = _f(
         50, "checkpoint every N iterations, and after the last (0 = after the last only)"
     )

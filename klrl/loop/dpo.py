@@ -145,6 +145,7 @@ def _start(
     if step is not None:
         states, meta = ckpt.restore(mgr, states, step)
         lines = int(meta["metrics_lines"])
+    mgr.close()
     for j, d in enumerate(dirs):
         kept = complete_lines(d / "metrics.jsonl")[:lines]
         replace_file(d / "metrics.jsonl", b"".join(kept))

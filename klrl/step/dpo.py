@@ -276,12 +276,12 @@ def heldout_metrics(
 def make_sweep_eval(
     prog: DPOProgram, sampling: SamplingConfig, stop_ids: tuple[int, ...], pad_id: int
 ) -> Any:
-    """``evaluate(states, base, held) -> {name: [members]}``, jitted, vmapped over the members."""
+    """``evaluate(states, base, held) -> {name: [members]}``, jitted; the members one after the other
+    (``lax.map``: the memory of one member's logits at a time, not the sweep's)."""
 
     def dpo_sweep_eval(states, base, held):
-        return jax.vmap(lambda s: heldout_metrics(prog, sampling, tuple(stop_ids), pad_id, s, base, held))(
-            states
-        )
+        one = lambda s: heldout_metrics(prog, sampling, tuple(stop_ids), pad_id, s, base, held)
+        return jax.lax.map(one, states)
 
     return jax.jit(dpo_sweep_eval)
 

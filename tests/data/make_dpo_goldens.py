@@ -1,5 +1,5 @@
 """Regenerate tests/data/dpo_golden.json with TRL's own ``DPOTrainer._compute_loss`` (never needed by klrl
-or its tests; ``tests/algo/test_dpo.py`` reads what this writes).
+or its tests; ``tests/algo/test_dpo_losses.py`` reads what this writes).
 
     python3 -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install -q torch==2.13.0 'trl==1.12.*'
     /tmp/trlenv/bin/python tests/data/make_dpo_goldens.py
