@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     import klrl
     from klrl.config import DataConfig, LoRAConfig, SamplingConfig
 
+    if not Path(ns.model).exists():  # a name `klrl models` lists
+        from klrl.models.catalog import find_models
+
+        hits = [f.path for f in find_models()[0] if f.name == ns.model or f.path.name == ns.model]
+        ns.model = str(hits[0]) if hits else ns.model
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     pairs = out / "pairs.jsonl"
