@@ -16,23 +16,39 @@ processes (:mod:`klrl.distributed`); then only process 0 writes.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from klrl import distributed
 from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_run, load_sweep
 from klrl.checks import check_program, preflight
-from klrl.config import RunConfig
+from klrl.config import ConfigError, DataConfig, LoRAConfig, RunConfig, SamplingConfig
+from klrl.config.dpo import DPOConfig
 from klrl.io.resume import prepare as prepare_resume
 from klrl.loop import reliability, user
 from klrl.loop.build import adopt_adapter, build_task, make_program, member_state
+from klrl.loop.dpo import DPOResult, member_name
+from klrl.loop.dpo import drive as drive_dpo
 from klrl.loop.driver import ROLLED_BACK, drive
+from klrl.models import lora as lora_lib
+from klrl.models.catalog import resolve_model_path
+from klrl.models.hf import CheckpointFormatError
+from klrl.models.pretrained import from_pretrained
+from klrl.rewards.pairs import Pairs, check_pairs, encode_as_ppo, heldout_prompts, read_pairs, split
+from klrl.step.dpo import DPOProgram, Heldout, PairData
 from klrl.tasks.base import Task
 from klrl.tasks.text import save_policy
 
 __all__ = [
     "ROLLED_BACK",
+    "DPOResult",
+    "dpo",
     "SUMMARY_KEYS",
     "RunResult",
     "build_task",
@@ -170,3 +186,130 @@ def _checked(members, stacked, task_given, write, resume, guard, sweep_devices, 
     if distributed.is_main() and Path(resume).is_dir():
         guard.hold(resume)  # before reading it: a second writer is refused, not interleaved
     return members, prepare_resume(members if stacked else members[0], resume)
+
+
+# ---- DPO ---------------------------------------------------------------------------------------------
+def dpo(
+    pairs: str | Path | list[dict] | Pairs,
+    *,
+    model_path: str | Path | None = None,
+    model: tuple[Any, Any, Any] | None = None,
+    cfg: DPOConfig | None = None,
+    betas: Sequence[float] | None = None,
+    seeds: Sequence[int] | None = None,
+    lora: LoRAConfig | None = None,
+    data: DataConfig | None = None,
+    sampling: SamplingConfig | None = None,
+    heldout: Pairs | None = None,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    log: Callable[[str], Any] | None = None,
+    on_step: Callable[[int, dict], Any] | None = None,
+) -> DPOResult:
+    """Train DPO (or IPO, robust, hinge: ``cfg.loss``) from preference pairs; every ``(beta, seed)`` of
+    ``betas x seeds`` (default ``cfg.beta``, ``cfg.seed``) is a member of one compiled program.
+
+    ``pairs``: a JSONL/Parquet file or records with TRL's ``prompt``/``chosen``/``rejected`` columns
+    (tokenised in PPO's text format, :func:`klrl.rewards.pairs.encode_as_ppo`, with ``data`` and
+    ``sampling``: PPO's sections and defaults), or already tokenised :class:`Pairs` (with prompt
+    lengths). ``dpo.eval_fraction`` of them are held out (the split keyed by ``cfg.seed``), unless
+    ``heldout`` gives the held-out pairs. The model: ``model_path`` (an HF directory, a ``.gguf``, a
+    ``klrl models`` name or a Hub name in the local cache) or ``model=(family, params, tokenizer)``;
+    ``lora.rank > 0`` trains adapters on the frozen base (the reference: the base), else the whole model.
+
+    ``run_dir``: the run directory (:mod:`klrl.loop.dpo`: metrics, checkpoints, ``policy/``; None: in
+    memory); ``resume=True`` continues it bit for bit. Returns a :class:`DPOResult` (``members[j]``:
+    beta, seed, rows, state; ``policy(j)``: the member's model and merged parameters). Bad input
+    raises :class:`ConfigError` or :class:`klrl.rewards.pairs.PairsError` (one line each).
+    """
+    cfg, lora = cfg or DPOConfig(), lora or LoRAConfig()
+    data = data or DataConfig()
+    sampling = sampling or SamplingConfig()
+    betas = [float(b) for b in (betas if betas is not None else [cfg.beta])]
+    seeds = [int(s) for s in (seeds if seeds is not None else [cfg.seed])]
+    for b in betas:
+        DPOConfig(**{**dataclasses.asdict(cfg), "beta": b})  # each beta checked as dpo.beta
+    if not betas or not seeds:
+        raise ConfigError("dpo: betas and seeds must not be empty")
+    members = [(b, s) for b in betas for s in seeds]
+    if model is None:
+        if model_path is None:
+            raise ConfigError("model.path: required (or model=(family, params, tokenizer))")
+        model_path = resolve_model_path(str(model_path))
+        if not Path(model_path).exists():
+            raise ConfigError(f"model.path: {model_path}: no such file or directory")
+        try:
+            family, base, tok = from_pretrained(model_path)
+        except (CheckpointFormatError, OSError, ValueError) as e:
+            raise ConfigError(f"model.path: {e}") from None
+        if tok is None:
+            raise ConfigError(
+                f"model.path: {model_path}: no tokenizer (an HF directory needs tokenizer.json)"
+            )
+    else:
+        family, base, tok = model
+    train_pairs, held_pairs = _dpo_pairs(pairs, heldout, tok, data, sampling, cfg)
+    if cfg.batch_size > len(train_pairs):
+        raise ConfigError(f"dpo.batch_size: {cfg.batch_size} exceeds the {len(train_pairs)} training pairs")
+    adapters = None
+    if lora.rank > 0:
+        try:
+            adapters = lora_lib.LoRA(family, lora.rank, lora.alpha, lora_lib.parse_targets(lora.targets))
+            lora_lib.check(adapters, base, "lora.rank")
+        except ValueError as e:
+            raise ConfigError(str(e).replace("model.lora.", "lora.")) from None
+    if resume and run_dir is None:
+        raise ConfigError("resume: needs run_dir (the run directory to continue)")
+    prompts, pmask = heldout_prompts(held_pairs, cfg.eval_prompts, tok.pad_id)
+    as_jnp = lambda x: None if x is None else jnp.asarray(x)
+    scored = held_pairs.take(np.arange(min(len(held_pairs), cfg.eval_prompts)))
+    held = Heldout(PairData.of(scored) if len(scored) else None, as_jnp(prompts), as_jnp(pmask))
+    doc = {
+        "dpo": dataclasses.asdict(cfg),
+        "lora": dataclasses.asdict(lora),
+        "data": dataclasses.asdict(data),
+        "sampling": dataclasses.asdict(sampling),
+        "model": {"path": str(model_path or "")},
+        "members": [list(m) for m in members],
+        "pairs": {"train": len(train_pairs), "heldout": len(held_pairs)},
+    }
+    doc = json.loads(json.dumps(doc, default=str))
+    if log is not None:
+        how = f"LoRA rank {lora.rank}" if adapters else "full fine-tuning"
+        n_prompts = 0 if prompts is None else len(prompts)
+        log(
+            f"{cfg.loss} on {len(train_pairs)} pairs ({len(held_pairs)} held out, {n_prompts} "
+            f"held-out prompts for the exact KL); {how}; {len(members)} member(s): "
+            + ", ".join(member_name(b, s) for b, s in members)
+        )
+    return drive_dpo(
+        DPOProgram(family, adapters, cfg),
+        base,
+        tok,
+        PairData.of(train_pairs),
+        held,
+        members,
+        sampling,
+        run_dir=run_dir,
+        resume=resume,
+        config_doc=doc,
+        model_path=model_path,
+        log=log,
+        on_step=on_step,
+    )
+
+
+def _dpo_pairs(pairs, heldout, tok, data, sampling, cfg) -> tuple[Pairs, Pairs]:
+    """``(training, held-out)`` :class:`Pairs` from a file, records or tokenised pairs."""
+    source = ""
+    if isinstance(pairs, str | Path):
+        source, pairs = str(pairs), read_pairs(pairs)
+    if not isinstance(pairs, Pairs):
+        check_pairs(list(pairs), [f"row {i}" for i in range(len(pairs))])
+        pairs = encode_as_ppo(list(pairs), tok, data, sampling, source=source)
+    if pairs.chosen_prompt_len is None:
+        raise ConfigError("pairs: tokenised pairs need chosen_prompt_len and rejected_prompt_len")
+    if heldout is not None:
+        return pairs, heldout
+    tr, ev = split(len(pairs), cfg.eval_fraction, cfg.seed)
+    return pairs.take(tr), pairs.take(ev)

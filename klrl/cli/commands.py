@@ -74,6 +74,8 @@ TABLE = (
     ("models", "pretrained models it can see:", "klrl models   (their paths, for --model.path)"),
     ("reward-model", "a Bradley-Terry reward model:",
      "klrl reward-model --model.path M --pairs P.jsonl --out DIR (--model.reward_path DIR)"),
+    ("dpo", "DPO/IPO from preference pairs:",
+     "klrl dpo --model.path M --pairs P.jsonl --out DIR [--dpo.betas 0.01,0.1,1] [--lora.rank 8]"),
 )  # fmt: skip
 COMMANDS = tuple(name for name, _, _ in TABLE)
 DESCRIPTION = "PPO with a KL penalty; beta lives in the train state."
@@ -454,7 +456,7 @@ def models_main(argv: list[str]) -> int:
 # the commands with a parser of their own: name -> "module:function" (imported only when it runs)
 STANDALONE = {"export": "klrl.cli.export:main", "models": "klrl.cli.commands:models_main",
               "generate": "klrl.cli.generate:generate_main", "eval": "klrl.cli.generate:eval_main",
-              "reward-model": "klrl.cli.reward_model:main"}  # fmt: skip
+              "reward-model": "klrl.cli.reward_model:main", "dpo": "klrl.cli.dpo:main"}  # fmt: skip
 
 
 def _standalone(cmd: str) -> Any:

@@ -12,7 +12,7 @@ from klrl.cli.args import fail
 from klrl.config import DataConfig, SamplingConfig
 
 __all__ = ["BASE", "DEPRECATED", "PARSERS", "PPO_FIELDS", "SETTINGS", "HelpFormatter", "export_parser",
-           "generate_parser", "reward_model_parser"]  # fmt: skip
+           "dpo_parser", "generate_parser", "reward_model_parser"]  # fmt: skip
 
 BASE = "base"  # a LoRA run's float base (klrl export --base), inside OUT_DIR: BASE/<model name>/
 
@@ -199,9 +199,93 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 # command -> its parser (klrl models' is klrl.cli.commands.models_main's own)
+# ---- klrl dpo -----------------------------------------------------------------------------------
+def dpo_parser() -> argparse.ArgumentParser:
+    """``klrl dpo``'s flags (:mod:`klrl.cli.dpo`): the ``dpo`` section's fields as ``--dpo.FIELD``."""
+    import dataclasses
+
+    from klrl.config.dpo import DPOConfig
+
+    what = (
+        "direct preference optimisation (DPO, IPO, robust, hinge) on preference pairs, in PPO's text format"
+    )
+    p = _Parser(prog="klrl dpo", allow_abbrev=False, description=what, formatter_class=HelpFormatter)
+    a = p.add_argument
+    a(
+        "--model.path",
+        dest="model_path",
+        default=None,
+        metavar="PATH",
+        help="the base causal LM (an HF directory, a .gguf, a `klrl models` name or a cached Hub name)",
+    )
+    a("--pairs", required=True, metavar="FILE", help="JSONL or Parquet: prompt (optional), chosen, rejected")
+    a("--out", default=None, metavar="DIR", help="the run directory to write (new or empty)")
+    a("--resume", default=None, metavar="DIR", help="continue this DPO run (its config.json) bit for bit")
+    a(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a PPO run's config (JSON or YAML): its data.*, sampling.* and model.path",
+    )
+    g = p.add_argument_group("dpo", "the dpo section (klrl.config.dpo.DPOConfig)")
+    kinds = {"int": int, "float": float, "str": str}
+    for f in dataclasses.fields(DPOConfig):
+        g.add_argument(
+            f"--dpo.{f.name}",
+            dest=f"dpo_{f.name}",
+            type=kinds[str(f.type)],
+            default=None,
+            metavar=str(f.type).upper(),
+            help=f"{f.metadata['help']} (default {f.default!r})",
+        )
+    g.add_argument(
+        "--dpo.betas",
+        dest="betas",
+        default=None,
+        metavar="B1,B2,..",
+        help="a sweep over beta: one member per value (x --dpo.seeds), one compiled program",
+    )
+    g.add_argument("--dpo.seeds", dest="seeds", default=None, metavar="S1,S2,..", help="a sweep over seeds")
+    g = p.add_argument_group("text format", "PPO's fields (default: --config's, else PPO's defaults)")
+    for name, kind in PPO_FIELDS:
+        g.add_argument(
+            f"--{name}",
+            dest=name.replace(".", "_"),
+            default=None,
+            type=_bool if kind == "bool" else int if kind == "int" else str,
+            metavar=kind.upper(),
+            help=f"PPO's {name}",
+        )
+    a(
+        "--lora.rank",
+        "--model.lora.rank",
+        dest="lora_rank",
+        type=int,
+        default=0,
+        help="LoRA adapter rank (0: full fine-tuning); the reference is the base with the adapters off",
+    )
+    a(
+        "--lora.alpha",
+        "--model.lora.alpha",
+        dest="lora_alpha",
+        type=float,
+        default=16.0,
+        help="LoRA scale numerator: (alpha / rank) A B",
+    )
+    a(
+        "--lora.targets",
+        "--model.lora.targets",
+        dest="lora_targets",
+        default="",
+        help="regex of the adapted modules ('' = the family's defaults)",
+    )
+    return p
+
+
 PARSERS = {
     "export": export_parser,
     "generate": lambda: generate_parser("generate"),
     "eval": lambda: generate_parser("eval"),
     "reward-model": reward_model_parser,
+    "dpo": dpo_parser,
 }

@@ -55,16 +55,27 @@ class PairsError(ValueError):
 
 class Pairs(NamedTuple):
     """Tokenised pairs: ``chosen``/``rejected`` ``[N, T]`` int32 right-padded with the pad id, their
-    masks ``[N, T]`` float32 (1 on real tokens), ``truncated`` the number of cut pairs."""
+    masks ``[N, T]`` float32 (1 on real tokens), ``truncated`` the number of cut pairs;
+    ``chosen_prompt_len``/``rejected_prompt_len`` ``[N]`` int32 the number of prompt tokens before each
+    response (the response is ``mask`` from there on: :meth:`completion`)."""
 
     chosen: np.ndarray
     chosen_mask: np.ndarray
     rejected: np.ndarray
     rejected_mask: np.ndarray
     truncated: int
+    chosen_prompt_len: np.ndarray | None = None
+    rejected_prompt_len: np.ndarray | None = None
 
     def take(self, idx: np.ndarray) -> Pairs:
-        return Pairs(self.chosen[idx], self.chosen_mask[idx], self.rejected[idx], self.rejected_mask[idx], 0)
+        sub = lambda x: None if x is None else x[idx]
+        return Pairs(self.chosen[idx], self.chosen_mask[idx], self.rejected[idx], self.rejected_mask[idx], 0,
+                     sub(self.chosen_prompt_len), sub(self.rejected_prompt_len))  # fmt: skip
+
+    def completion(self, side: str) -> np.ndarray:
+        """``[N, T]`` float32, 1 on the response tokens of ``side`` (``'chosen'`` or ``'rejected'``)."""
+        mask, plen = getattr(self, f"{side}_mask"), getattr(self, f"{side}_prompt_len")
+        return mask * (np.arange(mask.shape[1])[None, :] >= plen[:, None]).astype(np.float32)
 
     def __len__(self) -> int:  # type: ignore[override]
         return int(self.chosen.shape[0])
@@ -171,6 +182,7 @@ def encode_pairs(
     toks = {s: np.full((n, max_len), tokenizer.pad_id, np.int32) for s in REQUIRED}
     masks = {s: np.zeros((n, max_len), np.float32) for s in REQUIRED}
     cut = np.zeros(n, bool)
+    plens = {s: np.zeros(n, np.int32) for s in REQUIRED}
     for i, rec in enumerate(records):
         for side in REQUIRED:
             label = f"{source} row {i}: {side}".strip()
@@ -182,10 +194,12 @@ def encode_pairs(
             if stops and r_ids[-1] not in stops:
                 r_ids.append(stops[0])
             ids, c = _sequence(p_ids, r_ids, max_len)
+            plens[side][i] = min(len(p_ids), max(max_len - len(r_ids), 0))
             cut[i] |= c
             toks[side][i, : len(ids)] = ids
             masks[side][i, : len(ids)] = 1.0
-    return Pairs(toks["chosen"], masks["chosen"], toks["rejected"], masks["rejected"], int(cut.sum()))
+    return Pairs(toks["chosen"], masks["chosen"], toks["rejected"], masks["rejected"], int(cut.sum()),
+                 plens["chosen"], plens["rejected"])  # fmt: skip
 
 
 def split(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -276,6 +290,7 @@ def encode_as_ppo(
     toks = {s: np.full((n, width), tokenizer.pad_id, np.int32) for s in REQUIRED}
     masks = {s: np.zeros((n, width), np.float32) for s in REQUIRED}
     cut = np.zeros(n, bool)
+    plens = {s: np.zeros(n, np.int32) for s in REQUIRED}
     for k, (i, side, _, resp) in enumerate(sides):
         p_ids: list[int] = []
         if k in row_of:
@@ -287,6 +302,27 @@ def encode_as_ppo(
             raise PairsError(f"{source} row {i}: {side}: the response encodes to no tokens".strip())
         cut[i] |= c
         ids = p_ids + r_ids
+        plens[side][i] = len(p_ids)
         toks[side][i, : len(ids)] = ids
         masks[side][i, : len(ids)] = 1.0
-    return Pairs(toks["chosen"], masks["chosen"], toks["rejected"], masks["rejected"], int(cut.sum()))
+    return Pairs(toks["chosen"], masks["chosen"], toks["rejected"], masks["rejected"], int(cut.sum()),
+                 plens["chosen"], plens["rejected"])  # fmt: skip
+
+
+def heldout_prompts(pairs: Pairs, limit: int, pad_id: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The prompts of the first ``limit`` pairs that have one, left-padded as PPO's prompt pool
+    (``[n, P]`` int32 tokens with the pad id, ``[n, P]`` float32 mask, ``P`` the longest prompt): the
+    tokens before each chosen response (the same prompt as the rejected one's). ``(None, None)``
+    when none has a prompt or ``limit`` is 0."""
+    plen = pairs.chosen_prompt_len
+    rows = [i for i in range(len(pairs)) if plen[i] > 0][:limit]
+    if not rows:
+        return None, None
+    width = int(max(plen[i] for i in rows))
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.float32)
+    for k, i in enumerate(rows):
+        n = int(plen[i])
+        tokens[k, width - n :] = pairs.chosen[i, :n]
+        mask[k, width - n :] = 1.0
+    return tokens, mask

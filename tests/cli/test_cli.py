@@ -494,7 +494,7 @@ _NO_JAX = (
     "argv",
     [["--help"], ["train", "--help"], ["sweep", "--help"], ["study", "--help"], ["resume", "--help"],
      ["report", "--help"], ["models", "--help"], ["export", "--help"], ["generate", "--help"],
-     ["eval", "--help"], ["reward-model", "--help"]],
+     ["eval", "--help"], ["reward-model", "--help"], ["dpo", "--help"]],
 )  # fmt: skip
 def test_help_does_not_import_jax(argv) -> None:
     """``klrl --help`` and the training commands' ``--help`` import neither jax nor the training stack
