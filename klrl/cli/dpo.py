@@ -25,7 +25,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from klrl.cli.args import check_special, fail, load_config_file
+from klrl.cli.args import check_new_path, check_special, fail, load_config_file
 from klrl.cli.flags import PPO_FIELDS, dpo_parser
 from klrl.config import ConfigError, DataConfig, LoRAConfig, SamplingConfig
 from klrl.config.dpo import DPOConfig
@@ -96,6 +96,8 @@ def run(ns: argparse.Namespace):
         check_special(path, flag)
     if bool(ns.out) == bool(ns.resume):
         fail("--out: give --out DIR (a new run) or --resume DIR (continue one), not both, not neither")
+    if ns.out:  # nothing there; a name too long, a loop, read-only, a full disk: one line, nothing made
+        check_new_path(ns.out, "--out", directory=True)
     try:
         kw = settings(ns)
     except ConfigError as e:

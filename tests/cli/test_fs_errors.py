@@ -1,7 +1,7 @@
 """Every command, every filesystem error, one line (issue 52, item 2): each command that writes or reads
 a path (``train``, ``sweep``, ``study``, ``resume``, ``report``, ``export``, ``generate``, ``eval``,
-``reward-model``) meets each of a name too long, a symbolic link loop, a file where a directory is
-expected, a read-only filesystem, a full disk and a directory without permission, at the path it
+``reward-model``, ``dpo``) meets each of a name too long, a symbolic link loop, a file where a directory
+is expected, a read-only filesystem, a full disk and a directory without permission, at the path it
 writes (a run's ``train.out_dir``, export's ``OUT_DIR``, generate's and eval's ``--out``,
 reward-model's ``--out``) or at the run directory it works in (resume, report): exit 2, one line naming
 the path and the cause, before anything is built, and nothing left behind.
@@ -30,7 +30,7 @@ CAUSE = {  # the words of the cause in the line
     "no_space": "No space left on device",
     "permission": "ermission",
 }
-WRITERS = ("train", "sweep", "study", "export", "generate", "eval", "reward-model")
+WRITERS = ("train", "sweep", "study", "export", "generate", "eval", "reward-model", "dpo")
 READERS = ("resume", "report")
 
 
@@ -152,6 +152,8 @@ def _argv(cmd: str, target: Path, run_dir: Path, tmp_path: Path) -> list[str]:
         "eval": ["eval", str(run_dir), "--prompts", str(inputs / "p.jsonl"), "--out", str(target)],
         "reward-model": ["reward-model", "--model.path", str(GGUF), "--pairs", str(inputs / "pairs.jsonl"),
                          "--out", str(target)],
+        "dpo": ["dpo", "--model.path", str(GGUF), "--pairs", str(inputs / "pairs.jsonl"),
+                "--out", str(target)],
         "resume": ["resume", str(target)],
         "report": ["report", str(target)],
     }[cmd]  # fmt: skip
