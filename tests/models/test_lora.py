@@ -273,15 +273,17 @@ def test_a_lora_target_error_comes_before_the_task_notes(tmp_path, capsys):
 # ---- what LoRA's step does not compute or hold --------------------------------------------------
 
 
-def _dot_shapes(jaxpr) -> list[tuple[int, ...]]:
-    """The output shapes of every ``dot_general`` in ``jaxpr`` and the jaxprs it calls (scan, cond, pjit,
-    remat, shard_map, custom derivatives)."""
+def _dot_shapes(jaxpr) -> list[tuple[tuple[int, ...], int]]:
+    """``(output shape, contracted size)`` of every ``dot_general`` in ``jaxpr`` and the jaxprs it calls
+    (scan, cond, pjit, remat, shard_map, custom derivatives)."""
     from jax.extend import core as jcore
 
     out = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            out.append(tuple(eqn.outvars[0].aval.shape))
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            size = math.prod(eqn.invars[0].aval.shape[i] for i in contract)
+            out.append((tuple(eqn.outvars[0].aval.shape), size))
         for p in eqn.params.values():
             for sub in p if isinstance(p, tuple | list) else (p,):
                 if isinstance(sub, jcore.ClosedJaxpr):
@@ -299,9 +301,12 @@ def _kernel_shapes(params) -> set[tuple[int, int]]:
     }
 
 
-def _as_matrices(shapes: list[tuple[int, ...]]) -> set[tuple[int, int]]:
-    """The matrices among ``shapes``, dimensions sorted (a kernel's gradient may come out transposed)."""
-    return {tuple(sorted(s)) for s in shapes if len(s) == 2}
+def _as_matrices(dots: list, skip_contracting: int = 0) -> set[tuple[int, int]]:
+    """The matrix outputs among ``dots`` (dimensions sorted: a kernel's gradient may come out transposed),
+    but those contracting ``skip_contracting`` (the rank: ``A B``, the adapters folded into the base for
+    the rollout, ``klrl.step.train.rollout_policy``, is not a gradient; a weight gradient contracts the
+    tokens)."""
+    return {tuple(sorted(s)) for s, k in dots if len(s) == 2 and k != skip_contracting}
 
 
 def test_the_lora_step_computes_no_weight_gradient_of_the_base(tiny_cfg, tiny_task, lora_train):
@@ -316,7 +321,8 @@ def test_the_lora_step_computes_no_weight_gradient_of_the_base(tiny_cfg, tiny_ta
     _, train = lora_train
     state = train.init(0)
     env = train.context.task.env
-    lora_dots = _as_matrices(_dot_shapes(jax.make_jaxpr(train.step)(state, env).jaxpr))
+    lora_jaxpr = jax.make_jaxpr(train.step)(state, env).jaxpr
+    lora_dots = _as_matrices(_dot_shapes(lora_jaxpr), skip_contracting=train.context.models.policy.rank)
     assert not kernels & lora_dots, sorted(kernels & lora_dots)
     full = make_train(tiny_cfg.replace(model={"value_model": "head"}), tiny_task)
     full_jaxpr = jax.make_jaxpr(full.step)(full.init(0), full.context.task.env).jaxpr
@@ -337,3 +343,23 @@ def test_no_optimizer_state_exists_for_the_frozen_base(lora_train, tiny_task):
     n_trained = sum(x.size for x in jax.tree.leaves(state.params))
     assert sum(x.size for x in moments) == 2 * n_trained  # mu and nu, nothing else
     assert n_trained < sum(x.size for x in jax.tree.leaves(tiny_task.policy_params)) / 4
+
+
+def test_the_rollout_samples_from_the_adapters_folded_into_the_base(lora_train):
+    """The rollout's policy (``rollout_policy``: ``W + (alpha / r) A B`` folded once per iteration, the base
+    model) is the adapted policy: with non-zero adapters its logits match the LoRA forward's (float32
+    rounding), and they differ from the base's (so the fold is not a no-op)."""
+    from klrl.step.train import merges_for_rollout, rollout_policy
+
+    _, train = lora_train
+    ctx, state = train.context, train.init(0)
+    pol = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x + 0.5), state.params["policy"])
+    state = state._replace(params={**state.params, "policy": pol})
+    assert merges_for_rollout(ctx, state)
+    model, params = rollout_policy(ctx, state)
+    assert model is ctx.models.policy.base
+    merged = forward(model, params, TOKENS, KEY_MASK).logits
+    adapted = forward(ctx.models.policy, lora.merge(state.ref_params, pol), TOKENS, KEY_MASK).logits
+    base = forward(model, state.ref_params, TOKENS, KEY_MASK).logits
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), rtol=1e-4, atol=1e-4)
+    assert float(jnp.max(jnp.abs(adapted - base))) > 1e-2
