@@ -113,8 +113,13 @@ class ModelConfig:
         "none",
         "rematerialisation in the PPO update: none, block (each block keeps only its matmul outputs "
         "without batch dimensions), dots (every matmul output, the attention's too) "
-        "or full (each block keeps only its input; klrl.models.remat)",
+        "or full (each block keeps only its input; klrl.models.remat); auto: the first of none, dots, "
+        "block, full whose compiled step fits model.memory_gb (klrl.step.train.auto_remat)",
     )
+    memory_gb: float = _f(
+        0.0, "model.remat=auto: the memory (GB, 10^9 bytes) the compiled step must fit; 0 = what the device "
+        "has free when the step is built (on a CPU the host's MemAvailable)",
+    )  # fmt: skip
     logits: str = _f(
         "auto",
         "logit-derived quantities (token log-probs, entropy, exact KL): full ([B, T, V] logits), chunked "
@@ -147,7 +152,8 @@ class ModelConfig:
             v = getattr(self, name)
             _check(v.strip() == v, f"model.{name}", "must not have surrounding spaces")
         _check(not self.value_path or self.path, "model.value_path", "needs model.path")
-        _choice(self.remat, "model.remat", ("none", "block", "dots", "full"))
+        _choice(self.remat, "model.remat", ("none", "block", "dots", "full", "auto"))
+        _check(self.memory_gb >= 0, "model.memory_gb", "must be >= 0 (0 = what the device has free)")
         _choice(self.logits, "model.logits", ("auto", "full", "chunked"))
         _check(self.logits_chunk >= 1, "model.logits_chunk", "must be >= 1")
 

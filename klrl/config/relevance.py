@@ -63,6 +63,8 @@ IRRELEVANT: tuple[Rule, ...] = (
     Rule("lora.critic_rank", lambda c: c.model.value_model != "lora",
          "with model.value_model={c.model.value_model} (the critic has adapters only with lora)"),
     Rule("model.logits_chunk", lambda c: c.model.logits == "full", "with model.logits=full"),
+    Rule("model.memory_gb", lambda c: c.model.remat != "auto", "with model.remat={c.model.remat} (it is "
+         "model.remat=auto's budget)"),
     *(Rule(f"model.{f}", lambda c: c.task.name == "text", _TEXT, on_task=True) for f in _GPT),
     Rule("kl.beta", lambda c: "kl.beta" in unread(c),
          "with ctrl.warmup_iters={c.ctrl.warmup_iters} (the warm-up starts from ctrl.warmup_beta)"),

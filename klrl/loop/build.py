@@ -104,7 +104,9 @@ def make_program(
         check(members, task, mesh.shape["data"], policy=models.get("policy"), reward=models.get("reward"))
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
     adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
-    train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, **models)
+    # a sweep's members share one base: no merged copy of it per member in the rollout
+    train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, fold_rollout=not stacked,
+                       **models)  # fmt: skip
     if base.model.adapter and not tc.quiet and distributed.is_main():  # the initial policy's adapters
         say(peft.adapter_line(base.model.adapter))
     task = train.context.task  # (a ``reward=`` passed in is part of it)

@@ -118,9 +118,13 @@ def _prefill(
     positions = positions_from_mask(key_mask)  # [B, S]
     cache = model.init_cache(b, s)
 
-    out = model.apply(params, prompt, positions[:, :p], full_mask[:, :p], cache, 0)
+    # the LM head on the last prompt slot only (the others' logits are never read: P - 1 rows of
+    # [D] x [D, V] saved, 11% of the SmolLM2 workload's rollout FLOPs); a model without ``head`` (the
+    # CausalLM protocol does not require one) computes them all
+    head = getattr(model, "head", None)
+    out = model.apply(params, prompt, positions[:, :p], full_mask[:, :p], cache, 0, logits=head is None)
     cache = out.cache
-    logits = out.logits[:, -1]
+    logits = out.logits[:, -1] if head is None else head(params, out.hidden[:, -1])
     hid = out.hidden[:, -1] if keep_hidden else None
     v0 = values(out)
     value = v0[:, -1] if v0 is not None else jnp.zeros((b,), jnp.float32)

@@ -293,6 +293,7 @@ class Context:
     samples: int = 0  # rows returned as ``_samples/*`` outputs for the host to decode (klrl.loop.samples)
     ref_init: Any = None  # the reference's own initial parameters (quantised, model.ref_quant), else None
     policy_adapters: Any = None  # the policy's initial adapters (model.adapter), None: fresh (B = 0)
+    fold_rollout: bool = True  # LoRA: sample from W + s A B (off in a sweep: one merged base per member)
 
     @property
     def lora(self) -> bool:

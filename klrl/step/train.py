@@ -44,7 +44,7 @@ from klrl.config import ConfigError, RunConfig
 from klrl.models import lora as lora_lib
 from klrl.models import peft, quant
 from klrl.models.base import CausalLM, forward
-from klrl.models.heads import ValueHead, detach
+from klrl.models.heads import ValueHead, attach, detach
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.rollout import Rollout, generate, response_slice, sequence, stop_set
 from klrl.registry import is_adaptive
@@ -98,13 +98,37 @@ def rollout_phase(ctx: Context, state: TrainState, env: Any) -> Rollout:
     )
     ex_keys = jax.vmap(jax.random.fold_in, (None, 0))(k_sample, g_idx)
     head = ctx.models.value_head if ctx.head else None
-    policy = full_params(ctx, state.params, state.ref_params)["policy"]
+    model, policy = rollout_policy(ctx, state)
     ro = generate(
-        ctx.models.policy, policy, env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
+        model, policy, env["prompts"][p_idx], env["prompt_mask"][p_idx], ex_keys,
         ctx.cfg.sampling, ctx.stop_ids, ctx.task.pad_id, ctx.keep_logits, value_head=head,
         keep_hidden=ctx.keep_hidden,
     )  # fmt: skip
     return ro._replace(prompt_idx=p_idx.astype(jnp.int32))
+
+
+def merges_for_rollout(ctx: Context, state: TrainState) -> bool:
+    """Whether the rollout samples from the adapters folded into the base (:func:`rollout_policy`): a
+    LoRA policy on a float32, unquantised base, outside a sweep's ``vmap`` (there each member would hold
+    a merged copy of the base; the members share one base otherwise)."""
+    if not ctx.lora or ctx.models.policy.quant != "none" or ctx.ref_dtype != jnp.float32:
+        return False
+    return ctx.fold_rollout  # (make_train's ``fold_rollout``: False for a sweep's program)
+
+
+def rollout_policy(ctx: Context, state: TrainState) -> tuple[Any, Any]:
+    """``(model, params)`` the rollout samples with: the policy with its adapters on the frozen base, or
+    (:func:`merges_for_rollout`) the base model with ``W + (alpha / r) A B`` folded into every adapted
+    kernel once per iteration (:func:`klrl.models.lora.merged_kernels`, float32), the same policy up to
+    float32 rounding. Decoding runs a single token per step, where each adapter's two skinny matmuls and
+    add cost about as much as the base's matmul of the same layer reads; merged, a decode step is the
+    base's (on SmolLM2 16 x (32 + 32), interleaved: rollout 1.13x -> 1.0x the base's; the merged copy
+    is 0.4 GiB of temporaries)."""
+    if not merges_for_rollout(ctx, state):
+        return ctx.models.policy, full_params(ctx, state.params, state.ref_params)["policy"]
+    adapters, head = detach(state.params["policy"]) if ctx.head else (state.params["policy"], None)
+    merged = lora_lib.merged_kernels(state.ref_params, adapters, ctx.models.policy.scale)
+    return ctx.models.policy.base, merged if head is None else attach(merged, head)
 
 
 def score_phase(ctx: Context, state: TrainState, env: Any, ro: Rollout) -> Scores:
@@ -286,6 +310,7 @@ def make_train(
     stop_ids: tuple[int, ...] | None = None,
     log_target: bool | None = None,
     samples: int = 0,
+    fold_rollout: bool = True,
 ) -> Train:
     """Build pure ``init`` and the jitted ``step`` for ``cfg`` on ``task``.
 
@@ -303,7 +328,14 @@ def make_train(
     ``is_adaptive(cfg.ctrl.kind)``) logs ``ctrl/target`` (a sweep sets it when any member is adaptive;
     fixed members then log NaN).
     ``samples`` (> 0) adds the first that many rows of each iteration's batch to the step's outputs as
-    ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them)."""
+    ``_samples/*`` arrays (:func:`klrl.step.samples.sample_rows`; the run loop decodes and writes them).
+    ``fold_rollout``: a LoRA policy's rollout samples from the adapters folded into the base
+    (:func:`rollout_policy`); a sweep's program (one base for all members, vmapped) sets it False."""
+    if cfg.model.remat == "auto":  # the first mode whose compiled step fits model.memory_gb
+        kwargs = dict(policy=policy, policy_params=policy_params, value=value, value_params=value_params,
+                      reward=reward, stop_ids=stop_ids, log_target=log_target, samples=samples,
+                      fold_rollout=fold_rollout)  # fmt: skip
+        return auto_remat(cfg, task, mesh, **kwargs)
     mesh = mesh_from_config(cfg.train) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
@@ -333,6 +365,7 @@ def make_train(
         samples=min(int(samples), cfg.train.batch_size),
         policy_adapters=adapters,
         ref_init=ref_init,
+        fold_rollout=fold_rollout,
     )
     one = partial(step_fn, ctx)
     phases = Phases(
@@ -353,6 +386,56 @@ def make_train(
         context=ctx,
         state_shardings=shardings,
     )
+
+
+AUTO_ORDER = ("none", "dots", "block", "full")  # least recomputation first (docs/pretrained.md's table)
+
+
+def memory_budget(cfg: RunConfig, resident: int = 0) -> float:
+    """Bytes the compiled step may use (``model.memory_gb``; 0: what the device has free: the accelerator's
+    ``bytes_limit - bytes_in_use``, or on a CPU the host's ``MemAvailable`` plus ``resident``, the bytes of
+    the step's arguments already loaded, e.g. the task's frozen weights)."""
+    if cfg.model.memory_gb > 0:
+        return cfg.model.memory_gb * 1e9
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    if "bytes_limit" in stats:
+        return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # pragma: no cover (not Linux): no limit known
+        return float("inf")
+    return float(avail + resident)
+
+
+def step_bytes(train: Train) -> int:
+    """Bytes the compiled step needs: its arguments, temporaries and outputs (less those aliasing a donated
+    argument), from XLA's ``memory_analysis`` of the step lowered on the state's shapes."""
+    ctx = train.context
+    shapes = jax.eval_shape(lambda: train.init(ctx.cfg.train.seed))
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                            train.state_shardings)  # fmt: skip
+    ma = train.step.lower(abstract, ctx.task.env).compile().memory_analysis()
+    if ma is None:  # pragma: no cover (a backend without it)
+        return 0
+    return int(
+        ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+    )
+
+
+def auto_remat(cfg: RunConfig, task: Task, mesh: Any = None, **kwargs: Any) -> Train:
+    """``model.remat=auto``: :func:`make_train` with the first mode of :data:`AUTO_ORDER` (less
+    recomputation first: on this CPU the fastest first, ``docs/pretrained.md``) whose compiled step
+    (:func:`step_bytes`) fits :func:`memory_budget`; ``full`` when none does. Each mode tried is one
+    compile of the step. The chosen mode is ``train.context.cfg.model.remat``."""
+    params = kwargs.get("policy_params") or task.policy_params
+    resident = sum(x.nbytes for x in jax.tree.leaves((params, task.env)) if hasattr(x, "nbytes"))
+    budget = memory_budget(cfg, resident)
+    for mode in AUTO_ORDER:
+        train = make_train(cfg.replace(model={"remat": mode}), task, mesh, **kwargs)
+        if mode == AUTO_ORDER[-1] or step_bytes(train) <= budget:
+            return train
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def frozen_base(cfg: RunConfig, models: Models, params: Any) -> tuple[Models, Any, Any]:

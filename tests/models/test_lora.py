@@ -4,6 +4,7 @@ base (the base never copied, never changed; only adapters and heads trained; one
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -265,3 +266,98 @@ def test_a_lora_target_error_comes_before_the_task_notes(tmp_path, capsys):
             "--train.out_dir", str(tmp_path)]  # fmt: skip
     line = one_line_error(capsys, main, argv)
     assert line.startswith("error: lora.targets: 'zzz' matches no linear layer"), line
+
+
+# ---- what LoRA's step does not compute or hold --------------------------------------------------
+
+
+def _dot_shapes(jaxpr) -> list[tuple[tuple[int, ...], int]]:
+    """``(output shape, contracted size)`` of every ``dot_general`` in ``jaxpr`` and the jaxprs it calls
+    (scan, cond, pjit, remat, shard_map, custom derivatives)."""
+    from jax.extend import core as jcore
+
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            size = math.prod(eqn.invars[0].aval.shape[i] for i in contract)
+            out.append((tuple(eqn.outvars[0].aval.shape), size))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    out += _dot_shapes(sub.jaxpr)
+                elif isinstance(sub, jcore.Jaxpr):
+                    out += _dot_shapes(sub)
+    return out
+
+
+def _kernel_shapes(params) -> set[tuple[int, int]]:
+    """``(in, out)`` of every dense kernel of ``params`` (leaves named ``kernel``), sorted."""
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    return {
+        tuple(sorted((x.shape[0], math.prod(x.shape[1:])))) for p, x in flat if str(p[-1].key) == "kernel"
+    }
+
+
+def _as_matrices(dots: list, skip_contracting: int = 0) -> set[tuple[int, int]]:
+    """The matrix outputs among ``dots`` (dimensions sorted: a kernel's gradient may come out transposed),
+    but those contracting ``skip_contracting`` (the rank: ``A B``, the adapters folded into the base for
+    the rollout, ``klrl.step.train.rollout_policy``, is not a gradient; a weight gradient contracts the
+    tokens)."""
+    return {tuple(sorted(s)) for s, k in dots if len(s) == 2 and k != skip_contracting}
+
+
+def test_the_lora_step_computes_no_weight_gradient_of_the_base(tiny_cfg, tiny_task, lora_train):
+    """No matmul of the LoRA step (rollout, scoring, PPO update) produces a tensor of a base kernel's
+    shape ``[in, out]``: the backward takes the activations' gradient through the frozen base and the
+    adapters' ``[in, r]`` / ``[r, out]`` gradients, never ``dL/dW``. The same check on full fine-tuning of
+    the same model finds every kernel's gradient (so the check can see one)."""
+    from klrl.step.train import make_train
+
+    kernels = _kernel_shapes(tiny_task.policy_params)
+    assert kernels
+    _, train = lora_train
+    state = train.init(0)
+    env = train.context.task.env
+    lora_jaxpr = jax.make_jaxpr(train.step)(state, env).jaxpr
+    lora_dots = _as_matrices(_dot_shapes(lora_jaxpr), skip_contracting=train.context.models.policy.rank)
+    assert not kernels & lora_dots, sorted(kernels & lora_dots)
+    full = make_train(tiny_cfg.replace(model={"value_model": "head"}), tiny_task)
+    full_jaxpr = jax.make_jaxpr(full.step)(full.init(0), full.context.task.env).jaxpr
+    full_dots = _as_matrices(_dot_shapes(full_jaxpr))
+    assert kernels <= full_dots, sorted(kernels - full_dots)
+
+
+def test_no_optimizer_state_exists_for_the_frozen_base(lora_train, tiny_task):
+    """Adam's moments cover the adapters and heads only: every floating leaf of the optimiser state has the
+    shape of a trained (adapter or head) leaf, and their total size is a small multiple of the adapters'."""
+    _, train = lora_train
+    state = train.init(0)
+    trained = {tuple(x.shape) for x in jax.tree.leaves(state.params)}
+    moments = [
+        x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim
+    ]
+    assert moments and all(tuple(x.shape) in trained for x in moments)
+    n_trained = sum(x.size for x in jax.tree.leaves(state.params))
+    assert sum(x.size for x in moments) == 2 * n_trained  # mu and nu, nothing else
+    assert n_trained < sum(x.size for x in jax.tree.leaves(tiny_task.policy_params)) / 4
+
+
+def test_the_rollout_samples_from_the_adapters_folded_into_the_base(lora_train):
+    """The rollout's policy (``rollout_policy``: ``W + (alpha / r) A B`` folded once per iteration, the base
+    model) is the adapted policy: with non-zero adapters its logits match the LoRA forward's (float32
+    rounding), and they differ from the base's (so the fold is not a no-op)."""
+    from klrl.step.train import merges_for_rollout, rollout_policy
+
+    _, train = lora_train
+    ctx, state = train.context, train.init(0)
+    pol = jax.tree.map(lambda x: x + 0.05 * jnp.sign(x + 0.5), state.params["policy"])
+    state = state._replace(params={**state.params, "policy": pol})
+    assert merges_for_rollout(ctx, state)
+    model, params = rollout_policy(ctx, state)
+    assert model is ctx.models.policy.base
+    merged = forward(model, params, TOKENS, KEY_MASK).logits
+    adapted = forward(ctx.models.policy, lora.merge(state.ref_params, pol), TOKENS, KEY_MASK).logits
+    base = forward(model, state.ref_params, TOKENS, KEY_MASK).logits
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(adapted), rtol=1e-4, atol=1e-4)
+    assert float(jnp.max(jnp.abs(adapted - base))) > 1e-2

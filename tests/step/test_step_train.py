@@ -562,3 +562,25 @@ def test_critic_lr_moves_only_the_critic_by_its_own_step(tiny_cfg, tiny_task, se
     got = _update_fn(same)(same.init(3), batch, jnp.array(True))
     jax.tree.map(np.testing.assert_array_equal, got[0], want[0])
     assert float(got[2]["guard/minibatches_applied"]) == 1.0
+
+
+def test_remat_auto_picks_the_least_recomputation_that_fits_the_budget(tiny_cfg, tiny_task):
+    """``model.remat=auto``: a budget above every mode's compiled step gives ``none``; one between the
+    ``full`` and ``none`` steps' sizes gives a mode whose step fits it, and none needs less recomputation
+    than one that does not fit; a budget below all gives ``full``."""
+    from klrl.step.train import AUTO_ORDER, make_train, step_bytes
+
+    cfg = tiny_cfg.replace(model={"remat": "none"})
+    need = {m: step_bytes(make_train(cfg.replace(model={"remat": m}), tiny_task)) for m in AUTO_ORDER}
+    assert need["full"] < need["none"]
+
+    def picked(gb: float) -> str:
+        auto = cfg.replace(model={"remat": "auto", "memory_gb": gb})
+        return make_train(auto, tiny_task).context.cfg.model.remat
+
+    assert picked(2 * need["none"] / 1e9) == "none"
+    assert picked(need["full"] / 2e9) == "full"
+    mid = (need["full"] + need["none"]) / 2
+    got = picked(mid / 1e9)
+    assert need[got] <= mid or got == "full"
+    assert all(need[m] > mid for m in AUTO_ORDER[: AUTO_ORDER.index(got)])
