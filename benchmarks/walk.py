@@ -17,7 +17,9 @@ that are only used), ``packages``, ``entries`` per module, ``api_entries``, ``cl
 the step is made: the first call of ``klrl.step.parallel.shard_step``), ``spine`` (the modules of those
 two stacks: the hallway from the start to the step, as opposed to the work done on the way) and
 ``reentered`` (per module, the calls at which it was on the klrl stack twice with another module between:
-a room entered a second time before the walk left it, e.g. a callback into a caller)."""
+a room entered a second time before the walk left it, e.g. a callback into a caller). The listeners JAX
+calls on every compile (``jax.monitoring``: klrl.loop.compile counts cache hits and compile seconds) are
+left out: JAX calls them from wherever a compile happens, no klrl module calls them."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ ROOT = {"checks": "api"}
 STARTS = {"main": ("klrl.cli.commands", "main"), "run_one": ("klrl.cli.launch", "run_one")}
 STEP = ("klrl.step.train", "step_fn")
 MAKE = ("klrl.step.parallel", "shard_step")
+MONITORING = "jax/_src/monitoring.py"  # JAX's listener registry (klrl.loop.compile's compile statistics)
 
 
 class Walk(NamedTuple):
@@ -102,6 +105,8 @@ def trace(argv: list[str], start: str) -> Walk:
         mod = module_of(frame.f_code.co_filename, root) if event == "call" else None
         if mod is None or frame.f_code.co_name == "<module>":
             return
+        if frame.f_back is not None and frame.f_back.f_code.co_filename.endswith(MONITORING):
+            return  # a JAX monitoring listener: JAX calls it whenever anything compiles, no klrl module does
         on[0] = on[0] or (mod, frame.f_code.co_name) == STARTS[start]
         if not on[0]:
             return

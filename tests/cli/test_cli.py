@@ -389,7 +389,7 @@ def test_a_hub_name_is_read_from_the_local_cache(fake_hub, tmp_path, capsys, mon
         "error: model.path: HuggingFaceTB/SmolLM2-135M-Instruct: no such file or directory"
     )
     assert (
-        str(hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct") in line and "klrl reads local paths" in line
+        str(hub / "models--HuggingFaceTB--SmolLM2-135M-Instruct") in line and "klrl fetches nothing" in line
     )
     import klrl.cli.commands as C
 

@@ -204,7 +204,8 @@ def test_data_split_on_a_jsonl_file_is_one_line_before_the_model_is_read(capsys,
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "Say hi."}\n')
     line = _error(capsys, ["--task.name", "text", "--model.path", str(GGUF), "--data.path", str(path),
-                           "--data.split", "nosuch", "--train.out_dir", str(tmp_path / "runs")])  # fmt: skip
+                           "--data.split", "nosuch", "--data.prompt_len", "16",  # (fits the 64-token model)
+                           "--train.out_dir", str(tmp_path / "runs")])  # fmt: skip
     assert line == (
         f"error: data.split: 'nosuch' is read only from a saved datasets.DatasetDict directory; {path} is a "
         ".jsonl file, which has no splits"
