@@ -141,23 +141,13 @@ def label(cfg: Any) -> str:
 
 
 # ---- stored files ------------------------------------------------------------------------------------------
-def dump(path: Path, rows: Any) -> None:
+def dump(path: Path, rows: Any) -> None:  # (read back by llm_study_report.load)
     """JSON lines (a list) or one JSON document, gzipped without a timestamp (same rows, same bytes)."""
     text = (
         "".join(json.dumps(r) + "\n" for r in rows) if isinstance(rows, list) else json.dumps(rows, indent=1)
     )
     with gzip.GzipFile(path, "wb", mtime=0) as f:
         f.write(text.encode())
-
-
-def load(path: Path) -> Any:
-    with gzip.open(path, "rt") as f:
-        text = f.read()
-    return (
-        [json.loads(x) for x in text.splitlines() if x]
-        if path.name.endswith(".jsonl.gz")
-        else json.loads(text)
-    )
 
 
 # ---- prepare: pools, judge, gold, proxies, best-of-n -------------------------------------------------------
