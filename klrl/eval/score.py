@@ -50,9 +50,18 @@ class JudgeError(ValueError):
 def _exact_kl(model, params, ref_model, ref_params, prompt, pmask, response, mask):
     tokens, key_mask = sequence(prompt, pmask, response, mask)
     p, r = prompt.shape[1], response.shape[1]
-    logits = response_slice(forward(model, params, tokens, key_mask).logits, p, r)
-    ref = response_slice(forward(ref_model, ref_params, tokens, key_mask).logits, p, r)
+    logits = _response_logits(model, params, tokens, key_mask, p, r)
+    ref = _response_logits(ref_model, ref_params, tokens, key_mask, p, r)
     return kl_lib.seq_sum(kl_lib.full_kl(logits, ref, mask), mask)
+
+
+def _response_logits(model, params, tokens, key_mask, p: int, r: int):
+    """``[B, r, V]`` the logits that predict the response tokens; the LM head is applied to those positions
+    only when the model has one apart (``head``), so the prompt's positions cost no vocabulary product."""
+    if not hasattr(model, "head"):
+        return response_slice(forward(model, params, tokens, key_mask).logits, p, r)
+    hidden = forward(model, params, tokens, key_mask, logits=False).hidden
+    return model.head(params, response_slice(hidden, p, r))
 
 
 def exact_kl(
@@ -72,9 +81,7 @@ def exact_kl(
 @functools.partial(jax.jit, static_argnums=(0,))
 def _nll(model, params, prompt, pmask, response, mask):
     tokens, key_mask = sequence(prompt, pmask, response, mask)
-    logits = response_slice(
-        forward(model, params, tokens, key_mask).logits, prompt.shape[1], response.shape[1]
-    )
+    logits = _response_logits(model, params, tokens, key_mask, prompt.shape[1], response.shape[1])
     return -jnp.sum(token_logprobs(logits, response) * mask, axis=-1)
 
 

@@ -21,6 +21,7 @@ merged into the trunk: :func:`klrl.models.lora.merged_kernels`) that ``--model.r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -151,13 +152,17 @@ class Trainable:
         return lora_lib.merged_kernels(self.base, params["trunk"], self.lora.scale)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _last_hidden(model: Any, trunk: Any, tokens: Array, mask: Array) -> Array:
+    return last_token(forward(model, trunk, tokens, mask, logits=False).hidden.astype(jnp.float32), mask)
+
+
 def last_hidden(model: Any, trunk: Any, tokens: Any, mask: Any, chunk: int = 64) -> Array:
     """``[N, D]`` float32: the trunk's last hidden state at each right-padded row's last real token, ``chunk``
     rows at a time by one jitted forward (the last chunk filled up with repeated rows, dropped)."""
-    # the trunk is an argument (a closed-over array would be a constant of the compiled program)
-    fn = jax.jit(
-        lambda p, t, m: last_token(forward(model, p, t, m, logits=False).hidden.astype(jnp.float32), m)
-    )
+    # the trunk is an argument (a closed-over array would be a constant of the compiled program); the model is
+    # static, so every call with an equal model and chunk shape reuses one compiled forward
+    fn = functools.partial(_last_hidden, model)
     n = int(tokens.shape[0])
     c = min(chunk, n)
     rows = np.arange(-(-n // c) * c) % n
