@@ -58,8 +58,12 @@ _CPU: dict[str, Any] = {
     "turn_betas": "0.01", "turn_iterations": 100, "turn_lr": 2e-3,
     "ctrl_settle": 0.1, "ctrl_target": 6.0, "ctrl_iterations": 48, "ctrl_lr": 3e-4,
     "grpo_coefs": "0.04,0.001", "grpo_iterations": 100, "group_size": 4,
-    "eval_every": 4, "minibatches": 2, "epochs": 1, "advantage": "rloo",
+    "eval_every": 4, "eval_n": 1, "minibatches": 2, "epochs": 1, "advantage": "rloo",
 }  # fmt: skip
+# the sizes the prepare stage used: an arm runs on a prepared study only if these agree (the arms' own sizes,
+# iterations and learning rates, may differ from the preparation's and are stored with each arm)
+PREPARE_KEYS = ("response_len", "prompt_len", "per_prompt", "heldout", "bon_k", "pairs_strong", "pairs_weak",
+                "weak_noise", "rm_epochs")  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": _CPU,
     # a few iterations of each arm, one seed: the timing and the KL's step, to size the cpu preset
@@ -323,8 +327,9 @@ EVAL_SEED = 99_991  # every evaluation draws with this key: common random number
 def evaluate_arm(
     name: str, base: Any, sweep_dir: Path, members: list[Any], study: dict, P: dict
 ) -> list[dict]:
-    """Every member at step 0 (the base) and at each checkpoint: one response to each held-out prompt, every
-    response stored with its KL, judge, gold parts and both proxies (:func:`klrl.eval.heldout.evaluate`)."""
+    """Every member at step 0 (the base) and at each checkpoint: ``eval_n`` responses to each held-out
+    prompt, every response stored with its KL, judge, gold parts and both proxies
+    (:func:`klrl.eval.heldout.evaluate`)."""
     from klrl.data.prompts import load_prompts
     from klrl.eval.heldout import evaluate, summary
     from klrl.eval.policy import checkpoint_steps, policy_at
@@ -338,7 +343,7 @@ def evaluate_arm(
     head = lambda r: np.asarray(r["score"], np.float32)
     rms = {t: RewardModel(src0.model, src0.ref_params, head(r), src0.tok, base.data, base.sampling).score
            for t, r in study["proxies"].items()}  # fmt: skip
-    kw = {"max_new": P["response_len"], "proxies": rms, "seed": EVAL_SEED}
+    kw = {"max_new": P["response_len"], "proxies": rms, "seed": EVAL_SEED, "n": P["eval_n"]}
     rows = [
         {"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, study["free"], **kw)
     ]
@@ -465,9 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python experiments/llm_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
     study = prepare(ns, P, res) if "prepare" in stages else json.loads((res / "study.json").read_text())
     for name in [s for s in stages if s != "prepare"]:
-        if study["sizes"] != P:
-            raise SystemExit(f"error: {res} was prepared with other sizes; give the same --preset and --set")
-        study["timing"][name] = {**run_arm(name, ns, P, study, res), "command": command}
+        if bad := [k for k in PREPARE_KEYS if study["sizes"].get(k) != P[k]]:
+            raise SystemExit(f"error: {res} was prepared with other {', '.join(bad)}; give the same --set")
+        study["timing"][name] = {**run_arm(name, ns, P, study, res), "command": command, "sizes": P}
         (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
     return finish(res)
 

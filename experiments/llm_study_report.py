@@ -37,19 +37,23 @@ def load(path: Path) -> Any:
 
 # ---- curves from the stored evaluations ---------------------------------------------------------------
 def table(evals: list[dict], key: str) -> tuple[list[int], list[int], np.ndarray]:
-    """``(members, steps, values [members, steps, prompts])`` of ``key`` (sample 0 of each prompt), step 0 the
-    base's row for every member."""
+    """``(members, steps, values [members, steps, prompts])`` of ``key``, the mean over each prompt's samples
+    (NaNs left out; the prompt is the unit a bootstrap resamples), step 0 the base's row for every member."""
     members = sorted({r["member"] for r in evals if r["member"] >= 0})
     steps = sorted({r["step"] for r in evals})
     prompts = sorted({r["prompt_idx"] for r in evals})
     pos = {p: i for i, p in enumerate(prompts)}
-    out = np.full((len(members), len(steps), len(prompts)), np.nan)
+    tot = np.zeros((len(members), len(steps), len(prompts)))
+    cnt = np.zeros_like(tot)
     for r in evals:
-        if r.get("sample", 0) != 0:
+        if not np.isfinite(r[key]):
             continue
         for j in members if r["member"] < 0 else [r["member"]]:
-            out[members.index(j), steps.index(r["step"]), pos[r["prompt_idx"]]] = r[key]
-    return members, steps, out
+            at = (members.index(j), steps.index(r["step"]), pos[r["prompt_idx"]])
+            tot[at] += r[key]
+            cnt[at] += 1
+    with np.errstate(invalid="ignore"):
+        return members, steps, np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
 
 
 def gao_turn(kl: np.ndarray, gain: np.ndarray, form: str) -> float:
@@ -96,7 +100,13 @@ def bon_claims(bon: dict, tags: list[str]) -> tuple[list[dict], dict]:
         g = np.asarray(bon[f"{tag}/gold"])  # [n, prompts]
         gain = lambda v: v.mean(-1) - v.mean(-1)[0]
         kstar = boot(g, lambda v: gao_turn(kl, gain(v), "bon"))
-        fits[tag] = {"kl": kl.tolist(), "gold_gain": gain(g).tolist(), "turn_kl": kstar}
+        pg = gain(np.asarray(bon[f"{tag}/proxy_{tag}"]))
+        fits[tag] = {
+            "kl": kl.tolist(),
+            "gold_gain": gain(g).tolist(),
+            "proxy_gain": pg.tolist(),
+            "turn_kl": kstar,
+        }
         reached = np.isfinite(kstar["value"]) and kstar["hi"] <= kl.max()
         out.append(
             {
@@ -110,15 +120,18 @@ def bon_claims(bon: dict, tags: list[str]) -> tuple[list[dict], dict]:
 
 
 def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
-    """Per seed the gold's peak against its end (beyond 2 SE of one evaluation), the KL reached, and the RL
-    form's turn fitted to every seed's points with a prompt-bootstrap interval."""
+    """Per seed the gold's peak against its end (beyond 2 SE of the per-prompt fall), the KL reached, and the
+    RL form's turn fitted to every seed's points with a prompt-bootstrap interval."""
     members, steps, gold = table(evals, "gold")
     _, _, kl = table(evals, "kl")
+    _, _, proxy = table(evals, "proxy_strong")
     mg, mk = np.nanmean(gold, -1), np.nanmean(kl, -1)  # [members, steps]
     falls, shown = [], []
     for j in range(len(members)):
         p = int(np.nanargmax(mg[j]))
-        se = np.nanstd(gold[j, p]) / np.sqrt(np.isfinite(gold[j, p]).sum())
+        # the SE of the fall itself: prompt by prompt, peak minus end (common random numbers: paired)
+        diff = gold[j, p] - gold[j, -1]
+        se = np.nanstd(diff) / np.sqrt(max(1, np.isfinite(diff).sum()))
         falls.append(mg[j, p] - mg[j, -1])
         shown.append(bool(falls[-1] > 2 * se))
     kstar = boot(
@@ -131,7 +144,7 @@ def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
     )
     out = [
         {
-            "claim": "the small-beta arm: the gold falls from its peak by more than 2 SE of one evaluation",
+            "claim": "the small-beta arm: the gold falls from its peak by more than 2 SE (paired, prompts)",
             "measured": f"falls {', '.join(f'{x:+.3f}' for x in falls)} at KL "
             f"{', '.join(f'{x:.1f}' for x in mk[:, -1])}",
             "verdict": f"**shown on {sum(shown)} of {len(shown)} seeds**" if any(shown) else "**not shown**",
@@ -143,7 +156,8 @@ def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
             "verdict": "**inside**" if kstar["hi"] <= np.nanmax(mk) else "**not shown**: extrapolated",
         },
     ]
-    return out, {"kl": mk.tolist(), "gold": mg.tolist(), "turn_kl": kstar, "steps": steps}
+    curves = {"kl": mk.tolist(), "gold": mg.tolist(), "proxy": np.nanmean(proxy, -1).tolist()}
+    return out, {**curves, "turn_kl": kstar, "steps": steps}
 
 
 def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
@@ -228,29 +242,55 @@ def duplicate_claims(arms: dict[str, list[dict]]) -> list[dict]:
 
 
 # ---- the figure and the files -------------------------------------------------------------------------
+def _fitted(
+    ax: Any, d: np.ndarray, gain: np.ndarray, form: str, color: str, label: str | None = None
+) -> None:
+    """Gao et al.'s ``form`` fitted to ``(d, gain)`` drawn over ``[0, max d]`` (dotted)."""
+    from klrl.analysis.aggregate import fit_gao
+    from klrl.analysis.overopt import fit_bon
+
+    ok = np.isfinite(d) & np.isfinite(gain)
+    if (ok & (d > 0)).sum() < 3:
+        return
+    a, b = (fit_bon if form == "bon" else fit_gao)(d[ok], gain[ok])
+    x = np.linspace(1e-6, d[ok].max(), 100)
+    ax.plot(x, x * (a - b * (x if form == "bon" else np.log(x))), ":", color=color, lw=1.2, label=label)
+
+
 def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None) -> str:
+    """Two panels against sqrt(KL): the gold's gain and the optimised proxy's gain over the reference, for
+    best-of-n (each proxy's picks by that proxy), PPO and GRPO (each member, the strong proxy); Gao et
+    al.'s best-of-n and RL forms fitted (dotted: best-of-n per proxy, PPO pooled over members) and the PPO
+    turn's KL with its prompt-bootstrap interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for tag, f in bon.items():
-        ax.plot(np.sqrt(f["kl"]), f["gold_gain"], "o-", ms=3, label=f"best-of-n ({tag} proxy)")
-    for name, cur, style in (("PPO ", turn, "s-"), ("", grpo, "^-")):
-        for lab, k, g in zip(cur["labels"], cur["kl"], cur["gold"], strict=True) if cur else []:
-            ax.plot(np.sqrt(k), np.asarray(g) - g[0], style, ms=3, alpha=0.7, label=f"{name}{lab}")
-    t = (turn or {}).get("turn_kl")
-    if t and np.isfinite(t["value"]):
-        ax.axvline(
-            np.sqrt(t["value"]), color="k", ls="--", lw=1, label=f"PPO turn (RL form), KL {t['value']:.1f}"
-        )
-        if np.isfinite(t["lo"]) and np.isfinite(t["hi"]):
-            ax.axvspan(np.sqrt(t["lo"]), np.sqrt(t["hi"]), color="k", alpha=0.08)
-    ax.set_xlabel("sqrt(KL) to the reference, sqrt(nats/seq) (held-out, exact)")
-    ax.set_ylabel("gold - gold of the reference")
-    ax.legend(fontsize=6, ncol=2)
-    ax.set_title("Gold against sqrt(KL): best-of-n, PPO, GRPO")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, (key, bkey) in enumerate((("gold", "gold_gain"), ("proxy", "proxy_gain"))):
+        ax = axes[i]
+        for tag, f in bon.items():
+            if bkey in f:
+                line = ax.plot(np.sqrt(f["kl"]), f[bkey], "o-", ms=3, label=f"best-of-n ({tag} proxy)")
+                if key == "gold":
+                    _fitted(ax, np.sqrt(f["kl"]), np.asarray(f[bkey]), "bon", line[0].get_color())
+        for name, cur, style in (("PPO ", turn, "s-"), ("", grpo, "^-")):
+            for lab, k, g in zip(cur["labels"], cur["kl"], cur.get(key, []), strict=False) if cur else []:
+                ax.plot(np.sqrt(k), np.asarray(g) - g[0], style, ms=3, alpha=0.7, label=f"{name}{lab}")
+        if turn and key == "gold":
+            d, g = np.sqrt(np.asarray(turn["kl"])), np.asarray(turn["gold"])
+            _fitted(ax, d.ravel(), (g - g[:, :1]).ravel(), "rl", "k", "RL form fitted to PPO (all seeds)")
+        t = (turn or {}).get("turn_kl")
+        if t and np.isfinite(t["value"]) and key == "gold":
+            ax.axvline(np.sqrt(t["value"]), color="k", ls="--", lw=1,
+                       label=f"PPO turn (RL form), KL {t['value']:.1f}")  # fmt: skip
+            if np.isfinite(t["lo"]) and np.isfinite(t["hi"]):
+                ax.axvspan(np.sqrt(t["lo"]), np.sqrt(t["hi"]), color="k", alpha=0.08)
+        ax.set_xlabel("sqrt(KL) to the reference, sqrt(nats/seq) (held-out, exact)")
+        ax.set_ylabel(f"{'gold' if key == 'gold' else 'the proxy optimised'} - that of the reference")
+        ax.set_title("Gold against sqrt(KL)" if key == "gold" else "The proxy each method optimised")
+    axes[0].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(res / "llm_study.png", dpi=110)
     plt.close(fig)
@@ -281,9 +321,11 @@ def finish(res: Path) -> int:
         claims += grpo_claims(arms["grpo"], runs["grpo"])
         _, _, gk = table(arms["grpo"], "kl")
         _, _, gg = table(arms["grpo"], "gold")
+        _, _, gp = table(arms["grpo"], "proxy_strong")
         grpo = {
             "kl": np.nanmean(gk, -1).tolist(),
             "gold": np.nanmean(gg, -1).tolist(),
+            "proxy": np.nanmean(gp, -1).tolist(),
             "labels": labels["grpo"],
         }
     claims += duplicate_claims(arms)
