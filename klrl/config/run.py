@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ from klrl.config.fields import (
     OptimConfig,
     PPOConfig,
     SamplingConfig,
+    TrainConfig,
     _check,
     _choice,
     _f,
@@ -95,90 +95,6 @@ class TaskConfig:
         _check(self.rm_scale > 0, "task.rm_scale", "must be > 0")
         _check(0 < self.gold_quantile < 1, "task.gold_quantile", "must be in (0, 1)")
         _check(self.gold_fluency_weight >= 0, "task.gold_fluency_weight", "must be >= 0")
-
-
-@section("train")
-class TrainConfig:
-    """The outer loop."""
-
-    iterations: int = _f(100, "PPO iterations")
-    batch_size: int = _f(64, "global batch: sequences sampled per iteration (prompts x group_size)")
-    seed: int = _f(0, "seed of the run (parameters of a fresh value model, sampling, minibatch order)")
-    devices: int = _f(0, "devices on the 'data' mesh axis (0 = all local devices)")
-    mesh: str = _f(
-        "",
-        "mesh axis sizes data,fsdp,tensor, e.g. -1,2,2 (-1: the devices left; '' = train.devices x 1 x 1)",
-    )
-    out_dir: str = _f("runs", "parent directory of new run directories")
-    name: str = _f("", "run directory name ('' = timestamp)")
-    log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
-    quiet: bool = _f(False, "print only the summary")
-    checkpoint_every: int = _f(
-        10, "save a checkpoint every this many iterations (0 = only at the end and on SIGTERM/SIGINT)"
-    )
-    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints")
-    max_consecutive_skips: int = _f(
-        5, "stop the run after this many consecutive iterations skipped by the non-finite guard (0 = never)"
-    )
-    rollback_metric: str = _f(
-        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl_floored' ('' = rollback off)"
-    )
-    rollback_threshold: float = _f(
-        1.1,
-        "roll back when rollback_metric crosses this ratio to its iteration-0 value "
-        "(> 1: rising above it is bad; < 1: falling below it is bad)",
-    )
-    rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
-    max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
-    metric_aliases: str = _f(
-        "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
-    )
-    samples_every: int = _f(
-        10, "write decoded samples (samples.jsonl, TensorBoard text, report) every this many iterations, "
-        "also at the first and last (0 = off)",
-    )  # fmt: skip
-    samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
-    hooks: str = _f(
-        "", "user hooks, comma-separated module:function, each called as fn(loop, row) after every row "
-        "(klrl.loop.user; '' = none)",
-    )  # fmt: skip
-    metric_fns: str = _f(
-        "", "user metric functions, comma-separated module:function, fn(row, samples) -> {name: float}, "
-        "logged as user/<name> (klrl.loop.user; '' = none)",
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        _check(self.iterations >= 1, "train.iterations", "must be >= 1")
-        for name in ("hooks", "metric_fns"):
-            for spec in filter(None, (x.strip() for x in getattr(self, name).split(","))):
-                where, _, attr = spec.rpartition(":")
-                _check(bool(where) and attr.isidentifier(), f"train.{name}",
-                       f"expected module:function, got {spec!r}")  # fmt: skip
-        _choice(self.metric_aliases, "train.metric_aliases", ("", "trl", "verl"))
-        _check(self.seed >= 0, "train.seed", "must be >= 0")
-        _check(self.out_dir != "", "train.out_dir", "must not be empty")
-        bad_name = "/" in self.name or "\\" in self.name or self.name in (".", "..")
-        _check(not bad_name, "train.name", f"must be a single directory name (got {self.name!r})")
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
-        _check(self.devices >= 0, "train.devices", "must be >= 0")
-        if self.mesh:
-            parse_mesh(self.mesh)
-        _check(self.log_every >= 1, "train.log_every", "must be >= 1")
-        _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
-        _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")
-        _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
-        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
-        _check(
-            math.isfinite(self.rollback_threshold) and self.rollback_threshold > 0
-            and self.rollback_threshold != 1,
-            "train.rollback_threshold", "must be > 0 and != 1",
-        )  # fmt: skip
-        factor_ok = math.isfinite(self.rollback_factor) and self.rollback_factor > 1
-        _check(factor_ok, "train.rollback_factor", "must be > 1")
-        _check(self.max_rollbacks >= 0, "train.max_rollbacks", "must be >= 0")
-        _check(self.rollback_metric.strip() == self.rollback_metric, "train.rollback_metric",
-               "must not have surrounding spaces")  # fmt: skip
 
 
 @section("diag")

@@ -30,9 +30,11 @@ from klrl.models import peft
 from klrl.models.hf import CheckpointFormatError
 from klrl.registry import TASKS, is_adaptive
 from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
+from klrl.step.context import as_ref_dtype, init_state, state_shardings
 from klrl.step.evaluate import make_heldout_eval
+from klrl.step.optim import set_learning_rate
 from klrl.step.parallel import mesh_from_config, shard_step
-from klrl.step.parts import Train, TrainState, as_ref_dtype, init_state, set_learning_rate, state_shardings
+from klrl.step.stages import Train, TrainState
 from klrl.step.train import make_train
 from klrl.tasks.base import Task
 from klrl.tasks.pretrain import cache_root

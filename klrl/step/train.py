@@ -50,31 +50,32 @@ from klrl.models.rollout import Rollout, generate, response_slice, sequence, sto
 from klrl.registry import is_adaptive
 from klrl.rewards import running
 from klrl.step import chunked
-from klrl.step.heads import score_terms, value_out
-from klrl.step.metrics import iteration_metrics
-from klrl.step.parallel import DATA, average, mesh_from_config, shard_step
-from klrl.step.parts import (
-    Advantages,
-    Batch,
+from klrl.step.context import (
     Context,
     Models,
-    Phases,
-    Scores,
-    Train,
-    TrainState,
-    all_finite,
     as_ref_dtype,
     build_models,
     coefs,
     full_params,
     init_state,
-    iteration_keys,
-    make_optimizer,
-    set_learning_rate,
     state_shardings,
+)
+from klrl.step.heads import score_terms, value_out
+from klrl.step.metrics import iteration_metrics
+from klrl.step.optim import make_optimizer, set_learning_rate
+from klrl.step.parallel import DATA, average, mesh_from_config, shard_step
+from klrl.step.samples import sample_rows
+from klrl.step.stages import (
+    Advantages,
+    Batch,
+    Phases,
+    Scores,
+    Train,
+    TrainState,
+    all_finite,
+    iteration_keys,
     where,
 )
-from klrl.step.samples import sample_rows
 from klrl.step.update import ppo_loss, update_phase
 from klrl.tasks.base import JaxReward, Task
 
