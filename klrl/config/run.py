@@ -106,9 +106,10 @@ class DiagnosisConfig:
     proxy_min_gain: float = _f(0.05, "frozen: and the proxy improved by less than this across the window")
     trend_min: float = _f(0.05, "hacking: proxy up and gold down by more than this across the window")
     ppl_margin: float = _f(
-        0.5, "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
+        0.5,
+        "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
         "its start",
-    )  # fmt: skip
+    )
     distinct_drop: float = _f(
         0.5, "hacking (text runs): text/distinct_2 over the window this fraction below its start"
     )
@@ -146,16 +147,18 @@ class LogConfig:
     """Experiment trackers beside metrics.jsonl and TensorBoard (klrl.loop.trackers)."""
 
     wandb: bool = _f(
-        False, "also log to Weights & Biases (pip install 'klrl[wandb]'): the config, every metrics row, "
+        False,
+        "also log to Weights & Biases (pip install 'klrl[wandb]'): the config, every metrics row, "
         "the samples as a table, the summary; a sweep: one W&B run per member",
-    )  # fmt: skip
+    )
     wandb_project: str = _f("klrl", "W&B project")
     wandb_name: str = _f("", "W&B run name ('' = the run directory's name; a sweep member's: its own)")
     wandb_group: str = _f("", "W&B group ('' = none for a run; a sweep: the sweep directory's name)")
     wandb_mode: str = _f(
-        "auto", "auto (online with WANDB_API_KEY or a `wandb login`, else offline; $WANDB_MODE wins), "
+        "auto",
+        "auto (online with WANDB_API_KEY or a `wandb login`, else offline; $WANDB_MODE wins), "
         "online, offline (files under the run directory's wandb/, `wandb sync` uploads them) or disabled",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _choice(self.wandb_mode, "log.wandb_mode", WANDB_MODES)
@@ -185,8 +188,11 @@ class RunConfig:
             if not isinstance(getattr(self, f.name), want):
                 raise ConfigError(f"{f.name}: expected a {want.__name__}, got {short(getattr(self, f.name))}")
         if self.reward.fn.strip():
-            _check(self.task.name == "text", "reward.fn",
-                   f"host text rewards need task.name=text (got task.name={self.task.name})")  # fmt: skip
+            _check(
+                self.task.name == "text",
+                "reward.fn",
+                f"host text rewards need task.name=text (got task.name={self.task.name})",
+            )
         b = self.train.batch_size
         _check(
             b % self.ppo.minibatches == 0,
@@ -205,17 +211,23 @@ class RunConfig:
         _check(mb % k == 0, "ppo.grad_accum", f"must divide the minibatch, train.batch_size / ppo.minibatches"
                f" = {b} / {self.ppo.minibatches} = {mb} sequences ({mb} % {k} != 0)")  # fmt: skip
         if self.optim.critic_lr > 0:
-            _check(bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]), "optim.critic_lr",
-                   f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate")  # fmt: skip
+            _check(
+                bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]),
+                "optim.critic_lr",
+                f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate",
+            )
         critic = dataclasses.replace(self.model, value_model=resolve_value_model(self))  # auto: chosen here
         object.__setattr__(self, "model", critic)
         self._check_lora()
         c = self.ctrl
         start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
         if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently
-            _check(c.beta_min <= start[1] <= c.beta_max, start[0],
-                   f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
-                   f"(ctrl.drives={c.drives}), got {start[1]}")  # fmt: skip
+            _check(
+                c.beta_min <= start[1] <= c.beta_max,
+                start[0],
+                f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
+                f"(ctrl.drives={c.drives}), got {start[1]}",
+            )
 
     def _check_lora(self) -> None:
         """Adapters, the shared frozen base and a quantised reference: the combinations that work."""
@@ -229,13 +241,19 @@ class RunConfig:
             _check(lo.rank > 0, "model.adapter", "a PEFT adapter is the initial policy of a LoRA run: set "
                    "lora.rank > 0 (the adapter's own rank and alpha are then used)")  # fmt: skip
         if m.value_model == "lora":
-            _check(lo.rank > 0 or lo.critic_rank > 0, "model.value_model",
-                   "lora: the critic's adapters need lora.critic_rank > 0 (or lora.rank > 0)")  # fmt: skip
+            _check(
+                lo.rank > 0 or lo.critic_rank > 0,
+                "model.value_model",
+                "lora: the critic's adapters need lora.critic_rank > 0 (or lora.rank > 0)",
+            )
             _check(frozen, "model.value_model", "lora: the critic's base is the frozen reference "
                    f"(kl.ref_update_every={self.kl.ref_update_every}; use 0, or head/separate)")  # fmt: skip
         if m.ref_quant != "none":
-            _check(frozen, "model.ref_quant", "a quantised reference is frozen "
-                   f"(kl.ref_update_every={self.kl.ref_update_every}; use 0)")  # fmt: skip
+            _check(
+                frozen,
+                "model.ref_quant",
+                f"a quantised reference is frozen (kl.ref_update_every={self.kl.ref_update_every}; use 0)",
+            )
             _check(m.ref_dtype == "float32", "model.ref_quant", "replaces model.ref_dtype (leave it float32)")
 
     # ---- helpers -------------------------------------------------------
@@ -264,8 +282,11 @@ class RunConfig:
             raise ConfigError(f"config: expected an object of sections, got {type(d).__name__}")
         model = d.get("model")
         if isinstance(model, dict) and isinstance(model.get("lora"), dict):  # model: {lora: {...}} spelling
-            d = {**d, "model": {k: v for k, v in model.items() if k != "lora"},
-                 "lora": {**d.get("lora", {}), **model["lora"]}}  # fmt: skip
+            d = {
+                **d,
+                "model": {k: v for k, v in model.items() if k != "lora"},
+                "lora": {**d.get("lora", {}), **model["lora"]},
+            }
         kwargs = {}
         for name, sub in d.items():
             if name not in SECTIONS:

@@ -129,8 +129,10 @@ def _same_run(names: list[str], a: tuple, b: tuple, member: RunConfig) -> str:
     what = ", ".join(f"{n}={x!r} and {y!r}" for n, x, y in zip(names, a, b, strict=True) if x != y)
     ctrl = f" with ctrl.kind={member.ctrl.kind}" if any(n.startswith("ctrl.") for n in differ) else ""
     warm = f" with ctrl.warmup_iters={member.ctrl.warmup_iters}" if member.ctrl.warmup_iters else ""
-    return (f"--sweep {differ[0]}: two members would be the same run ({what}): their maths does not "
-            f"read {', '.join(differ)}{ctrl or warm}")  # fmt: skip
+    return (
+        f"--sweep {differ[0]}: two members would be the same run ({what}): their maths does not "
+        f"read {', '.join(differ)}{ctrl or warm}"
+    )
 
 
 def check_axis(name: str) -> None:

@@ -266,8 +266,10 @@ def _check_options(doc: dict, f: Path, seq_cls: bool = False) -> tuple[int, floa
             raise bad(field, "not supported (klrl's LoRA scales by lora_alpha / r, without a magnitude)")
     saved = doc.get("modules_to_save") or []
     if saved and not (seq_cls and set(saved) <= {"score", "classifier"}):
-        raise bad("modules_to_save", "fully trained modules beside the adapter are not supported (null; "
-                  "a reward model's score head)")  # fmt: skip
+        raise bad(
+            "modules_to_save",
+            "fully trained modules beside the adapter are not supported (null; a reward model's score head)",
+        )
     if doc.get("init_lora_weights", True) not in _PLAIN_INIT:
         raise bad("init_lora_weights", "this initialisation rewrites the base weights; not supported")
     for field, v in sorted(doc.items()):

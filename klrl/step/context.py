@@ -312,8 +312,9 @@ def state_shardings(ctx: Context, mesh: Any, sweep: bool = False) -> Any:
     # the models' parameters as arguments: they may be abstract (jax.ShapeDtypeStruct)
     abstract = jax.eval_shape(
         lambda p, v: initial_state(replace(ctx, policy_params=p, value_params=v), 0),
-        ctx.policy_params, ctx.value_params,
-    )  # fmt: skip
+        ctx.policy_params,
+        ctx.value_params,
+    )
     specs = param_specs(rules, abstract, mesh)
     if sweep:
         stack = lambda t: jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), t)

@@ -40,8 +40,9 @@ def clip_by_global_norm(max_norm: float, critic_max_norm: float = 0.0) -> optax.
             f = factor(optax.tree.norm(updates), max_norm)
             return jax.tree.map(lambda t: t * f.astype(t.dtype), updates), state
         leaves = jax.tree_util.tree_leaves_with_path(updates)
-        sq = lambda critic: sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in leaves
-                                if is_critic(p) == critic)  # fmt: skip
+        sq = lambda critic: sum(
+            jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in leaves if is_critic(p) == critic
+        )
         f_p, f_v = factor(jnp.sqrt(sq(False)), max_norm), factor(jnp.sqrt(sq(True)), critic_max_norm)
         scale = lambda p, g: g * (f_v if is_critic(p) else f_p).astype(g.dtype)
         return jax.tree_util.tree_map_with_path(scale, updates), state

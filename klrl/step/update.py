@@ -167,8 +167,9 @@ def update_phase(
 
     def minibatch_step(carry, idx):
         params, opt_state, fine = carry
-        grads, stats = minibatch_gradients(ctx, grad_fn, params, lambda i: rows(batch, i),
-                                           lambda i: rows(batch.mask, i), idx, beta_l)  # fmt: skip
+        grads, stats = minibatch_gradients(
+            ctx, grad_fn, params, lambda i: rows(batch, i), lambda i: rows(batch.mask, i), idx, beta_l
+        )
         grads, stats = average((grads, stats))
         stats["grad/norm"] = optax.tree.norm(grads)  # non-finite iff some gradient is (or it overflows)
         stats["grad/policy_norm"], stats["grad/critic_norm"] = policy_critic_norms(grads)

@@ -288,8 +288,10 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         heldout = HeldOut(pool, h_reward, list(held.prompts))
         info["heldout_prompts"] = len(held)
     if log is not None:
-        log(f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
-            f"reward {info['reward']}")  # fmt: skip
+        log(
+            f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
+            f"reward {info['reward']}"
+        )
     return Task(
         name="text",
         tokenizer=tok,
