@@ -185,8 +185,8 @@ def kinds() -> tuple[str, ...]:
     return CONTROLLERS.names()
 
 
-# the codes of checkpoints whose ``ControllerParams.kind`` is an index into the built-in kinds (klrl 0.x):
-# 0-4 still read as these kinds (a name's code is >= 2**16)
+# older checkpoints hold ``ControllerParams.kind`` as an index into the built-in kinds: 0-4 read as these
+# kinds (a name's code is >= 2**16, so the two never meet)
 INDEXED = ("fixed", "proportional", "band", "pi", "dual")
 
 
