@@ -103,7 +103,7 @@ def smollm2_workload():
 
 def abstract_state(train):
     """The train state's ``jax.ShapeDtypeStruct`` leaves carrying its shardings: nothing allocated."""
-    from klrl.step.parts import initial_state
+    from klrl.step.context import initial_state
 
     ctx = train.context
     shapes = jax.eval_shape(

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from klrl.models.base import forward
-from klrl.step.parts import coefs
+from klrl.step.context import coefs
 
 
 def executed_flops(cfg, task, mode: str) -> dict[str, float]:

@@ -298,19 +298,17 @@ def run_sweep(task: Any, members: list[Any], out: Path) -> tuple[list[Any], list
     return list(results), [float(x) for x in np.diff(stamps)]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-
-
 def collect(out: Path, members: list[Any], results: list[Any]) -> tuple[list[dict], list[dict]]:
     """Per member: ``{label, seed, beta0, kind, metrics: {key: [per iteration]}}`` and its samples
     (``member`` index added), from the results and the member directories' ``samples.jsonl``."""
+    from klrl.io.readers import read_jsonl
+
     runs, samples = [], []
     for j, (cfg, r) in enumerate(zip(members, results, strict=True)):
         met = {k: [float(x) for x in r.metrics[k]] for k in KEYS if k in r.metrics}
         runs.append({"label": label(cfg), "seed": cfg.train.seed, "beta0": cfg.kl.beta, "kind": cfg.ctrl.kind,
                      "dir": r.dir.name if r.dir else "", "metrics": met})  # fmt: skip
-        for s in read_jsonl(r.dir / "samples.jsonl") if r.dir else []:
+        for s in read_jsonl(r.dir / "samples.jsonl") if r.dir and (r.dir / "samples.jsonl").is_file() else []:
             samples.append({"member": j, **{k: s[k] for k in ("iteration", "prompt_idx", "completion",
                                                                 "reward", "ref_logprob", "length",
                                                                 "kl_exact_seq_sum") if k in s}})  # fmt: skip

@@ -828,7 +828,7 @@ def preset_of(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def collect(results: list[Any], members: list[Any]) -> tuple[list[dict], list[dict]]:
-    from experiments.llm_overopt import read_jsonl
+    from klrl.io.readers import read_jsonl
 
     runs, samples = [], []
     for j, (cfg, r) in enumerate(zip(members, results, strict=True)):
@@ -846,7 +846,7 @@ def collect(results: list[Any], members: list[Any]) -> tuple[list[dict], list[di
         events = r.dir / "events.jsonl" if r.dir else None
         if events is not None and events.is_file():  # rollbacks and the like, as the run logged them
             runs[-1]["events"] = read_jsonl(events)
-        for s in read_jsonl(r.dir / "samples.jsonl") if r.dir else []:
+        for s in read_jsonl(r.dir / "samples.jsonl") if r.dir and (r.dir / "samples.jsonl").is_file() else []:
             samples.append(
                 {
                     "member": j,

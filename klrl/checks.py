@@ -49,10 +49,10 @@ from klrl.models.rollout import Rollout
 from klrl.rewards.host import HostReward as TextReward
 from klrl.rewards.host import RewardFunctionError
 from klrl.step.chunked import check_estimators
+from klrl.step.context import build_models
 from klrl.step.parallel import mesh_from_config
-from klrl.step.parts import build_models
 from klrl.step.train import check_adapters
-from klrl.tasks.base import OWN_MODEL_TASKS, HostReward, JaxReward, Task, builtin_task_shape
+from klrl.tasks.base import OWN_MODEL_TASKS, JaxReward, Task, builtin_task_shape
 from klrl.tasks.text import check_fields, check_model_paths, host_text_reward, load_prompts
 
 __all__ = [
@@ -283,8 +283,6 @@ def check_parts(task: Task, policy: CausalLM, response_len: int, batch: int) -> 
             f"policy: {policy.max_len} positions (max_len) < prompt_len {task.prompt_len} + "
             f"sampling.response_len {response_len}"
         )
-    if isinstance(task.reward, HostReward):
-        raise ConfigError(f"task {task.name} reward: host-side text rewards are not run by the trainer yet")
     check_reward(task, batch, response_len)
 
 

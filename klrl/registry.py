@@ -101,16 +101,37 @@ class Registry:
         return self._items[name]
 
 
-# klrl's own entries: registry -> ((name, metadata), ...), in registration order (a controller's index in
-# that order is checkpointed: ControllerParams.kind). The implementations register these names bare.
+# klrl's own entries: registry -> ((name, metadata), ...), in registration order. The implementations
+# register these names bare.
 BUILTIN: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
-    # label: the gains the plots print; help: for --ctrl.kind; adaptive=False: never moves beta
+    # label: the gains the plots print; help: for --ctrl.kind; adaptive=False: never moves beta; knobs: the
+    # ctrl fields it reads beside those every kind reads (klrl.config.sweep.ctrl_knobs; none given: all)
     "controller": (
-        ("fixed", {"adaptive": False}),
-        ("proportional", {"label": lambda c: f"horizon={c.horizon:g}", "help": "Ziegler 2019"}),
-        ("band", {"label": lambda c: f"band={c.band:g} x{c.factor:g}", "help": "PPO paper"}),
-        ("pi", {"label": lambda c: f"kp={c.kp:g} ki={c.ki:g}"}),
-        ("dual", {"label": lambda c: f"lr={c.lr:g}", "help": "Lagrangian"}),
+        ("fixed", {"adaptive": False, "knobs": ()}),
+        (
+            "proportional",
+            {
+                "label": lambda c: f"horizon={c.horizon:g}",
+                "help": "Ziegler 2019",
+                "knobs": ("target", "horizon", "clip"),
+            },
+        ),
+        (
+            "band",
+            {
+                "label": lambda c: f"band={c.band:g} x{c.factor:g}",
+                "help": "PPO paper",
+                "knobs": ("target", "band", "factor"),
+            },
+        ),
+        (
+            "pi",
+            {
+                "label": lambda c: f"kp={c.kp:g} ki={c.ki:g}",
+                "knobs": ("target", "kp", "ki", "integral_max", "step_clip"),
+            },
+        ),
+        ("dual", {"label": lambda c: f"lr={c.lr:g}", "help": "Lagrangian", "knobs": ("target", "lr")}),
     ),
     # inputs: what the estimator reads (logp or logits); chunked: its term on the chunked logits path
     "KL estimator": (

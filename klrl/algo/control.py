@@ -3,8 +3,8 @@
 A :class:`Controller` is a pair of pure functions ``init(beta0) -> state`` and
 ``update(state, observed_kl, n_sequences) -> state``. Every kind shares one
 state type, :class:`ControllerState`, whose :class:`ControllerParams` hold the
-kind as an int32 index into :data:`KINDS` (the controller registry's names) and every knob as a scalar array;
-:func:`update` dispatches on that index with ``lax.switch``. So states of
+kind as an int32 code of its name (:func:`code`) and every knob as a scalar array;
+:func:`update` dispatches on that code with ``lax.switch`` (:func:`branch`). So states of
 different kinds can be stacked (``jax.tree.map(jnp.stack, *states)``) and
 updated together under ``jax.vmap(update)``, and a sweep can ``vmap`` over
 params built by :func:`make_params`. ``state.beta`` is *the* coefficient.
@@ -31,6 +31,7 @@ For every kind, on each :func:`update`:
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,7 +51,7 @@ _INT_FIELDS = ("kind", "warmup_iters")
 class ControllerParams(NamedTuple):
     """Knobs of every kind; every leaf a scalar array so sweeps can vmap over them."""
 
-    kind: Array  # int32 index into KINDS
+    kind: Array  # int32, the kind's code (code(name))
     target: Array
     horizon: Array
     clip: Array
@@ -89,7 +90,7 @@ class Controller(NamedTuple):
 def make_params(cfg: ControllerConfig) -> ControllerParams:
     """The :class:`ControllerParams` of a (validated) config, as scalar arrays."""
     values: dict[str, Any] = {f: getattr(cfg, f) for f in ControllerParams._fields if f != "kind"}
-    values["kind"] = kinds().index(cfg.kind)
+    values["kind"] = code(cfg.kind)
     return ControllerParams(
         **{k: jnp.asarray(v, jnp.int32 if k in _INT_FIELDS else jnp.float32) for k, v in values.items()}
     )
@@ -146,9 +147,10 @@ def dual_step(beta: Array, kl: Array, p: ControllerParams) -> Array:
 # The registry of controllers: each kind is one ``lax.switch`` branch
 # ``(beta, integral, kl, n, params) -> (beta, integral)``, registered here under a name declared in
 # klrl.registry (BUILTIN) with a ``label`` (the gains plots and reports print), a ``help`` (``ctrl.kind``'s
-# help string) and ``adaptive=False`` for the one kind that never moves beta; its index is its
-# registration order (:func:`kinds`). A new kind is one more decorated function (plus its test; a
-# built-in's name and metadata in klrl.registry); its knobs are fields of ControllerConfig/Params.
+# help string), ``knobs`` (the ctrl fields it reads, beside the ones every kind reads: klrl.config.sweep) and
+# ``adaptive=False`` for the one kind that never moves beta. A new kind is one more decorated function
+# (plus its test; a built-in's name and metadata in klrl.registry); a new knob is a field of
+# ControllerConfig and ControllerParams.
 @CONTROLLERS.register("fixed")
 def _b_fixed(beta: Array, integral: Array, kl: Array, n: Array, p: ControllerParams) -> tuple[Array, Array]:
     return beta, integral
@@ -178,9 +180,42 @@ KINDS: tuple[str, ...] = CONTROLLERS.names()  # the built-in kinds: fixed, propo
 
 
 def kinds() -> tuple[str, ...]:
-    """Every registered kind, a later registration (a kind written outside this module) included:
-    ``ControllerParams.kind`` indexes this tuple."""
+    """Every registered kind, a later registration (a kind written outside this module) included; the
+    order of :func:`update`'s ``lax.switch`` branches."""
     return CONTROLLERS.names()
+
+
+# older checkpoints hold ``ControllerParams.kind`` as an index into the built-in kinds: 0-4 read as these
+# kinds (a name's code is >= 2**16, so the two never meet)
+INDEXED = ("fixed", "proportional", "band", "pi", "dual")
+
+
+def code(kind: str) -> int:
+    """``ControllerParams.kind`` of the kind named ``kind``, as a checkpoint holds it: the CRC-32 of the
+    name folded into ``[2**16, 2**31)`` (an int32). It depends on the name alone, so a checkpoint
+    resumes whatever was registered since, before or after its kind."""
+    return 2**16 + zlib.crc32(kind.encode()) % (2**31 - 2**16)
+
+
+def _codes() -> dict[int, int]:
+    """``code -> branch index`` (the position in :func:`kinds`) of every registered kind and of the
+    :data:`INDEXED` codes; a :class:`ValueError` if two names share a code."""
+    names = kinds()
+    out = {code(n): i for i, n in enumerate(names)}
+    if len(out) < len(names):
+        raise ValueError(
+            f"controllers {', '.join(names)}: two names have the same code (klrl.algo.control.code)"
+        )
+    return {**out, **{i: names.index(n) for i, n in enumerate(INDEXED) if n in names}}
+
+
+def branch(kind: ArrayLike) -> Array:
+    """The branch index (position in :func:`kinds`) of a (traced) ``ControllerParams.kind`` code; 0
+    for an unknown code (:func:`kind_name` names it)."""
+    table = _codes()
+    codes = jnp.asarray(list(table), jnp.int32)
+    match = codes == jnp.asarray(kind, jnp.int32)
+    return jnp.asarray(list(table.values()), jnp.int32)[jnp.argmax(match)]
 
 
 # ---- init / update (shared by every kind) -------------------------------------------------------
@@ -222,8 +257,7 @@ def update(state: ControllerState, observed_kl: ArrayLike, n_sequences: ArrayLik
     finite = jnp.isfinite(kl)
     kl_safe = jnp.where(finite, kl, p.target)  # keep nan/inf out of every branch
     branches = tuple(CONTROLLERS.get(k) for k in kinds())
-    index = jnp.clip(jnp.asarray(p.kind, jnp.int32), 0, len(branches) - 1)
-    beta, integral = lax.switch(index, branches, state.beta, state.integral, kl_safe, n, p)
+    beta, integral = lax.switch(branch(p.kind), branches, state.beta, state.integral, kl_safe, n, p)
     warm = state.steps < p.warmup_iters
     move = finite & ~warm
     beta = jnp.where(warm, p.warmup_beta, jnp.where(move, beta, state.beta))
@@ -304,14 +338,23 @@ def with_warmup(ctrl: Controller, warmup_iters: int, warmup_beta: float) -> Cont
 
 
 def kind_name(state_or_params: ControllerState | ControllerParams) -> str:
-    """The kind of a concrete (not traced, not stacked) state or params, as a string."""
+    """The kind of a concrete (not traced, not stacked) state or params, as a string; a
+    :class:`ValueError` for a code no registered kind has (a checkpoint of a kind not registered now)."""
     p = state_or_params.params if isinstance(state_or_params, ControllerState) else state_or_params
-    return kinds()[int(p.kind)]
+    table = _codes()
+    if int(p.kind) not in table:
+        raise ValueError(
+            f"controller code {int(p.kind)}: no registered kind has it (registered: {', '.join(kinds())})"
+        )
+    return kinds()[table[int(p.kind)]]
 
 
 __all__ = [
     "KINDS",
     "kinds",
+    "INDEXED",
+    "code",
+    "branch",
     "Controller",
     "ControllerParams",
     "ControllerState",

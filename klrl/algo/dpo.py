@@ -74,8 +74,9 @@ def hinge_loss(delta: Array, beta: Array) -> Array:
     return jax.nn.relu(1.0 - beta * delta)
 
 
-def ipo_loss(chosen_logratio: Array, rejected_logratio: Array, chosen_len: Array, rejected_len: Array,
-             beta: Array) -> Array:  # fmt: skip
+def ipo_loss(
+    chosen_logratio: Array, rejected_logratio: Array, chosen_len: Array, rejected_len: Array, beta: Array
+) -> Array:
     """IPO per pair ``[B]``: ``(h_w / n_w - h_l / n_l - 1 / (2 beta))^2``, ``n`` the token counts
     (clamped to >= 1; module docstring)."""
     d = chosen_logratio / jnp.maximum(chosen_len, 1.0) - rejected_logratio / jnp.maximum(rejected_len, 1.0)

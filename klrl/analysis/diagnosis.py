@@ -122,8 +122,10 @@ def _fluency_hacking(win: dict, hist: dict, t: int, cfg: DiagnosisConfig, s: flo
     if ppl is not None:
         base, now = _baseline(ppl, cfg), _finite(ppl[max(0, t + 1 - cfg.window) : t + 1])
         if len(now) and base > 0 and np.mean(now) > base * (1 + s * cfg.ppl_margin):
-            signals.append(f"perplexity {np.mean(now):.3g} is {100 * (np.mean(now) / base - 1):.0f}% above "
-                           f"its start ({base:.3g})")  # fmt: skip
+            signals.append(
+                f"perplexity {np.mean(now):.3g} is {100 * (np.mean(now) / base - 1):.0f}% above "
+                f"its start ({base:.3g})"
+            )
     distinct = _first(hist, "text/distinct_2", "eval/distinct_2")
     if distinct is not None:
         base, now = _baseline(distinct, cfg), _finite(distinct[max(0, t + 1 - cfg.window) : t + 1])

@@ -299,8 +299,11 @@ def overoptimization(
     a.axhline(0.0, color="grey", lw=0.5)
     names = list(dict.fromkeys(kl_seen))
     seq = all(n.endswith("seq_sum") for n in names)
-    a.set_xlabel(f"d = sqrt(KL) [sqrt {', '.join(names)}] (sqrt(nats/sequence))" if seq else
-                 f"d = sqrt({metric_label(names)})")  # fmt: skip
+    a.set_xlabel(
+        f"d = sqrt(KL) [sqrt {', '.join(names)}] (sqrt(nats/sequence))"
+        if seq
+        else f"d = sqrt({metric_label(names)})"
+    )
     a.set_ylabel("reward gain over iteration 0 (a.u.)")
     a.set_title("overoptimization (Gao et al. 2023)")
     legend(a, handles + list(kinds.values()), texts + list(kinds), "every iteration a point", ax is None)

@@ -142,8 +142,10 @@ def check_rows(root: Path, is_sweep: bool) -> str:
     saved = _checkpoint_rows(root)
     for d, n in zip(dirs, counts, strict=True):
         if saved is not None and n < saved[1]:
-            raise ReportError(f"{_metrics_file(d)} has {n} rows; checkpoint {saved[0]} in {root} counts "
-                              f"{saved[1]} (rows are missing; nothing written)")  # fmt: skip
+            raise ReportError(
+                f"{_metrics_file(d)} has {n} rows; checkpoint {saved[0]} in {root} counts "
+                f"{saved[1]} (rows are missing; nothing written)"
+            )
     rows = f"{counts[0]} rows" if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)} rows"
     who = f"of {len(dirs)} members" if is_sweep else "of 1 run"
     return f"read {rows} {who} from {', '.join(str(_metrics_file(d)) for d in dirs)}"
@@ -152,8 +154,11 @@ def check_rows(root: Path, is_sweep: bool) -> str:
 def _load_dir(path: Path) -> tuple[list[RunResult], Path, bool]:
     if not is_dir(path):
         what = what_is(path)
-        raise ReportError(f"{path}: no such run directory" if what == "no such directory" else
-                          f"{path}: not a run directory ({what})")  # fmt: skip
+        raise ReportError(
+            f"{path}: no such run directory"
+            if what == "no such directory"
+            else f"{path}: not a run directory ({what})"
+        )
     try:
         read_task_info(path)  # a damaged task.json: one line naming it
     except RunDirError as e:
@@ -245,8 +250,10 @@ def _run_events(d: Path | None) -> list[str]:
     if d is None or not (Path(d) / "events.jsonl").is_file():
         return []
     rows = read_jsonl(Path(d) / "events.jsonl")
-    return _table(["iteration", "event", "message"], [[e.get("iteration"), e.get("event"), e.get("message")]
-                                                      for e in rows])  # fmt: skip
+    return _table(
+        ["iteration", "event", "message"],
+        [[e.get("iteration"), e.get("event"), e.get("message")] for e in rows],
+    )
 
 
 def _config_block(cfg_dict: dict[str, Any], note: str = "") -> list[str]:

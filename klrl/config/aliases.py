@@ -68,7 +68,7 @@ _FIXED_METRICS: frozenset[str] = frozenset(
         "guard/skipped",
         "guard/consecutive_skips",
         "guard/minibatches_applied",
-    }  # fmt: skip
+    }
     | {f"ctrl/kl_observed_{u}" for u in UNITS}
     | {f"kl/loss_{a}" for a in LOSS_AGGS}
 )

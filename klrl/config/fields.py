@@ -1,6 +1,7 @@
-"""The configuration sections of the algorithm (model, sampling, KL, controller, PPO, optimiser) and
-the field helpers every section uses; :mod:`klrl.config.run` re-exports them with the run's sections
-(task, train, diagnosis, reward, data) and :class:`RunConfig`. Conventions: see :mod:`klrl.config.run`.
+"""The training sections of the configuration (model, LoRA, sampling, KL, controller, PPO, optimiser, the
+outer loop ``train``) and the field helpers every section uses; :mod:`klrl.config.run` re-exports them with
+the run's other sections (task, diagnosis, log; reward and data from :mod:`klrl.config.inputs`) and
+:class:`RunConfig`. Conventions: see :mod:`klrl.config.run`.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ class ModelConfig:
         "or a causal LM (a fresh scalar head); '' = model.path's trunk with a fresh scalar head",
     )
     eval_path: str = _f(
-        "", "task text: an independent evaluator LM (HF directory or .gguf, the policy's tokenizer) whose "
+        "",
+        "task text: an independent evaluator LM (HF directory or .gguf, the policy's tokenizer) whose "
         "perplexity of the samples is logged as eval/independent_ppl ('' = none)",
-    )  # fmt: skip
+    )
     remat: str = _f(
         "none",
         "rematerialisation in the PPO update: none, block (each block keeps only its matmul outputs "
@@ -117,9 +119,10 @@ class ModelConfig:
         "block, full whose compiled step fits model.memory_gb (klrl.step.train.auto_remat)",
     )
     memory_gb: float = _f(
-        0.0, "model.remat=auto: the memory (GB, 10^9 bytes) the compiled step must fit; 0 = what the device "
+        0.0,
+        "model.remat=auto: the memory (GB, 10^9 bytes) the compiled step must fit; 0 = what the device "
         "has free when the step is built (on a CPU the host's MemAvailable)",
-    )  # fmt: skip
+    )
     logits: str = _f(
         "auto",
         "logit-derived quantities (token log-probs, entropy, exact KL): full ([B, T, V] logits), chunked "
@@ -128,13 +131,15 @@ class ModelConfig:
     )
     logits_chunk: int = _f(128, "model.logits=chunked: positions per chunk ([chunk, V] logits at a time)")
     adapter: str = _f(
-        "", "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) on model.path's "
+        "",
+        "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) on model.path's "
         "base: the initial policy's adapters (needs lora.rank > 0; its rank and alpha are used)",
-    )  # fmt: skip
+    )
     ref_quant: str = _f(
-        "none", "the frozen reference (and with lora.rank > 0 the shared base) weight-only quantised: none, "
+        "none",
+        "the frozen reference (and with lora.rank > 0 the shared base) weight-only quantised: none, "
         "int8 or int4 (qwix; klrl.models.quant; measured in docs/ref_quant.md)",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _check(self.n_layers >= 1, "model.n_layers", "must be >= 1")
@@ -162,13 +167,17 @@ class ModelConfig:
 class LoRAConfig:
     """LoRA adapters on the frozen base (klrl.models.lora)."""
 
-    rank: int = _f(0, "adapter rank of the policy: 0 = full fine-tuning; > 0 = the policy is the frozen "
-                   "base plus adapters, the reference the base with them off")  # fmt: skip
+    rank: int = _f(
+        0,
+        "adapter rank of the policy: 0 = full fine-tuning; > 0 = the policy is the frozen "
+        "base plus adapters, the reference the base with them off",
+    )
     alpha: float = _f(16.0, "adapter scale numerator: the update is (alpha / rank) x A B (PEFT's lora_alpha)")
     targets: str = _f(
-        "", "regex searched in the module paths that get adapters, as PEFT's target_modules (e.g. "
+        "",
+        "regex searched in the module paths that get adapters, as PEFT's target_modules (e.g. "
         "'q_proj|v_proj'); '' = every linear layer of the blocks (attention and MLP)",
-    )  # fmt: skip
+    )
     critic_rank: int = _f(0, "model.value_model=lora: the critic's adapter rank (0 = lora.rank)")
 
     def __post_init__(self) -> None:
@@ -323,16 +332,18 @@ class PPOConfig:
     )
     group_std: bool = _f(True, "grpo: divide by the group's standard deviation")
     normalize_reward: bool = _f(
-        False, "the task reward as (r - mean) / std, the running mean and std of every task reward so far, "
+        False,
+        "the task reward as (r - mean) / std, the running mean and std of every task reward so far, "
         "this batch's included (trlx's RunningMoments; OpenRLHF's normalize_reward fixes them in the reward "
         "model); the moments live in the optimiser state: per sweep member, kept on resume "
         "(klrl.rewards.running)",
-    )  # fmt: skip
+    )
     whiten_rewards: bool = _f(
-        False, "gae: the shaped per-token rewards (task reward and KL penalty) scaled to std 1 over the "
+        False,
+        "gae: the shaped per-token rewards (task reward and KL penalty) scaled to std 1 over the "
         "batch's response tokens, their mean kept, before GAE (TRL's whiten_rewards; "
         "klrl.algo.advantages.whiten_rewards)",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "ppo.epochs", "must be >= 1")
@@ -348,8 +359,11 @@ class PPOConfig:
         _choice(self.advantage, "ppo.advantage", ADVANTAGES)
         _check(self.group_size >= 1, "ppo.group_size", "must be >= 1")
         if self.whiten_rewards:
-            _check(self.advantage == "gae", "ppo.whiten_rewards",
-                   f"needs ppo.advantage=gae (got {self.advantage})")  # fmt: skip
+            _check(
+                self.advantage == "gae",
+                "ppo.whiten_rewards",
+                f"needs ppo.advantage=gae (got {self.advantage})",
+            )
         if self.advantage in grouped_advantages():
             _check(self.group_size >= 2, "ppo.group_size", f"must be >= 2 for ppo.advantage={self.advantage}")
 
@@ -359,9 +373,10 @@ class OptimConfig:
     """optax Adam(W) with global-norm clipping and a learning-rate schedule."""
 
     lr: float = _f(
-        1e-4, "peak learning rate; 1e-4 suits klrl's GPT and LoRA adapters (PEFT/QLoRA use 1e-4 to 2e-4); "
+        1e-4,
+        "peak learning rate; 1e-4 suits klrl's GPT and LoRA adapters (PEFT/QLoRA use 1e-4 to 2e-4); "
         "full fine-tuning of a pretrained model.path wants 1e-6 to 1e-5 (TRL 3e-6, verl and OpenRLHF 1e-6)",
-    )  # fmt: skip
+    )
     critic_lr: float = _f(
         0.0,
         "peak learning rate of the critic: the value head (model.value_model=head) or the whole separate "
@@ -378,10 +393,11 @@ class OptimConfig:
         1.0, "global-norm gradient clip (0 = off); with optim.critic_max_grad_norm > 0 the policy's alone"
     )
     critic_max_grad_norm: float = _f(
-        0.0, "the critic's own gradient-norm clip (value head or value model, as optim.critic_lr): its "
+        0.0,
+        "the critic's own gradient-norm clip (value head or value model, as optim.critic_lr): its "
         "gradient clipped apart from the policy's, so a large value loss cannot shrink the policy's step "
         "(verl, OpenRLHF: one optimiser and clip each); 0 = one global clip over both (TRL)",
-    )  # fmt: skip
+    )
     schedule: str = _f("constant", "constant, linear (decay to 0) or cosine, after warm-up")
     warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimiser steps")
 
@@ -401,3 +417,98 @@ class OptimConfig:
         _check(ok, "optim.critic_max_grad_norm", "must be >= 0 (0 = one global clip, optim.max_grad_norm)")
         _choice(self.schedule, "optim.schedule", ("constant", "linear", "cosine"))
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+
+
+@section("train")
+class TrainConfig:
+    """The outer loop."""
+
+    iterations: int = _f(100, "PPO iterations")
+    batch_size: int = _f(64, "global batch: sequences sampled per iteration (prompts x group_size)")
+    seed: int = _f(0, "seed of the run (parameters of a fresh value model, sampling, minibatch order)")
+    devices: int = _f(0, "devices on the 'data' mesh axis (0 = all local devices)")
+    mesh: str = _f(
+        "",
+        "mesh axis sizes data,fsdp,tensor, e.g. -1,2,2 (-1: the devices left; '' = train.devices x 1 x 1)",
+    )
+    out_dir: str = _f("runs", "parent directory of new run directories")
+    name: str = _f("", "run directory name ('' = timestamp)")
+    log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
+    quiet: bool = _f(False, "print only the summary")
+    checkpoint_every: int = _f(
+        10, "save a checkpoint every this many iterations (0 = only at the end and on SIGTERM/SIGINT)"
+    )
+    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints")
+    max_consecutive_skips: int = _f(
+        5, "stop the run after this many consecutive iterations skipped by the non-finite guard (0 = never)"
+    )
+    rollback_metric: str = _f(
+        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl_floored' ('' = rollback off)"
+    )
+    rollback_threshold: float = _f(
+        1.1,
+        "roll back when rollback_metric crosses this ratio to its iteration-0 value "
+        "(> 1: rising above it is bad; < 1: falling below it is bad)",
+    )
+    rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
+    max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
+    metric_aliases: str = _f(
+        "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
+    )
+    samples_every: int = _f(
+        10,
+        "write decoded samples (samples.jsonl, TensorBoard text, report) every this many iterations, "
+        "also at the first and last (0 = off)",
+    )
+    samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
+    hooks: str = _f(
+        "",
+        "user hooks, comma-separated module:function, each called as fn(loop, row) after every row "
+        "(klrl.loop.user; '' = none)",
+    )
+    metric_fns: str = _f(
+        "",
+        "user metric functions, comma-separated module:function, fn(row, samples) -> {name: float}, "
+        "logged as user/<name> (klrl.loop.user; '' = none)",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 1, "train.iterations", "must be >= 1")
+        for name in ("hooks", "metric_fns"):
+            for spec in filter(None, (x.strip() for x in getattr(self, name).split(","))):
+                where, _, attr = spec.rpartition(":")
+                _check(
+                    bool(where) and attr.isidentifier(),
+                    f"train.{name}",
+                    f"expected module:function, got {spec!r}",
+                )
+        _choice(self.metric_aliases, "train.metric_aliases", ("", "trl", "verl"))
+        _check(self.seed >= 0, "train.seed", "must be >= 0")
+        _check(self.out_dir != "", "train.out_dir", "must not be empty")
+        bad_name = "/" in self.name or "\\" in self.name or self.name in (".", "..")
+        _check(not bad_name, "train.name", f"must be a single directory name (got {self.name!r})")
+        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _check(self.devices >= 0, "train.devices", "must be >= 0")
+        if self.mesh:
+            parse_mesh(self.mesh)
+        _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+        _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
+        _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
+        _check(
+            math.isfinite(self.rollback_threshold)
+            and self.rollback_threshold > 0
+            and self.rollback_threshold != 1,
+            "train.rollback_threshold",
+            "must be > 0 and != 1",
+        )
+        factor_ok = math.isfinite(self.rollback_factor) and self.rollback_factor > 1
+        _check(factor_ok, "train.rollback_factor", "must be > 1")
+        _check(self.max_rollbacks >= 0, "train.max_rollbacks", "must be >= 0")
+        _check(
+            self.rollback_metric.strip() == self.rollback_metric,
+            "train.rollback_metric",
+            "must not have surrounding spaces",
+        )

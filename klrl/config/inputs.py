@@ -25,31 +25,37 @@ class RewardConfig:
     )  # fmt: skip
     weights: str = _f("", "comma-separated weights of reward.fn ('' = all 1)")
     completions: str = _f(
-        "auto", "the form of reward.fn's completions: auto (TRL's rule: a message list "
+        "auto",
+        "the form of reward.fn's completions: auto (TRL's rule: a message list "
         "[{'role': 'assistant', 'content': text}] where the row's prompt is a conversation, the text "
         "otherwise), text (always the text) or messages (always a message list)",
-    )  # fmt: skip
+    )
     missing_eos_penalty: float = _f(
         0.0,
         "subtracted from the task reward of a response without a stop token (TRL missing_eos_penalty)",
     )
     standardize: bool = _f(
-        False, "standardise the task reward (the reward model's score) to mean 0, std 1 over responses of "
+        False,
+        "standardise the task reward (the reward model's score) to mean 0, std 1 over responses of "
         "the reference policy, once at the start (gain and bias in task.json; klrl.rewards.standardize)",
-    )  # fmt: skip
+    )
     standardize_samples: int = _f(256, "reference responses sampled for reward.standardize's mean and std")
     timeout: float = _f(
-        600.0, "seconds one call of a reward.fn function (one batch) may take; a call that has not returned "
+        600.0,
+        "seconds one call of a reward.fn function (one batch) may take; a call that has not returned "
         "by then ends the run as a failing function does: one line, last good state saved, exit 2 (0 = no "
         "limit)",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.missing_eos_penalty), "reward.missing_eos_penalty", "must be finite")
         _choice(self.completions, "reward.completions", COMPLETIONS)
         _check(self.standardize_samples >= 2, "reward.standardize_samples", "must be >= 2 (a std needs two)")
-        _check(math.isfinite(self.timeout) and self.timeout >= 0, "reward.timeout",
-               "must be a number of seconds >= 0 (0 = no limit)")  # fmt: skip
+        _check(
+            math.isfinite(self.timeout) and self.timeout >= 0,
+            "reward.timeout",
+            "must be a number of seconds >= 0 (0 = no limit)",
+        )
         fns = [f.strip() for f in self.fn.split(",")] if self.fn.strip() else []
         _check(all(fns), "reward.fn", f"an empty entry in {self.fn!r} (comma-separated functions)")
         _check(bool(fns) or self.completions == "auto", "reward.completions", "given without reward.fn")
@@ -59,10 +65,16 @@ class RewardConfig:
                 ws = [float(w) for w in self.weights.split(",")]
             except ValueError:
                 ws = None
-            _check(ws is not None and all(map(math.isfinite, ws)), "reward.weights",
-                   f"must be comma-separated finite numbers (got {self.weights!r})")  # fmt: skip
-            _check(len(ws) == len(fns), "reward.weights",
-                   f"{len(ws)} weights for {len(fns)} functions in reward.fn")  # fmt: skip
+            _check(
+                ws is not None and all(map(math.isfinite, ws)),
+                "reward.weights",
+                f"must be comma-separated finite numbers (got {self.weights!r})",
+            )
+            _check(
+                len(ws) == len(fns),
+                "reward.weights",
+                f"{len(ws)} weights for {len(fns)} functions in reward.fn",
+            )
 
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text", "disk")
@@ -82,24 +94,27 @@ class DataConfig:
     field: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
     split: str = _f("train", "split to read from a saved datasets.DatasetDict")
     chat_template: bool = _f(
-        True, "wrap each prompt in the tokenizer's chat template (a string: one user turn) with the "
+        True,
+        "wrap each prompt in the tokenizer's chat template (a string: one user turn) with the "
         "generation prompt, as TRL does; false: raw prompts, encoded as they are. A prompt that already "
         "carries the template is not wrapped again",
-    )  # fmt: skip
+    )
     prompt_len: int = _f(64, "prompt budget P in tokens (left padding)")
     truncate: str = _f(
-        "left", "a prompt longer than P: 'left' (cut the first tokens of its user content; the chat template "
+        "left",
+        "a prompt longer than P: 'left' (cut the first tokens of its user content; the chat template "
         "and generation prompt kept) or 'error'",
-    )  # fmt: skip
+    )
     eval_path: str = _f("", "separate file of evaluation prompts (same format rules)")
     eval_fraction: float = _f(0.0, "fraction of the prompts held out for evaluation (if no eval_path)")
     seed: int = _f(0, "seed of the held-out split")
     limit: int = _f(0, "use the first `limit` prompts of the file (0: all)")
     eval_every: int = _f(
-        10, "score the held-out prompts (data.eval_path or data.eval_fraction) with the policy at "
+        10,
+        "score the held-out prompts (data.eval_path or data.eval_fraction) with the policy at "
         "temperature 0 every this many iterations, also at the first and last; logged as eval/heldout/* "
         "(0 = off)",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "data.path", "must name a prompt file")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from klrl.config.run import SECTIONS, ConfigError, RunConfig
-from klrl.config.sweep import CTRL_KNOBS, unread
+from klrl.config.sweep import KNOBS, unread
 from klrl.registry import ADVANTAGES
 
 __all__ = ["ALWAYS_RELEVANT", "IRRELEVANT", "NOT_REFUSED", "Rule", "check_relevance", "irrelevant"]
@@ -48,7 +48,6 @@ _NO_LORA = "without lora.rank > 0 (lora.rank=0 is full fine-tuning)"
 _NO_CRITIC = "with ppo.advantage={c.ppo.advantage} (it trains no value function)"
 _TEXT = "with task.name=text (the pretrained model.path and the data section set it)"
 _CTRL = "with ctrl.kind={c.ctrl.kind} (its controller does not read it)"
-_KNOBS = sorted({k for ks in CTRL_KNOBS.values() for k in ks})
 _TESTBED = ("rm_pairs", "rm_heldout", "rm_epochs", "rm_lr", "rm_label_temp", "indep_d_model", "rm_scale",
             "gold_quantile", "gold_fluency_weight")  # fmt: skip
 _TASK_GPT = ("seed", "prompt_len", "prompt_pool", "pretrain_steps", "pretrain_batch", "pretrain_lr",
@@ -81,7 +80,7 @@ IRRELEVANT: tuple[Rule, ...] = (
          "with kl.placement={c.kl.placement} (no KL loss term)"),
     Rule("kl.ref_mix", lambda c: c.kl.ref_update_every == 0, "without kl.ref_update_every > 0 (a frozen "
          "reference)"),
-    *(Rule(f"ctrl.{k}", (lambda k: lambda c: f"ctrl.{k}" in unread(c))(k), _CTRL) for k in _KNOBS),
+    *(Rule(f"ctrl.{k}", (lambda k: lambda c: f"ctrl.{k}" in unread(c))(k), _CTRL) for k in KNOBS),
     Rule("ctrl.warmup_beta", lambda c: c.ctrl.warmup_iters == 0, "without ctrl.warmup_iters > 0"),
     *(Rule(f"ppo.{f}", _no_critic, _NO_CRITIC) for f in ("vf_clip", "vf_coef", "gamma", "lam")),
     Rule("ppo.group_std", lambda c: c.ppo.advantage in ("gae", "rloo"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ from klrl.config.fields import (
     OptimConfig,
     PPOConfig,
     SamplingConfig,
+    TrainConfig,
     _check,
     _choice,
     _f,
@@ -97,90 +97,6 @@ class TaskConfig:
         _check(self.gold_fluency_weight >= 0, "task.gold_fluency_weight", "must be >= 0")
 
 
-@section("train")
-class TrainConfig:
-    """The outer loop."""
-
-    iterations: int = _f(100, "PPO iterations")
-    batch_size: int = _f(64, "global batch: sequences sampled per iteration (prompts x group_size)")
-    seed: int = _f(0, "seed of the run (parameters of a fresh value model, sampling, minibatch order)")
-    devices: int = _f(0, "devices on the 'data' mesh axis (0 = all local devices)")
-    mesh: str = _f(
-        "",
-        "mesh axis sizes data,fsdp,tensor, e.g. -1,2,2 (-1: the devices left; '' = train.devices x 1 x 1)",
-    )
-    out_dir: str = _f("runs", "parent directory of new run directories")
-    name: str = _f("", "run directory name ('' = timestamp)")
-    log_every: int = _f(1, "print a progress line every this many iterations when not on a terminal")
-    quiet: bool = _f(False, "print only the summary")
-    checkpoint_every: int = _f(
-        10, "save a checkpoint every this many iterations (0 = only at the end and on SIGTERM/SIGINT)"
-    )
-    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints")
-    max_consecutive_skips: int = _f(
-        5, "stop the run after this many consecutive iterations skipped by the non-finite guard (0 = never)"
-    )
-    rollback_metric: str = _f(
-        "", "metric watched for quality rollback, e.g. 'eval/oracle_ppl_floored' ('' = rollback off)"
-    )
-    rollback_threshold: float = _f(
-        1.1,
-        "roll back when rollback_metric crosses this ratio to its iteration-0 value "
-        "(> 1: rising above it is bad; < 1: falling below it is bad)",
-    )
-    rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
-    max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
-    metric_aliases: str = _f(
-        "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
-    )
-    samples_every: int = _f(
-        10, "write decoded samples (samples.jsonl, TensorBoard text, report) every this many iterations, "
-        "also at the first and last (0 = off)",
-    )  # fmt: skip
-    samples_n: int = _f(4, "samples written per iteration (the first rows of the batch)")
-    hooks: str = _f(
-        "", "user hooks, comma-separated module:function, each called as fn(loop, row) after every row "
-        "(klrl.loop.user; '' = none)",
-    )  # fmt: skip
-    metric_fns: str = _f(
-        "", "user metric functions, comma-separated module:function, fn(row, samples) -> {name: float}, "
-        "logged as user/<name> (klrl.loop.user; '' = none)",
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        _check(self.iterations >= 1, "train.iterations", "must be >= 1")
-        for name in ("hooks", "metric_fns"):
-            for spec in filter(None, (x.strip() for x in getattr(self, name).split(","))):
-                where, _, attr = spec.rpartition(":")
-                _check(bool(where) and attr.isidentifier(), f"train.{name}",
-                       f"expected module:function, got {spec!r}")  # fmt: skip
-        _choice(self.metric_aliases, "train.metric_aliases", ("", "trl", "verl"))
-        _check(self.seed >= 0, "train.seed", "must be >= 0")
-        _check(self.out_dir != "", "train.out_dir", "must not be empty")
-        bad_name = "/" in self.name or "\\" in self.name or self.name in (".", "..")
-        _check(not bad_name, "train.name", f"must be a single directory name (got {self.name!r})")
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
-        _check(self.devices >= 0, "train.devices", "must be >= 0")
-        if self.mesh:
-            parse_mesh(self.mesh)
-        _check(self.log_every >= 1, "train.log_every", "must be >= 1")
-        _check(self.samples_every >= 0, "train.samples_every", "must be >= 0")
-        _check(self.samples_n >= 1, "train.samples_n", "must be >= 1")
-        _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
-        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0")
-        _check(
-            math.isfinite(self.rollback_threshold) and self.rollback_threshold > 0
-            and self.rollback_threshold != 1,
-            "train.rollback_threshold", "must be > 0 and != 1",
-        )  # fmt: skip
-        factor_ok = math.isfinite(self.rollback_factor) and self.rollback_factor > 1
-        _check(factor_ok, "train.rollback_factor", "must be > 1")
-        _check(self.max_rollbacks >= 0, "train.max_rollbacks", "must be >= 0")
-        _check(self.rollback_metric.strip() == self.rollback_metric, "train.rollback_metric",
-               "must not have surrounding spaces")  # fmt: skip
-
-
 @section("diag")
 class DiagnosisConfig:
     """Thresholds of the regime diagnosis (frozen / hacking / healthy), over a trailing window."""
@@ -190,9 +106,10 @@ class DiagnosisConfig:
     proxy_min_gain: float = _f(0.05, "frozen: and the proxy improved by less than this across the window")
     trend_min: float = _f(0.05, "hacking: proxy up and gold down by more than this across the window")
     ppl_margin: float = _f(
-        0.5, "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
+        0.5,
+        "hacking: oracle (else independent; text runs: else reference) perplexity this fraction above "
         "its start",
-    )  # fmt: skip
+    )
     distinct_drop: float = _f(
         0.5, "hacking (text runs): text/distinct_2 over the window this fraction below its start"
     )
@@ -230,16 +147,18 @@ class LogConfig:
     """Experiment trackers beside metrics.jsonl and TensorBoard (klrl.loop.trackers)."""
 
     wandb: bool = _f(
-        False, "also log to Weights & Biases (pip install 'klrl[wandb]'): the config, every metrics row, "
+        False,
+        "also log to Weights & Biases (pip install 'klrl[wandb]'): the config, every metrics row, "
         "the samples as a table, the summary; a sweep: one W&B run per member",
-    )  # fmt: skip
+    )
     wandb_project: str = _f("klrl", "W&B project")
     wandb_name: str = _f("", "W&B run name ('' = the run directory's name; a sweep member's: its own)")
     wandb_group: str = _f("", "W&B group ('' = none for a run; a sweep: the sweep directory's name)")
     wandb_mode: str = _f(
-        "auto", "auto (online with WANDB_API_KEY or a `wandb login`, else offline; $WANDB_MODE wins), "
+        "auto",
+        "auto (online with WANDB_API_KEY or a `wandb login`, else offline; $WANDB_MODE wins), "
         "online, offline (files under the run directory's wandb/, `wandb sync` uploads them) or disabled",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _choice(self.wandb_mode, "log.wandb_mode", WANDB_MODES)
@@ -269,8 +188,11 @@ class RunConfig:
             if not isinstance(getattr(self, f.name), want):
                 raise ConfigError(f"{f.name}: expected a {want.__name__}, got {short(getattr(self, f.name))}")
         if self.reward.fn.strip():
-            _check(self.task.name == "text", "reward.fn",
-                   f"host text rewards need task.name=text (got task.name={self.task.name})")  # fmt: skip
+            _check(
+                self.task.name == "text",
+                "reward.fn",
+                f"host text rewards need task.name=text (got task.name={self.task.name})",
+            )
         b = self.train.batch_size
         _check(
             b % self.ppo.minibatches == 0,
@@ -289,17 +211,23 @@ class RunConfig:
         _check(mb % k == 0, "ppo.grad_accum", f"must divide the minibatch, train.batch_size / ppo.minibatches"
                f" = {b} / {self.ppo.minibatches} = {mb} sequences ({mb} % {k} != 0)")  # fmt: skip
         if self.optim.critic_lr > 0:
-            _check(bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]), "optim.critic_lr",
-                   f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate")  # fmt: skip
+            _check(
+                bool(ADVANTAGES.meta(self.ppo.advantage)["critic"]),
+                "optim.critic_lr",
+                f"ppo.advantage={self.ppo.advantage} has no critic to give a learning rate",
+            )
         critic = dataclasses.replace(self.model, value_model=resolve_value_model(self))  # auto: chosen here
         object.__setattr__(self, "model", critic)
         self._check_lora()
         c = self.ctrl
         start = ("kl.beta", self.kl.beta) if c.drives == "reward" else ("kl.loss_coef", self.kl.loss_coef)
         if c.warmup_iters == 0:  # the controller would clip the starting value to the bounds silently
-            _check(c.beta_min <= start[1] <= c.beta_max, start[0],
-                   f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
-                   f"(ctrl.drives={c.drives}), got {start[1]}")  # fmt: skip
+            _check(
+                c.beta_min <= start[1] <= c.beta_max,
+                start[0],
+                f"must be in [ctrl.beta_min, ctrl.beta_max] = [{c.beta_min}, {c.beta_max}] "
+                f"(ctrl.drives={c.drives}), got {start[1]}",
+            )
 
     def _check_lora(self) -> None:
         """Adapters, the shared frozen base and a quantised reference: the combinations that work."""
@@ -313,13 +241,19 @@ class RunConfig:
             _check(lo.rank > 0, "model.adapter", "a PEFT adapter is the initial policy of a LoRA run: set "
                    "lora.rank > 0 (the adapter's own rank and alpha are then used)")  # fmt: skip
         if m.value_model == "lora":
-            _check(lo.rank > 0 or lo.critic_rank > 0, "model.value_model",
-                   "lora: the critic's adapters need lora.critic_rank > 0 (or lora.rank > 0)")  # fmt: skip
+            _check(
+                lo.rank > 0 or lo.critic_rank > 0,
+                "model.value_model",
+                "lora: the critic's adapters need lora.critic_rank > 0 (or lora.rank > 0)",
+            )
             _check(frozen, "model.value_model", "lora: the critic's base is the frozen reference "
                    f"(kl.ref_update_every={self.kl.ref_update_every}; use 0, or head/separate)")  # fmt: skip
         if m.ref_quant != "none":
-            _check(frozen, "model.ref_quant", "a quantised reference is frozen "
-                   f"(kl.ref_update_every={self.kl.ref_update_every}; use 0)")  # fmt: skip
+            _check(
+                frozen,
+                "model.ref_quant",
+                f"a quantised reference is frozen (kl.ref_update_every={self.kl.ref_update_every}; use 0)",
+            )
             _check(m.ref_dtype == "float32", "model.ref_quant", "replaces model.ref_dtype (leave it float32)")
 
     # ---- helpers -------------------------------------------------------
@@ -348,8 +282,11 @@ class RunConfig:
             raise ConfigError(f"config: expected an object of sections, got {type(d).__name__}")
         model = d.get("model")
         if isinstance(model, dict) and isinstance(model.get("lora"), dict):  # model: {lora: {...}} spelling
-            d = {**d, "model": {k: v for k, v in model.items() if k != "lora"},
-                 "lora": {**d.get("lora", {}), **model["lora"]}}  # fmt: skip
+            d = {
+                **d,
+                "model": {k: v for k, v in model.items() if k != "lora"},
+                "lora": {**d.get("lora", {}), **model["lora"]},
+            }
         kwargs = {}
         for name, sub in d.items():
             if name not in SECTIONS:

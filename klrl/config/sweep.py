@@ -24,10 +24,12 @@ import dataclasses
 import itertools
 from typing import Any
 
+from klrl.config.fields import ControllerConfig
 from klrl.config.run import ConfigError, RunConfig
+from klrl.registry import CONTROLLERS
 
-__all__ = ["BOOKKEEPING", "CTRL_KNOBS", "SWEEPABLE", "check_members", "check_overrides", "grid", "parse_axis",
-           "unread"]  # fmt: skip
+__all__ = ["BOOKKEEPING", "KNOBS", "SWEEPABLE", "check_members", "check_overrides", "ctrl_knobs", "grid",
+           "parse_axis", "unread"]  # fmt: skip
 
 # fields a member may change; all else must match the first member
 SWEEPABLE = {
@@ -52,27 +54,32 @@ BOOKKEEPING = {
     *(("log", f.name) for f in dataclasses.fields(RunConfig().log)),
 }  # fmt: skip
 
-# the ctrl knobs each built-in controller kind reads (klrl.algo.control); every kind also reads
-# warmup_iters, beta_min, beta_max (and warmup_beta when warmup_iters > 0). A kind registered
-# elsewhere is taken to read every knob.
-CTRL_KNOBS = {
-    "fixed": (),
-    "proportional": ("target", "horizon", "clip"),
-    "band": ("target", "band", "factor"),
-    "pi": ("target", "kp", "ki", "integral_max", "step_clip"),
-    "dual": ("target", "lr"),
-}
-_KNOBS = {k for knobs in CTRL_KNOBS.values() for k in knobs} | {"warmup_beta"}
+# the ctrl fields every controller kind reads (warmup_beta too when warmup_iters > 0), or that are not
+# the controller's (which KL it observes, what beta drives); the rest are knobs some kinds read
+_EVERY_KIND = ("kind", "unit", "estimator", "drives", "warmup_iters", "beta_min", "beta_max")
+KNOBS = tuple(
+    f.name for f in dataclasses.fields(ControllerConfig) if f.name not in (*_EVERY_KIND, "warmup_beta")
+)
+
+
+def ctrl_knobs(kind: str) -> tuple[str, ...]:
+    """The knobs (:data:`KNOBS`) the controller ``kind`` reads: its registration's ``knobs``
+    (``@CONTROLLERS.register(name, knobs=(...))``; klrl's own in :data:`klrl.registry.BUILTIN`); a
+    kind registered without them is taken to read every knob."""
+    knobs = CONTROLLERS.meta(kind).get("knobs", KNOBS)
+    if unknown := set(knobs) - set(KNOBS):
+        raise ValueError(
+            f"controller {kind!r}: knobs {', '.join(sorted(unknown))} are not ctrl knobs ({', '.join(KNOBS)})"
+        )
+    return tuple(knobs)
 
 
 def unread(cfg: RunConfig) -> set[str]:
     """The sweepable fields ``cfg``'s maths does not read: the ``ctrl`` knobs its controller kind
-    ignores (:data:`CTRL_KNOBS`), ``ctrl.warmup_beta`` without a warm-up, ``kl.beta`` with one (the
+    ignores (:func:`ctrl_knobs`), ``ctrl.warmup_beta`` without a warm-up, ``kl.beta`` with one (the
     warm-up's beta is the start: :func:`klrl.algo.control.init_state`) and ``train.name``."""
     c = cfg.ctrl
-    out = {"train.name"}
-    if c.kind in CTRL_KNOBS:
-        out |= {f"ctrl.{k}" for k in _KNOBS - set(CTRL_KNOBS[c.kind]) - {"warmup_beta"}}
+    out = {"train.name"} | {f"ctrl.{k}" for k in set(KNOBS) - set(ctrl_knobs(c.kind))}
     if c.warmup_iters > 0:
         out.add("kl.beta" if c.drives == "reward" else "kl.loss_coef")
     else:
@@ -122,8 +129,10 @@ def _same_run(names: list[str], a: tuple, b: tuple, member: RunConfig) -> str:
     what = ", ".join(f"{n}={x!r} and {y!r}" for n, x, y in zip(names, a, b, strict=True) if x != y)
     ctrl = f" with ctrl.kind={member.ctrl.kind}" if any(n.startswith("ctrl.") for n in differ) else ""
     warm = f" with ctrl.warmup_iters={member.ctrl.warmup_iters}" if member.ctrl.warmup_iters else ""
-    return (f"--sweep {differ[0]}: two members would be the same run ({what}): their maths does not "
-            f"read {', '.join(differ)}{ctrl or warm}")  # fmt: skip
+    return (
+        f"--sweep {differ[0]}: two members would be the same run ({what}): their maths does not "
+        f"read {', '.join(differ)}{ctrl or warm}"
+    )
 
 
 def check_axis(name: str) -> None:

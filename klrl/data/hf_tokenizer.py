@@ -246,20 +246,17 @@ def _gguf_added_tokens(tok: _Tok, tokens: Sequence[str], token_types: Sequence[i
     """GGUF control tokens (type 3) as special added tokens, user-defined ones (type 4) as plain
     added tokens (llama.cpp matches both whole in text), those ``control_ok`` / ``user_ok`` keep
     (transformers' ``add_gguf_special_tokens``)."""
-    control = [
-        AddedToken(t, normalized=False, special=True)
-        for t, ty in zip(tokens, token_types, strict=False)
-        if ty == 3 and control_ok(t)
-    ]
-    if control:
-        tok.add_special_tokens(control)
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, ty in zip(tokens, token_types, strict=False)
-        if ty == 4 and user_ok(t)
-    ]
-    if user:
-        tok.add_tokens(user)
+    for kind, ok, special, add in (
+        (3, control_ok, True, tok.add_special_tokens),
+        (4, user_ok, False, tok.add_tokens),
+    ):
+        added = [
+            AddedToken(t, normalized=False, special=special)
+            for t, ty in zip(tokens, token_types, strict=False)
+            if ty == kind and ok(t)
+        ]
+        if added:
+            add(added)
 
 
 def _merges_in_file_order(vocab: dict[str, int], order: dict[str, int]) -> list[tuple[str, str]]:

@@ -53,8 +53,9 @@ def sample(
     """``(idx [M], response [M, R], mask [M, R])``, ``M = n len(pool)``: ``n`` completions of each prompt
     (prompt-major, ``idx[m]`` the prompt's row), row ``m`` drawn with key ``fold_in(key(seed), m)``;
     temperature 0: greedy (top-1 at temperature 1)."""
-    cfg = SamplingConfig(response_len=max_new, temperature=temperature or 1.0, top_k=0 if temperature else 1,
-                         use_eos=use_eos)  # fmt: skip
+    cfg = SamplingConfig(
+        response_len=max_new, temperature=temperature or 1.0, top_k=0 if temperature else 1, use_eos=use_eos
+    )
     idx = np.repeat(np.arange(len(pool)), n)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(len(idx)))
     stops = tuple(int(s) for s in tok.stop_ids)

@@ -126,8 +126,9 @@ class Judge:
             raise JudgeError(f"--judge.chat_template true: {path}: its tokenizer has no chat template")
         if tok.bos_id is None and not (has if chat_template is None else chat_template):
             raise JudgeError(f"--judge: {path}: no BOS token, so a raw-text judge has no start to read from")
-        return cls(str(path), model, params, tok, has if chat_template is None else bool(chat_template),
-                   prompt_len)  # fmt: skip
+        return cls(
+            str(path), model, params, tok, has if chat_template is None else bool(chat_template), prompt_len
+        )
 
     @property
     def format(self) -> str:

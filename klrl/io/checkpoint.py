@@ -124,8 +124,9 @@ class _UnretrievedWriteErrors(logging.Filter):
     tensorstore's ``RESOURCE_EXHAUSTED``, or the task ran orbax's code."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith(("Task exception was never retrieved",
-                                           "Future exception was never retrieved")):  # fmt: skip
+        if not str(record.msg).startswith(
+            ("Task exception was never retrieved", "Future exception was never retrieved")
+        ):
             return True
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None:

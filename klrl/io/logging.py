@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -30,7 +29,6 @@ from tensorboardX.summary import hparams as hparams_summaries
 from tqdm import tqdm
 
 from klrl.config import RunConfig
-from klrl.io import readers
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -151,12 +149,6 @@ def write_hparams(tb: SummaryWriter, hparams: dict[str, Any], final: dict[str, A
         tb.file_writer.add_summary(summary)
     for k, v in metrics.items():
         tb.add_scalar(k, v, int(step))
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl``; a torn last line (a crash mid-write) is ignored, any other bad
-    line raises :class:`klrl.io.readers.RunDirError` (see :func:`klrl.io.readers.read_jsonl`)."""
-    return readers.read_jsonl(path)
 
 
 def hparams_of(cfg: RunConfig, swept: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:

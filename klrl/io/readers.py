@@ -123,8 +123,10 @@ def _loads(text: str, where: str) -> Any:
         value = json.loads(text, object_pairs_hook=_object)
         dup = duplicate_key(value)
         if dup is not None:
-            raise RunDirError(f"{where}: duplicate key {dup!r} (a key may appear once; the later value "
-                              "would silently replace the earlier)")  # fmt: skip
+            raise RunDirError(
+                f"{where}: duplicate key {dup!r} (a key may appear once; the later value "
+                "would silently replace the earlier)"
+            )
         return value
     except json.JSONDecodeError as e:
         raise RunDirError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None

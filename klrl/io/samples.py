@@ -154,16 +154,23 @@ def side_by_side(rows: list[dict[str, Any]], n: int = 4) -> list[str]:
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
             return ""
-        return (f"**{table_cell(r['prompt'], 120)}** → {table_cell(r['completion'], 160)} "
-                f"(reward {float(r['reward']):.3g}, KL {float(r['kl_seq_sum']):.3g})")  # fmt: skip
+        return (
+            f"**{table_cell(r['prompt'], 120)}** → {table_cell(r['completion'], 160)} "
+            f"(reward {float(r['reward']):.3g}, KL {float(r['kl_seq_sum']):.3g})"
+        )
 
     head = f"| # | iteration {its[0]} | iteration {its[-1]} |"
     out = [head, "|---|---|---|"]
     for i in range(max(len(first), len(last))):
-        out.append(f"| {i} | {cell(first[i] if i < len(first) else None)} | "
-                   f"{cell(last[i] if i < len(last) else None)} |")  # fmt: skip
-    out += ["", "Each cell: **prompt** → completion (task reward; KL = the sample's summed k1 estimate, "
-            "nats/sequence, the per-sample term of `kl/k1_seq_sum`)."]  # fmt: skip
+        out.append(
+            f"| {i} | {cell(first[i] if i < len(first) else None)} | "
+            f"{cell(last[i] if i < len(last) else None)} |"
+        )
+    out += [
+        "",
+        "Each cell: **prompt** → completion (task reward; KL = the sample's summed k1 estimate, "
+        "nats/sequence, the per-sample term of `kl/k1_seq_sum`).",
+    ]
     return out
 
 
@@ -207,7 +214,10 @@ def samples(source: Any, iteration: int | None = None, *, frame: bool = True) ->
     try:
         import pandas as pd
     except ImportError:
-        warnings.warn("klrl.samples: pandas is not installed (pip install 'klrl[viz]'), so this is a list "
-                      "of dicts, not a DataFrame (frame=False asks for the list)", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "klrl.samples: pandas is not installed (pip install 'klrl[viz]'), so this is a list "
+            "of dicts, not a DataFrame (frame=False asks for the list)",
+            stacklevel=2,
+        )
         return rows
     return pd.DataFrame(rows)

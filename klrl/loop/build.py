@@ -30,9 +30,11 @@ from klrl.models import peft
 from klrl.models.hf import CheckpointFormatError
 from klrl.registry import TASKS, is_adaptive
 from klrl.rewards.standardize import reward_norm_env, standardize_task, standardized
+from klrl.step.context import as_ref_dtype, init_state, state_shardings
 from klrl.step.evaluate import make_heldout_eval
+from klrl.step.optim import set_learning_rate
 from klrl.step.parallel import mesh_from_config, shard_step
-from klrl.step.parts import Train, TrainState, as_ref_dtype, init_state, set_learning_rate, state_shardings
+from klrl.step.stages import Train, TrainState
 from klrl.step.train import make_train
 from klrl.tasks.base import Task
 from klrl.tasks.pretrain import cache_root
@@ -95,8 +97,11 @@ def make_program(
     phase = phase_log(tc.quiet) if distributed.is_main() else None
     t0 = time.time()
     if phase is not None and task is None:
-        phase(f"building the task {base.task.name}" + (f" on {base.model.path}" if base.model.path else "")
-              + " (model load, reference) ...")  # fmt: skip
+        phase(
+            f"building the task {base.task.name}"
+            + (f" on {base.model.path}" if base.model.path else "")
+            + " (model load, reference) ..."
+        )
     task, models = _task_and_models(members, task, stacked, None if tc.quiet else (log or phase), models)
     if phase is not None:
         phase(f"task ready in {elapsed(t0)}")
@@ -105,14 +110,16 @@ def make_program(
     n_samples = tc.samples_n if write and tc.samples_every > 0 else 0
     adaptive = any(is_adaptive(m.ctrl.kind) for m in members)  # ctrl/target: NaN for fixed members
     # a sweep's members share one base: no merged copy of it per member in the rollout
-    train = make_train(base, task, mesh, log_target=adaptive, samples=n_samples, fold_rollout=not stacked,
-                       **models)  # fmt: skip
+    train = make_train(
+        base, task, mesh, log_target=adaptive, samples=n_samples, fold_rollout=not stacked, **models
+    )
     if base.model.adapter and not tc.quiet and distributed.is_main():  # the initial policy's adapters
         say(peft.adapter_line(base.model.adapter))
     task = train.context.task  # (a ``reward=`` passed in is part of it)
     # one gain and bias for every member (the env is shared): from the first member's seed
-    env, norm_info = reward_norm_env(train, task.env, seed=tc.seed, resume=resume,
-                                     log=None if tc.quiet else (log or True))  # fmt: skip
+    env, norm_info = reward_norm_env(
+        train, task.env, seed=tc.seed, resume=resume, log=None if tc.quiet else (log or True)
+    )
     env = distributed.replicate(env, mesh) if distributed.is_multiprocess() else env
     states = _stacked(train, members) if stacked else _single(train, base)
     if not tc.quiet and distributed.is_main():  # the task's notes (e.g. prompts cut), once every check
@@ -133,8 +140,9 @@ def make_program(
     return prog, task
 
 
-def _task_and_models(members: list[RunConfig], task: Task | None, stacked: bool, log: Any,
-                     models: dict[str, Any]) -> tuple[Task, dict[str, Any]]:  # fmt: skip
+def _task_and_models(
+    members: list[RunConfig], task: Task | None, stacked: bool, log: Any, models: dict[str, Any]
+) -> tuple[Task, dict[str, Any]]:
     """The task (built if not given; ``log``: its build's log) and the models ``make_train`` gets: the
     reward standardised with ``reward.standardize`` and a pretrained run's value model attached."""
     base = members[0]

@@ -114,9 +114,11 @@ class CacheStats:
     events (listeners registered once per process); :meth:`since` gives the change since a snapshot."""
 
     _counts: dict[str, float] = {"hits": 0, "misses": 0, "trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
-    _durations = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-                  "/jax/core/compile/backend_compile_duration": "compile_s"}  # fmt: skip
+    _durations = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+        "/jax/core/compile/backend_compile_duration": "compile_s",
+    }
     _registered = False
 
     @classmethod

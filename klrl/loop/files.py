@@ -85,15 +85,20 @@ def cut_to_checkpoint(
                 replace_file(d / "metrics.jsonl", b"".join(lines[:n_lines]))
             replace_file(d / "config.json", json.dumps(cfgs[j].to_dict(), indent=1).encode())
             if (d / "samples.jsonl").is_file():  # samples of iterations after the checkpoint: rewritten
-                kept = [x for x in complete_lines(d / "samples.jsonl")
-                        if json.loads(x).get("iteration", 0) < n_lines]  # fmt: skip
+                kept = [
+                    x
+                    for x in complete_lines(d / "samples.jsonl")
+                    if json.loads(x).get("iteration", 0) < n_lines
+                ]
                 replace_file(d / "samples.jsonl", b"".join(kept))
             writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
             dropped = len(lines) - n_lines
             m = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
             if resume.fresh and dropped:  # killed before its first checkpoint was committed
-                m = (f"resumed from checkpoint 0, the initial state (no complete checkpoint; {dropped} "
-                     "metrics lines dropped, recomputed)")  # fmt: skip
+                m = (
+                    f"resumed from checkpoint 0, the initial state (no complete checkpoint; {dropped} "
+                    "metrics lines dropped, recomputed)"
+                )
             m += resume.note()  # step directories skipped (no finished save in them)
             writers[-1].event(resume.step, "resume", m)
             msg = msg or m  # the first member's, for the log

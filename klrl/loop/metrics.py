@@ -30,7 +30,7 @@ def final_metrics(metrics: dict[str, np.ndarray], window: int) -> dict[str, floa
 
 def learning_rates(state: Any, n: int) -> dict[str, np.ndarray] | None:
     """The peak learning rates of each of ``n`` members, read on the host from the optimizer state's
-    injected hyper-parameters (:func:`klrl.step.parts.make_optimizer`): ``optim/lr`` from
+    injected hyper-parameters (:func:`klrl.step.optim.make_optimizer`): ``optim/lr`` from
     ``opt_state[-1].hyperparams['step_size']`` (= -lr) and, where the critic has its own
     (``optim.critic_lr > 0``), ``optim/critic_lr`` from ``'critic_step_size'``; None for a state
     without them."""

@@ -41,8 +41,9 @@ def pop_samples(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k[len(PREFIX) :]: metrics.pop(k) for k in [k for k in metrics if k.startswith(PREFIX)]}
 
 
-def decode_rows(tokenizer: Any, rows: dict[str, np.ndarray], prompt_texts: Sequence[str] | None = None
-                ) -> dict[str, list[Any]]:  # fmt: skip
+def decode_rows(
+    tokenizer: Any, rows: dict[str, np.ndarray], prompt_texts: Sequence[str] | None = None
+) -> dict[str, list[Any]]:
     """Host-side: the text and numbers of one member's sample rows (see the module docstring)."""
     stops = {int(s) for s in tokenizer.stop_ids}
 
@@ -56,8 +57,9 @@ def decode_rows(tokenizer: Any, rows: dict[str, np.ndarray], prompt_texts: Seque
     prompts = []
     for i, (p, pm) in enumerate(zip(rows["prompt"], rows["prompt_mask"], strict=True)):
         j = int(idx[i])
-        prompts.append(prompt_texts[j] if prompt_texts is not None and 0 <= j < len(prompt_texts) else
-                       text(p, pm, False))  # fmt: skip
+        prompts.append(
+            prompt_texts[j] if prompt_texts is not None and 0 <= j < len(prompt_texts) else text(p, pm, False)
+        )
     out: dict[str, list[Any]] = {
         "prompt": prompts,
         "completion": [text(r, m, True) for r, m in zip(rows["response"], rows["mask"], strict=True)],
@@ -125,8 +127,11 @@ class Samples(Hook):
         prog, tc = loop.prog, loop.configs[0].train
         if not loop.writers or prog.tokenizer is None or tc.samples_every <= 0:
             return cls(None)
-        return cls(SampleLog(prog.tokenizer, loop.dirs, loop.writers, tc.samples_every, tc.iterations,
-                             prog.prompt_texts))  # fmt: skip
+        return cls(
+            SampleLog(
+                prog.tokenizer, loop.dirs, loop.writers, tc.samples_every, tc.iterations, prog.prompt_texts
+            )
+        )
 
     def on_step(self, loop: Loop, row: Row) -> None:
         if self.log is not None:

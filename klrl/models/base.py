@@ -40,7 +40,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from klrl.models.attention import attention_mask, causal_mask, positions_from_mask  # noqa: F401 (re-exported)
+from klrl.models.attention import (  # noqa: F401 (re-exported)
+    attention_mask,
+    causal_mask,
+    empty_cache,
+    positions_from_mask,
+)
 from klrl.models.remat import check_mode
 
 Array = jax.Array
@@ -114,20 +119,39 @@ def lm_head(params: Params, hidden: Array, embedding: str, tied: bool, dtype: An
 
 
 @dataclasses.dataclass(frozen=True)
+class PeftLayout:
+    """Where a family's adaptable layers sit, for Hugging Face PEFT adapters (:mod:`klrl.models.peft`):
+    klrl's scanned stack and the HF module paths."""
+
+    stack: str  # the key of the scanned layers in klrl's params: params[stack][module]
+    prefix: str  # the HF path of layer i: f"{prefix}.{i}"
+    modules: dict  # klrl module -> HF module path inside a layer
+    targets: dict  # klrl module -> its name in a written target_modules (PEFT: a name's last components)
+    fan_in_fan_out: bool  # HF stores the base weight [in, out] (GPT-2's Conv1D)
+
+
+@dataclasses.dataclass(frozen=True)
 class FlaxLM:
     """A flax module family as a :class:`CausalLM`: the wrapper GPT-2, Llama and Gemma 3 share.
 
-    A family subclasses it as a frozen dataclass with its own ``config`` type and sets ``MODULE``
-    (the flax module class, built ``MODULE(config, dtype, remat)``, whose ``__call__`` takes
-    ``(tokens, positions, mask, cache, index, logits)``), ``EMBEDDING`` (the embedding's parameter
-    name, which the tied head reads) and ``LORA_TARGETS`` (:mod:`klrl.models.lora`); it adds
-    ``hidden_size``, ``max_len``, ``init_cache``, ``partition_rules``, ``hf_config`` and the HF
-    tensor conversion. ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay
-    float32. The config must have ``vocab_size`` and ``tie_word_embeddings``.
+    A family subclasses it as a frozen dataclass with its own ``config`` type and declares, as class
+    attributes: ``MODULE`` (the flax module class, built ``MODULE(config, dtype, remat)``, whose
+    ``__call__`` takes ``(tokens, positions, mask, cache, index, logits)``), ``EMBEDDING`` (the
+    embedding's parameter name, which the tied head reads), ``LORA_TARGETS`` (:mod:`klrl.models.lora`),
+    ``PARTITION_RULES`` (:meth:`partition_rules`) and, for Hugging Face PEFT adapters, ``PEFT`` (a
+    :class:`PeftLayout`; None: the family has none). It adds ``hf_config`` and the HF tensor
+    conversion. ``hidden_size``, ``max_len`` and ``init_cache`` read the HF names of a decoder's
+    config (``hidden_size``, ``max_position_embeddings``, ``num_hidden_layers``,
+    ``num_key_value_heads``, ``head_dim``); a config with other names overrides them. ``dtype`` is
+    the compute dtype (float32 or bfloat16); parameters stay float32. The config must have
+    ``vocab_size`` and ``tie_word_embeddings``.
     """
 
     MODULE: ClassVar[Any]
     EMBEDDING: ClassVar[str]
+    LORA_TARGETS: ClassVar[str]
+    PARTITION_RULES: ClassVar[PartitionRules]
+    PEFT: ClassVar[PeftLayout | None] = None
 
     config: Any
     dtype: Any = jnp.float32
@@ -143,6 +167,22 @@ class FlaxLM:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def init_cache(self, batch: int, length: int):
+        c = self.config
+        return empty_cache(c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim, self.dtype)
+
+    def partition_rules(self) -> PartitionRules:
+        """The family's ``PARTITION_RULES``."""
+        return self.PARTITION_RULES
 
     def init(self, key: Array):
         t = jnp.zeros((1, 2), jnp.int32)

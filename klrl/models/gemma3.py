@@ -30,9 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from klrl.models.attention import attention, empty_cache, write_cache
+from klrl.models.attention import attention, write_cache
 from klrl.models.base import FlaxLM, LMOutput
 from klrl.models.gemma3_io import (
     READING,
@@ -43,7 +42,7 @@ from klrl.models.gemma3_io import (
     stack_layers,
     unstack_layers,
 )
-from klrl.models.llama import apply_rope, rope_tables
+from klrl.models.llama import Llama, apply_rope, rope_tables
 from klrl.models.registry import register_family
 from klrl.models.remat import remat_block
 from klrl.models.sharding import split_rows
@@ -168,36 +167,16 @@ class Gemma3(FlaxLM):
     ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay float32.
     """
 
-    LORA_TARGETS = "layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"  # klrl.models.lora
     MODULE = Gemma3Module
     EMBEDDING = "embed_tokens"  # the tied head: x @ E^T
+    LORA_TARGETS = Llama.LORA_TARGETS  # Llama's module names (klrl.models.lora)
+    PARTITION_RULES = Llama.PARTITION_RULES
 
     config: Gemma3Config
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def max_len(self) -> int:
-        return self.config.max_position_embeddings
 
     def head(self, params, hidden: Array) -> Array:
         """The LM head alone (final hidden states -> float32 logits, soft-capped), as in :meth:`apply`."""
         return softcap(super().head(params, hidden), self.config.final_logit_softcapping)
-
-    def init_cache(self, batch: int, length: int):
-        c = self.config
-        return empty_cache(c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim, self.dtype)
-
-    def partition_rules(self):
-        """As :meth:`klrl.models.llama.Llama.partition_rules` (the same module names)."""
-        return (
-            (r"embed_tokens/embedding$", P("tensor", "fsdp")),
-            (r"lm_head/kernel$", P("fsdp", "tensor")),
-            (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "fsdp", "tensor")),
-            (r"layers/(o_proj|down_proj)/kernel$", P(None, "tensor", "fsdp")),
-        )
 
     def hf_config(self) -> dict:
         return config_to_hf(self.config)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from klrl.data.hf_tokenizer import gemma_bpe
+from klrl.models import llama_hf
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.registry import GGUFReading
 
@@ -210,16 +211,7 @@ def layer_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 def stack_layers(c: Gemma3Config, get, put) -> dict:
     """One ``[L, ...]`` float32 array per layer tensor (kernels transposed to ``[in, out]``)."""
-    out: dict = {}
-    for hf, shape in layer_shapes(c).items():
-        mod, leaf, tr = _flax(hf)
-        buf = np.empty((c.num_hidden_layers, *(shape[::-1] if tr else shape)), np.float32)
-        for i in range(c.num_hidden_layers):
-            a = get(f"model.layers.{i}.{hf}")
-            buf[i] = a.T if tr else a
-        out.setdefault(mod, {})[leaf] = put(buf)
-        del buf
-    return out
+    return llama_hf.stack_layers(c.num_hidden_layers, layer_shapes(c), get, put, _flax)
 
 
 def unstack_layers(c: Gemma3Config, layers: dict) -> dict[str, np.ndarray]:

@@ -79,15 +79,7 @@ class GPTModule(nn.Module):
     remat: str = "none"  # klrl.models.remat.REMAT_MODES
 
     @nn.compact
-    def __call__(
-        self,
-        tokens: Array,
-        positions: Array,
-        mask: Array,
-        cache: Cache | None = None,
-        index: Array | int | None = None,
-        logits: bool = True,
-    ) -> LMOutput:
+    def __call__(self, tokens, positions, mask, cache=None, index=None, logits=True) -> LMOutput:
         """``mask [B, T, S]``: query t may attend key s (causality and padding folded in).
 
         Without a cache S = T. With a cache the T new tokens are written at slot ``index``.
@@ -148,17 +140,8 @@ class GPT:
         mask = jnp.ones((1, self.max_len), jnp.float32)
         return self.module.init(key, tokens, positions_from_mask(mask), causal_mask(mask))["params"]
 
-    def apply(
-        self,
-        params: Any,
-        tokens: Array,
-        positions: Array,
-        mask: Array,
-        cache: Cache | None = None,
-        index: Array | int | None = None,
-        *,
-        logits: bool = True,
-    ) -> LMOutput:
+    def apply(self, params, tokens, positions, mask, cache=None, index=None, *, logits=True) -> LMOutput:
+        """:meth:`klrl.models.base.CausalLM.apply` (its types)."""
         return self.module.apply({"params": params}, tokens, positions, mask, cache, index, logits)
 
     def head(self, params: Any, hidden: Array) -> Array:

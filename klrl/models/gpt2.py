@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from klrl.models.attention import attention, attention_mask, empty_cache, write_cache
-from klrl.models.base import FlaxLM, LMOutput
+from klrl.models.base import FlaxLM, LMOutput, PeftLayout
 from klrl.models.registry import register_family
 from klrl.models.remat import remat_block
 from klrl.models.sharding import split_rows
@@ -162,9 +162,26 @@ class GPT2Module(nn.Module):
 class GPT2(FlaxLM):
     """GPT-2 implementing :class:`klrl.models.base.CausalLM` (compute ``dtype``, float32 params)."""
 
-    LORA_TARGETS = "h/(c_attn|c_proj|c_fc|mlp_c_proj)"  # klrl.models.lora
     MODULE = GPT2Module
     EMBEDDING = "wte"  # the tied head: x @ wte^T
+    LORA_TARGETS = "h/(c_attn|c_proj|c_fc|mlp_c_proj)"  # klrl.models.lora
+    PARTITION_RULES = (
+        (r"wte/embedding$", P("tensor", "fsdp")),
+        (r"wpe/embedding$", P(None, "fsdp")),
+        (r"lm_head/kernel$", P("fsdp", "tensor")),
+        (r"h/(c_attn|c_fc)/kernel$", P(None, "fsdp", "tensor")),
+        (r"h/(c_attn|c_fc)/bias$", P(None, "tensor")),
+        (r"h/(c_proj|mlp_c_proj)/kernel$", P(None, "tensor", "fsdp")),
+    )
+    # HF: transformer.h.{i}.attn.c_attn, ...; klrl's c_proj is attn.c_proj, mlp_c_proj is mlp.c_proj;
+    # Conv1D stores the weight [in, out]
+    PEFT = PeftLayout(
+        "h",
+        "transformer.h",
+        {"c_attn": "attn.c_attn", "c_proj": "attn.c_proj", "c_fc": "mlp.c_fc", "mlp_c_proj": "mlp.c_proj"},
+        {"c_attn": "c_attn", "c_proj": "attn.c_proj", "c_fc": "c_fc", "mlp_c_proj": "mlp.c_proj"},
+        True,
+    )
 
     config: GPT2Config
 
@@ -182,16 +199,6 @@ class GPT2(FlaxLM):
 
     def hf_config(self) -> dict:
         return config_to_hf(self.config)
-
-    def partition_rules(self):
-        return (
-            (r"wte/embedding$", P("tensor", "fsdp")),
-            (r"wpe/embedding$", P(None, "fsdp")),
-            (r"lm_head/kernel$", P("fsdp", "tensor")),
-            (r"h/(c_attn|c_fc)/kernel$", P(None, "fsdp", "tensor")),
-            (r"h/(c_attn|c_fc)/bias$", P(None, "tensor")),
-            (r"h/(c_proj|mlp_c_proj)/kernel$", P(None, "tensor", "fsdp")),
-        )
 
     # ---- HF tensors <-> parameters ---------------------------------------------------------
 

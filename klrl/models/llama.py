@@ -28,16 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from klrl.models.attention import attention, attention_mask, empty_cache, write_cache
-from klrl.models.base import FlaxLM, LMOutput
+from klrl.models.attention import attention, attention_mask, write_cache
+from klrl.models.base import FlaxLM, LMOutput, PeftLayout
 from klrl.models.llama_gguf import READING
 from klrl.models.llama_hf import (  # noqa: F401  (re-exported: the family's config API)
     LlamaConfig,
-    _layer_shapes,
-    _stack_layers,
-    _unstack_layers,
     config_from_hf,
     config_to_hf,
+    layer_shapes,
+    stack_layers,
+    unstack_layers,
 )
 from klrl.models.registry import register_family
 from klrl.models.remat import remat_block
@@ -45,6 +45,11 @@ from klrl.models.sharding import split_rows
 
 Array = jax.Array
 _INIT = nn.initializers.normal(0.02)
+# the adaptable layers: klrl module -> HF module path inside a layer (model.layers.{i}.self_attn.q_proj, ...)
+_MODULES = {
+    **{m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{m: f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")},
+}
 
 
 def inv_frequencies(c: LlamaConfig) -> np.ndarray:
@@ -173,34 +178,21 @@ class Llama(FlaxLM):
     ``dtype`` is the compute dtype (float32 or bfloat16); parameters stay float32.
     """
 
-    LORA_TARGETS = "layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"  # klrl.models.lora
     MODULE = LlamaModule
     EMBEDDING = "embed_tokens"  # the tied head: x @ E^T
+    LORA_TARGETS = f"layers/({'|'.join(_MODULES)})"  # klrl.models.lora
+    # MaxText/tunix-style: embedding rows on ``tensor``, width on ``fsdp``; q/k/v/gate/up column-parallel,
+    # o/down row-parallel (leading axis: layers, unsharded)
+    PARTITION_RULES = (
+        (r"embed_tokens/embedding$", P("tensor", "fsdp")),
+        (r"lm_head/kernel$", P("fsdp", "tensor")),
+        (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "fsdp", "tensor")),
+        (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P(None, "tensor")),
+        (r"layers/(o_proj|down_proj)/kernel$", P(None, "tensor", "fsdp")),
+    )
+    PEFT = PeftLayout("layers", "model.layers", _MODULES, {m: m for m in _MODULES}, False)
 
     config: LlamaConfig
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def max_len(self) -> int:
-        return self.config.max_position_embeddings
-
-    def init_cache(self, batch: int, length: int):
-        c = self.config
-        return empty_cache(c.num_hidden_layers, batch, c.num_key_value_heads, length, c.head_dim, self.dtype)
-
-    def partition_rules(self):
-        """MaxText/tunix-style: embedding rows on ``tensor``, width on ``fsdp``; q/k/v/gate/up
-        column-parallel, o/down row-parallel (leading axis: layers, unsharded)."""
-        return (
-            (r"embed_tokens/embedding$", P("tensor", "fsdp")),
-            (r"lm_head/kernel$", P("fsdp", "tensor")),
-            (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "fsdp", "tensor")),
-            (r"layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P(None, "tensor")),
-            (r"layers/(o_proj|down_proj)/kernel$", P(None, "tensor", "fsdp")),
-        )
 
     def hf_config(self) -> dict:
         return config_to_hf(self.config)
@@ -215,17 +207,12 @@ class Llama(FlaxLM):
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, with its (torch-layout) shape."""
         c = self.config
-        d, nq, nkv, f = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-            c.intermediate_size,
-        )
+        d = c.hidden_size
         s = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
         if not c.tie_word_embeddings:
             s["lm_head.weight"] = (c.vocab_size, d)
         for i in range(c.num_hidden_layers):
-            for name, shape in _layer_shapes(c, d, nq, nkv, f).items():
+            for name, shape in layer_shapes(c).items():
                 s[f"model.layers.{i}.{name}"] = shape
         return s
 
@@ -234,16 +221,10 @@ class Llama(FlaxLM):
         goes through ``put`` (e.g. ``jnp.asarray``) as soon as it is complete."""
         put = put or (lambda a: a)
         c = self.config
-        d, nq, nkv, f = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-            c.intermediate_size,
-        )
         p = {
             "embed_tokens": {"embedding": put(get("model.embed_tokens.weight"))},
             "norm": {"scale": put(get("model.norm.weight"))},
-            "layers": _stack_layers(c.num_hidden_layers, _layer_shapes(c, d, nq, nkv, f), get, put),
+            "layers": stack_layers(c.num_hidden_layers, layer_shapes(c), get, put),
         }
         if not c.tie_word_embeddings:
             p["lm_head"] = {"kernel": put(np.ascontiguousarray(get("lm_head.weight").T))}
@@ -258,5 +239,5 @@ class Llama(FlaxLM):
         }
         if not c.tie_word_embeddings:
             out["lm_head.weight"] = p["lm_head"]["kernel"].T
-        out.update(_unstack_layers(c.num_hidden_layers, p["layers"]))
+        out.update(unstack_layers(c.num_hidden_layers, p["layers"]))
         return out

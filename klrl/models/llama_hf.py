@@ -118,7 +118,10 @@ def config_to_hf(c: LlamaConfig) -> dict:
     return d
 
 
-def _layer_shapes(c: LlamaConfig, d: int, nq: int, nkv: int, f: int) -> dict[str, tuple[int, ...]]:
+def layer_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """HF per-layer tensor (after ``model.layers.N.``) -> torch-layout shape."""
+    d, f = c.hidden_size, c.intermediate_size
+    nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     s = {
         "input_layernorm.weight": (d,),
         "post_attention_layernorm.weight": (d,),
@@ -149,12 +152,13 @@ def _flax_name(hf: str) -> tuple[str, str, bool]:
     return mod, "kernel" if leaf == "weight" else "bias", leaf == "weight"
 
 
-def _stack_layers(n: int, shapes: dict[str, tuple[int, ...]], get, put) -> dict:
-    """One ``[L, ...]`` float32 array per layer tensor, filled layer by layer (peak memory: the
-    stacked result plus one layer's tensor)."""
+def stack_layers(n: int, shapes: dict[str, tuple[int, ...]], get, put, flax_name=_flax_name) -> dict:
+    """One ``[L, ...]`` float32 array per layer tensor (``model.layers.{i}.<name>`` for each ``name``
+    of ``shapes``), filled layer by layer (peak memory: the stacked result plus one layer's tensor);
+    ``flax_name(name) -> (module, leaf, transposed)`` (Gemma 3 names its norms otherwise)."""
     out: dict = {}
     for hf, shape in shapes.items():
-        mod, leaf, tr = _flax_name(hf)
+        mod, leaf, tr = flax_name(hf)
         buf = np.empty((n, *(shape[::-1] if tr else shape)), np.float32)
         for i in range(n):
             a = get(f"model.layers.{i}.{hf}")
@@ -164,7 +168,7 @@ def _stack_layers(n: int, shapes: dict[str, tuple[int, ...]], get, put) -> dict:
     return out
 
 
-def _unstack_layers(n: int, layers: dict, prefix: str = "model.layers") -> dict[str, np.ndarray]:
+def unstack_layers(n: int, layers: dict, prefix: str = "model.layers") -> dict[str, np.ndarray]:
     group = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
     out = {}
     for mod, leaves in layers.items():

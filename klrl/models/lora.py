@@ -39,6 +39,11 @@ Array = jax.Array
 SUFFIXES = ("_lora_a", "_lora_b")
 
 
+def base_of(model: Any) -> Any:
+    """The model under ``model``'s adapters (a :class:`LoRA`'s base); any other model itself."""
+    return model.base if isinstance(model, LoRA) else model
+
+
 def family_targets(model: Any) -> str:
     """The regex of the module paths of ``model``'s family that may carry an adapter (``LORA_TARGETS``)."""
     t = getattr(type(model), "LORA_TARGETS", None)

@@ -26,7 +26,6 @@ file, a missing, unexpected or misshapen tensor, or a target the family has no a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -38,9 +37,9 @@ import numpy as np
 from safetensors import safe_open
 
 from klrl.models import lora
-from klrl.models.gpt2 import GPT2 as GPT2Family
+from klrl.models.base import PeftLayout as Layout
 from klrl.models.hf import CheckpointFormatError, check_finite, save_safetensors
-from klrl.models.llama import Llama
+from klrl.models.registry import FAMILIES
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -48,36 +47,6 @@ PREFIX = "base_model.model."
 SCORE = PREFIX + "score.weight"  # a SEQ_CLS adapter's score head (modules_to_save)
 _FLOAT = {"F32", "F16", "BF16", "F64"}
 
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where a family's adaptable layers sit: klrl's scanned stack and the HF module paths."""
-
-    stack: str  # the key of the scanned layers in klrl's params: params[stack][module]
-    prefix: str  # the HF path of layer i: f"{prefix}.{i}"
-    modules: dict  # klrl module -> HF module path inside a layer
-    targets: dict  # klrl module -> its name in a written target_modules (PEFT: a name's last components)
-    fan_in_fan_out: bool  # HF stores the base weight [in, out] (GPT-2's Conv1D)
-
-
-_LLAMA_MODULES = {
-    **{m: f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    **{m: f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")},
-}
-LLAMA = Layout("layers", "model.layers", _LLAMA_MODULES, {m: m for m in _LLAMA_MODULES}, False)
-_GPT2_MODULES = {
-    "c_attn": "attn.c_attn",
-    "c_proj": "attn.c_proj",
-    "c_fc": "mlp.c_fc",
-    "mlp_c_proj": "mlp.c_proj",
-}
-GPT2 = Layout(
-    "h",
-    "transformer.h",
-    _GPT2_MODULES,
-    {"c_attn": "c_attn", "c_proj": "attn.c_proj", "c_fc": "c_fc", "mlp_c_proj": "mlp.c_proj"},
-    True,
-)
 
 # adapter_config.json fields: read (checked below), or without effect on the adapted function
 _READ = {
@@ -94,17 +63,18 @@ _PLAIN_INIT = (True, False, "gaussian", "orthogonal", "eva")
 
 
 def layout(model: Any, where: str | Path) -> Layout:
-    """The :class:`Layout` of ``model``'s family (a :class:`~klrl.models.lora.LoRA`: its base's); klrl's
-    GPT and any other family: a one-line error naming ``where``."""
-    base = model.base if isinstance(model, lora.LoRA) else model
-    if isinstance(base, Llama):
-        return LLAMA
-    if isinstance(base, GPT2Family):
-        return GPT2
-    raise CheckpointFormatError(
-        f"{where}: PEFT adapters name Hugging Face modules; klrl's {type(base).__name__} has no Hugging Face "
-        "counterpart (PEFT adapters are read and written for llama/qwen2/mistral and gpt2 models)"
-    )
+    """The :class:`~klrl.models.base.PeftLayout` ``model``'s family declares (``PEFT``; a
+    :class:`~klrl.models.lora.LoRA`: its base's); a family without one (klrl's GPT): a one-line error
+    naming ``where``."""
+    base = lora.base_of(model)
+    found = getattr(base, "PEFT", None)
+    if found is None:
+        peft = sorted(n for n in FAMILIES if getattr(FAMILIES.get(n), "PEFT", None) is not None)
+        raise CheckpointFormatError(
+            f"{where}: PEFT adapters name Hugging Face modules; klrl's {type(base).__name__} declares no "
+            f"Hugging Face layout (PEFT adapters are read and written for the {', '.join(peft)} families)"
+        )
+    return found
 
 
 def _name(base_name: str) -> str:
@@ -296,8 +266,10 @@ def _check_options(doc: dict, f: Path, seq_cls: bool = False) -> tuple[int, floa
             raise bad(field, "not supported (klrl's LoRA scales by lora_alpha / r, without a magnitude)")
     saved = doc.get("modules_to_save") or []
     if saved and not (seq_cls and set(saved) <= {"score", "classifier"}):
-        raise bad("modules_to_save", "fully trained modules beside the adapter are not supported (null; "
-                  "a reward model's score head)")  # fmt: skip
+        raise bad(
+            "modules_to_save",
+            "fully trained modules beside the adapter are not supported (null; a reward model's score head)",
+        )
     if doc.get("init_lora_weights", True) not in _PLAIN_INIT:
         raise bad("init_lora_weights", "this initialisation rewrites the base weights; not supported")
     for field, v in sorted(doc.items()):
@@ -515,7 +487,7 @@ def _load(
             "kernel_lora_b": jnp.asarray(np.stack([get(i, "B") for i in range(n)])),
         }
     targets = "" if len(adapted) == len(lay.modules) else "/(?:" + "|".join(adapted) + ")$"
-    model = lora.LoRA(base_model.base if isinstance(base_model, lora.LoRA) else base_model, r, alpha, targets)
+    model = lora.LoRA(lora.base_of(base_model), r, alpha, targets)
     found = sorted(p.split("/")[-1] for p in lora.adapted_modules(model, base_params))
     if found != adapted:  # klrl's own targets regex and the family's LORA_TARGETS disagree: a klrl bug
         raise RuntimeError(f"{path}: LoRA targets {targets!r} adapt {found}, the adapter holds {adapted}")

@@ -651,19 +651,6 @@ class HostReward:
             self.all_none_calls = 0
 
 
-def make_host_reward(
-    fns: Sequence[Callable | str],
-    weights: Sequence[float] | None,
-    tokenizer: Tokenizer,
-    prompts: Sequence[Any],
-    columns: dict[str, Sequence[Any]] | None = None,
-    *,
-    stop_after_error: bool = False,
-    timeout: float | None = None,
-    completions: str = "auto",
-) -> HostReward:
-    """A :class:`HostReward` over the pool ``prompts`` (index ``prompt_idx`` into it) and ``columns``;
-    ``timeout``: seconds a call may take (None: no limit); ``completions``: the form of the functions'
-    completions (module docstring)."""
-    return HostReward(fns, weights, tokenizer, prompts, columns, stop_after_error=stop_after_error,
-                      timeout=timeout, completions=completions)  # fmt: skip
+# a HostReward over the pool ``prompts`` (``prompt_idx`` indexes it) and ``columns``: ``timeout`` the seconds
+# a call may take (None: no limit), ``completions`` the form of the functions' completions (module docstring)
+make_host_reward = HostReward

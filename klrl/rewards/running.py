@@ -12,7 +12,7 @@ reference policy's samples, lm-human-preferences' and OpenRLHF's reward-model no
 follows the policy's rewards as they move.
 
 Where the moments live: :class:`RewardMoments` (float32 scalars) is the state of :func:`holder`, an
-identity element of the optimiser chain (:func:`klrl.step.parts.make_optimizer` adds it with
+identity element of the optimiser chain (:func:`klrl.step.optim.make_optimizer` adds it with
 ``ppo.normalize_reward``), so they are part of ``TrainState.opt_state``: a sweep's members each have
 their own, checkpoints hold them and a resume continues them bit for bit. :func:`read` and
 :func:`write` find and replace them there.

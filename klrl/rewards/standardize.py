@@ -171,8 +171,10 @@ def reward_norm_env(
         if log is True:
             log = partial(print, file=sys.stderr, flush=True)
         if log:
-            log(f"reward.standardize: reward of {n} reference samples: mean {entry['mean']:.4g}, "
-                f"std {entry['std']:.4g} -> gain {entry['gain']:.4g}, bias {entry['bias']:.4g}")  # fmt: skip
+            log(
+                f"reward.standardize: reward of {n} reference samples: mean {entry['mean']:.4g}, "
+                f"std {entry['std']:.4g} -> gain {entry['gain']:.4g}, bias {entry['bias']:.4g}"
+            )
     else:
         norm = np.array([entry["gain"], entry["bias"]], np.float32)
         if not all(math.isfinite(float(x)) for x in norm):

@@ -254,9 +254,12 @@ def train(
 
 
 def train_head(
-    model: Any, train_feats: tuple[Any, Any], eval_feats: tuple[Any, Any], s: TrainSettings,
+    model: Any,
+    train_feats: tuple[Any, Any],
+    eval_feats: tuple[Any, Any],
+    s: TrainSettings,
     log: Callable[[str], None] | None = None,
-) -> tuple[np.ndarray, list[dict]]:  # fmt: skip
+) -> tuple[np.ndarray, list[dict]]:
     """The head-only reward model (a linear probe) on features already computed: ``(chosen, rejected)``
     ``[N, D]`` last hidden states (:func:`last_hidden`), so a study whose pairs share responses computes
     each response's features once. The same training as ``train(..., head_only=True)``; returns
@@ -287,9 +290,11 @@ def _fit(
                "eval_loss": ev["loss"], "eval_accuracy": ev["accuracy"]}  # fmt: skip
         history.append(row)
         if log:
-            log(f"epoch {e + 1}/{s.epochs}: train loss {row['loss']:.4f} (accuracy {row['accuracy']:.3f}), "
+            log(
+                f"epoch {e + 1}/{s.epochs}: train loss {row['loss']:.4f} (accuracy {row['accuracy']:.3f}), "
                 f"held-out loss {row['eval_loss']:.4f} accuracy {row['eval_accuracy']:.3f} "
-                f"({n_eval} pairs)")  # fmt: skip
+                f"({n_eval} pairs)"
+            )
     return params, history
 
 

@@ -33,7 +33,7 @@ from klrl.algo.shaping import missing_eos_penalty
 from klrl.algo.textmetrics import distinct_n, rep_n
 from klrl.models.base import forward
 from klrl.models.rollout import generate, response_slice, sequence
-from klrl.step.parts import full_params
+from klrl.step.context import full_params
 
 PREFIX = "eval/heldout/"
 
@@ -90,7 +90,7 @@ def make_heldout_eval(train: Any, stacked: bool = False) -> Any:
         return jax.jit(one)
     if not ctx.ref_frozen:
         return jax.jit(jax.vmap(one, in_axes=(0, None)))
-    # a sweep's frozen reference is one copy for all members (klrl.step.parts.state_shardings)
+    # a sweep's frozen reference is one copy for all members (klrl.step.context.state_shardings)
     member = lambda rest, ref, env: one(rest._replace(ref_params=ref), env)
     mapped = jax.vmap(member, in_axes=(0, None, None))
     return jax.jit(lambda state, env: mapped(state._replace(ref_params=None), state.ref_params, env))

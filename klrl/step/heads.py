@@ -14,7 +14,8 @@ from klrl.models.base import forward
 from klrl.models.heads import detach
 from klrl.models.rollout import Rollout, response_slice
 from klrl.step import chunked
-from klrl.step.parts import Batch, Context, TrainState, full_params
+from klrl.step.context import Context, full_params
+from klrl.step.stages import Batch, TrainState
 
 Array = jax.Array
 

@@ -1,6 +1,6 @@
 """The flat metrics of one iteration of :mod:`klrl.step.train` (slash names, the KL unit in the name),
-from what its stages exchanged (:class:`~klrl.step.parts.Scores`,
-:class:`~klrl.step.parts.Advantages`, the update's statistics)."""
+from what its stages exchanged (:class:`~klrl.step.stages.Scores`,
+:class:`~klrl.step.stages.Advantages`, the update's statistics)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import jax.numpy as jnp
 
 from klrl.algo import kl as kl_lib
 from klrl.algo import losses
-from klrl.algo.control import kinds
+from klrl.algo.control import branch, kinds
 from klrl.registry import is_adaptive
 from klrl.rewards import running
 from klrl.step.parallel import average, gather, total
-from klrl.step.parts import Advantages, Scores, TrainState
+from klrl.step.stages import Advantages, Scores, TrainState
 
 Array = jax.Array
 
@@ -89,8 +89,8 @@ def _optional_metrics(
         metrics["kl/exact_token_mean"] = _seq_mean(kl_lib.token_mean(ad.exact, ro.mask))
     if ctx.log_target:
         p = state.ctrl.params
-        static = jnp.asarray([not is_adaptive(k) for k in kinds()])  # by kind index (klrl.algo.control)
-        metrics["ctrl/target"] = jnp.where(static[p.kind], jnp.nan, p.target)
+        static = jnp.asarray([not is_adaptive(k) for k in kinds()])  # by branch (klrl.algo.control)
+        metrics["ctrl/target"] = jnp.where(static[branch(p.kind)], jnp.nan, p.target)
     if ctx.cfg.ppo.normalize_reward:  # the task reward's running moments after this iteration
         moments = running.read(out.opt_state)
         metrics["reward/running_mean"] = moments.mean

@@ -22,8 +22,9 @@ from klrl.step.parallel import gather
 PREFIX = "_samples/"
 
 
-def sample_rows(n: int, ro: Any, task_reward: jax.Array, k1: jax.Array, exact: jax.Array | None,
-                ref_logp: jax.Array) -> dict[str, jax.Array]:  # fmt: skip
+def sample_rows(
+    n: int, ro: Any, task_reward: jax.Array, k1: jax.Array, exact: jax.Array | None, ref_logp: jax.Array
+) -> dict[str, jax.Array]:
     """The first ``n`` rows of the global batch (gathered over ``'data'``) as ``_samples/*`` outputs
     (``exact`` None, with ``kl.exact_metric`` off: ``kl_exact_seq_sum`` is NaN)."""
     m = ro.mask

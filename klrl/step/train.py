@@ -50,31 +50,32 @@ from klrl.models.rollout import Rollout, generate, response_slice, sequence, sto
 from klrl.registry import is_adaptive
 from klrl.rewards import running
 from klrl.step import chunked
-from klrl.step.heads import score_terms, value_out
-from klrl.step.metrics import iteration_metrics
-from klrl.step.parallel import DATA, average, mesh_from_config, shard_step
-from klrl.step.parts import (
-    Advantages,
-    Batch,
+from klrl.step.context import (
     Context,
     Models,
-    Phases,
-    Scores,
-    Train,
-    TrainState,
-    all_finite,
     as_ref_dtype,
     build_models,
     coefs,
     full_params,
     init_state,
-    iteration_keys,
-    make_optimizer,
-    set_learning_rate,
     state_shardings,
+)
+from klrl.step.heads import score_terms, value_out
+from klrl.step.metrics import iteration_metrics
+from klrl.step.optim import make_optimizer, set_learning_rate
+from klrl.step.parallel import DATA, average, mesh_from_config, shard_step
+from klrl.step.samples import sample_rows
+from klrl.step.stages import (
+    Advantages,
+    Batch,
+    Phases,
+    Scores,
+    Train,
+    TrainState,
+    all_finite,
+    iteration_keys,
     where,
 )
-from klrl.step.samples import sample_rows
 from klrl.step.update import ppo_loss, update_phase
 from klrl.tasks.base import JaxReward, Task
 
@@ -263,8 +264,9 @@ def guard(ctx: Context, state: TrainState, new: TrainState, ok: Array) -> TrainS
     if limit > 0:
         out = where(state.skipped >= limit, small(state), out)
     ref_params, ctrl, other_coef, iteration, skipped = out
-    return new._replace(ref_params=ref_params, ctrl=ctrl, other_coef=other_coef, iteration=iteration,
-                        skipped=skipped)  # fmt: skip
+    return new._replace(
+        ref_params=ref_params, ctrl=ctrl, other_coef=other_coef, iteration=iteration, skipped=skipped
+    )
 
 
 def step_fn(ctx: Context, state: TrainState, env: Any) -> tuple[TrainState, dict[str, Array]]:
@@ -349,8 +351,10 @@ def make_train(
     n_dev = mesh.shape[DATA]
     share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
     if share % k:  # (one device: RunConfig checked that k divides the minibatch)
-        raise ConfigError(f"ppo.grad_accum: must divide each device's share of a minibatch ({share} rows "
-                          f"on each of {n_dev} devices; {share} % {k} != 0)")  # fmt: skip
+        raise ConfigError(
+            f"ppo.grad_accum: must divide each device's share of a minibatch ({share} rows "
+            f"on each of {n_dev} devices; {share} % {k} != 0)"
+        )
     ctx = Context(
         cfg=cfg,
         task=task,
@@ -369,9 +373,12 @@ def make_train(
     )
     one = partial(step_fn, ctx)
     phases = Phases(
-        partial(rollout_phase, ctx), partial(score_phase, ctx), partial(advantage_phase, ctx),
-        partial(update_phase, ctx), partial(control_phase, ctx),
-    )  # fmt: skip
+        partial(rollout_phase, ctx),
+        partial(score_phase, ctx),
+        partial(advantage_phase, ctx),
+        partial(update_phase, ctx),
+        partial(control_phase, ctx),
+    )
     shardings = state_shardings(ctx, mesh)
     return Train(
         init=partial(init_state, ctx, mesh),
@@ -413,8 +420,9 @@ def step_bytes(train: Train) -> int:
     argument), from XLA's ``memory_analysis`` of the step lowered on the state's shapes."""
     ctx = train.context
     shapes = jax.eval_shape(lambda: train.init(ctx.cfg.train.seed))
-    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
-                            train.state_shardings)  # fmt: skip
+    abstract = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, train.state_shardings
+    )
     ma = train.step.lower(abstract, ctx.task.env).compile().memory_analysis()
     if ma is None:  # pragma: no cover (a backend without it)
         return 0

@@ -17,18 +17,11 @@ from klrl.algo import kl as kl_lib
 from klrl.algo import losses
 from klrl.algo.logprobs import entropy, token_logprobs
 from klrl.step import chunked
+from klrl.step.context import Context, coefs, full_params
 from klrl.step.heads import policy_out, policy_terms, value_out
+from klrl.step.optim import is_critic
 from klrl.step.parallel import DATA, average, take_rows, total
-from klrl.step.parts import (
-    Batch,
-    Context,
-    TrainState,
-    all_finite,
-    coefs,
-    full_params,
-    is_critic,
-    iteration_keys,
-)
+from klrl.step.stages import Batch, TrainState, all_finite, iteration_keys
 
 Array = jax.Array
 
@@ -89,7 +82,7 @@ def ppo_loss(
 
 def policy_critic_norms(grads: Any) -> tuple[Array, Array]:
     """``(||g_policy||, ||g_critic||)``: the global norms of the policy's and the critic's gradients
-    (:func:`klrl.step.parts.is_critic`; the critic's is 0 without one), before any clip. Logged as
+    (:func:`klrl.step.optim.is_critic`; the critic's is 0 without one), before any clip. Logged as
     ``grad/policy_norm`` and ``grad/critic_norm``; ``grad/norm`` is ``sqrt`` of their squares' sum."""
     sq = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -174,8 +167,9 @@ def update_phase(
 
     def minibatch_step(carry, idx):
         params, opt_state, fine = carry
-        grads, stats = minibatch_gradients(ctx, grad_fn, params, lambda i: rows(batch, i),
-                                           lambda i: rows(batch.mask, i), idx, beta_l)  # fmt: skip
+        grads, stats = minibatch_gradients(
+            ctx, grad_fn, params, lambda i: rows(batch, i), lambda i: rows(batch.mask, i), idx, beta_l
+        )
         grads, stats = average((grads, stats))
         stats["grad/norm"] = optax.tree.norm(grads)  # non-finite iff some gradient is (or it overflows)
         stats["grad/policy_norm"], stats["grad/critic_norm"] = policy_critic_norms(grads)

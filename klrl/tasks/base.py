@@ -7,8 +7,8 @@
   stop ids (any of them ends a response).
 * **Reward**: :class:`JaxReward`, a traced function ``(env, rollout) -> [B] float32`` with its own
   parameters (they travel in ``env``, so they are arguments of the step, not constants of the
-  program); or :class:`HostReward`, a function of decoded text run on the host (its interface is
-  here; the trainer runs it from a later issue on).
+  program). A function of decoded text (:class:`klrl.rewards.host.HostReward`) is one too: the step
+  calls it on the host through a callback, and its ``check`` raises if it failed.
 * **Evaluators** (:class:`Evaluators`): per-example metrics ``(env, rollout) -> {name: [B]}`` and
   batch metrics over the gathered batch; names starting with ``_`` are handed to the batch
   evaluator and not logged.
@@ -99,23 +99,12 @@ class JaxReward:
     # ``fn`` given that trunk's final hidden states ``[B, P + R, D]`` over prompt + response, and
     # ``trunk = (model, parameter tree)`` names the trunk. When it is the train step's frozen
     # reference (the same model and the same parameter arrays, see
-    # :attr:`klrl.step.parts.Context.reward_on_reference`) the step reads the reward from the
+    # :attr:`klrl.step.context.Context.reward_on_reference`) the step reads the reward from the
     # reference forward it runs anyway: one trunk forward less per iteration, the same numbers. A
     # wrapper that changes ``fn`` wraps ``from_hidden`` alike (klrl.rewards.standardize) or drops it.
     from_hidden: Callable[[Any, Any, Array], Array] | None = None
     trunk: tuple[Any, Any] | None = None
     kind = "jax"
-
-
-@dataclass(frozen=True)
-class HostReward:
-    """``fn(prompts: list[str], responses: list[str]) -> [B]`` floats, on decoded text, on the host.
-
-    The interface of text rewards; the trainer runs them from a later issue on (``make_train``
-    refuses one for now, naming the part)."""
-
-    fn: Callable[[list[str], list[str]], Sequence[float]]
-    kind = "host"
 
 
 @dataclass(frozen=True)
@@ -148,7 +137,7 @@ class Task:
     tokenizer: Tokenizer
     prompts: PromptSource
     prompt_len: int  # P the task declares; the prompt source must be exactly this wide
-    reward: JaxReward | HostReward
+    reward: JaxReward
     policy: CausalLM  # the reference policy's model (any family)
     policy_params: Any  # its pretrained parameters: the initial policy and the KL reference
     evaluators: Evaluators = field(default_factory=Evaluators)

@@ -107,9 +107,12 @@ def _restore_host(path: Path) -> Any:
 
 
 def cached(
-    name: str, payload: dict[str, Any], build: Callable[[], tuple[Any, dict]], cache_dir: str = "",
+    name: str,
+    payload: dict[str, Any],
+    build: Callable[[], tuple[Any, dict]],
+    cache_dir: str = "",
     log: Callable[[str], None] | None = None,
-) -> tuple[Any, dict]:  # fmt: skip
+) -> tuple[Any, dict]:
     """Load ``name-<hash(payload)>`` from the cache, or ``build()`` it and save it.
 
     The parameters are written with orbax to a temporary directory that is renamed

@@ -38,8 +38,8 @@ from klrl.rewards.train import heldout_warning
 from klrl.tasks import gold as G
 from klrl.tasks import language as L
 from klrl.tasks.base import Evaluators, JaxReward, Task, TokenPool, register_task
-from klrl.tasks.pretrain import cached, fingerprint, model_payload, pretrain
-from klrl.tasks.wordclass import reference_policy, tokenizer
+from klrl.tasks.pretrain import cached, fingerprint, model_payload
+from klrl.tasks.wordclass import pretrain_on, pretraining, reference_policy, tokenizer
 
 Array = jax.Array
 
@@ -191,26 +191,14 @@ def _independent_lm(cfg: RunConfig, lang, max_len: int, log) -> tuple:
     ind_cfg = dataclasses.replace(cfg.model, d_model=t.indep_d_model, n_heads=max(1, t.indep_d_model // 16))
     ind_model = GPT(ind_cfg, lang.vocab_size, max_len)
     ind_payload = {
-        "kind": "independent", "language_seed": t.seed, "language": fingerprint(lang),
+        "kind": "independent",
+        "language_seed": t.seed,
+        "language": fingerprint(lang),
         **model_payload(ind_cfg, lang.vocab_size, max_len),
-        "steps": t.pretrain_steps, "batch": t.pretrain_batch, "lr": t.pretrain_lr, "seq_len": t.pretrain_len,
-    }  # fmt: skip
-    ind_params, ind_info = cached(
-        "indep",
-        ind_payload,
-        lambda: pretrain(
-            ind_model,
-            lambda k, n: L.sample(lang, k, n, t.pretrain_len),
-            key=jax.random.key(t.seed + 7000),
-            steps=t.pretrain_steps,
-            batch=t.pretrain_batch,
-            lr=t.pretrain_lr,
-            seq_len=max_len,
-            log=log,
-        ),  # fmt: skip
-        t.cache_dir,
-        log,
-    )
+        **pretraining(t),
+    }
+    build = lambda: pretrain_on(ind_model, lang, t, max_len, 7000, log)
+    ind_params, ind_info = cached("indep", ind_payload, build, t.cache_dir, log)
     return ind_model, ind_params, ind_info
 
 

@@ -17,7 +17,7 @@
   (its trunk with a fresh scalar head); ``model.reward_path=''`` (or ``model.path`` itself) takes the
   policy's trunk with a fresh scalar head. Such a reward model's trunk is then the frozen reference:
   the train step reads the reward from the reference's forward (one trunk forward less per
-  iteration; :attr:`klrl.step.parts.Context.reward_on_reference`).
+  iteration; :attr:`klrl.step.context.Context.reward_on_reference`).
 * **Host text rewards** (``reward.fn``, ``reward.weights``): instead of a reward model, text
   rewards on the decoded responses (:func:`host_text_reward`).
 * **Value model** (:func:`value_models`): ``model.value_model=head`` is a head on the policy
@@ -288,8 +288,10 @@ def make_text_task(cfg: RunConfig, log: Any = None, *, prompts: TokenPool | None
         heldout = HeldOut(pool, h_reward, list(held.prompts))
         info["heldout_prompts"] = len(held)
     if log is not None:
-        log(f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
-            f"reward {info['reward']}")  # fmt: skip
+        log(
+            f"text task: {cfg.model.path}, {int(np.shape(prompts.prompts)[0])} prompts, "
+            f"reward {info['reward']}"
+        )
     return Task(
         name="text",
         tokenizer=tok,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from klrl.config import RunConfig
+from klrl.config import RunConfig, TaskConfig
 from klrl.data.prompts import check_unused
 from klrl.data.vocab import WordTokenizer
 from klrl.models.gpt import GPT
@@ -43,25 +43,28 @@ def reference_policy(
         "words": len(lang.words),
         "language": fingerprint(lang),
         **model_payload(cfg.model, lang.vocab_size, max_len),
+        **pretraining(t),
+    }
+    build = lambda: pretrain_on(model, lang, t, max_len, 1000, log)
+    return cached("ref", payload, build, t.cache_dir, log)
+
+
+def pretraining(t: TaskConfig) -> dict:
+    """The ``task.pretrain_*`` settings, as a cache payload records them."""
+    return {
         "steps": t.pretrain_steps,
         "batch": t.pretrain_batch,
         "lr": t.pretrain_lr,
         "seq_len": t.pretrain_len,
     }
 
-    def build():
-        return pretrain(
-            model,
-            lambda k, n: L.sample(lang, k, n, t.pretrain_len),
-            key=jax.random.key(t.seed + 1000),
-            steps=t.pretrain_steps,
-            batch=t.pretrain_batch,
-            lr=t.pretrain_lr,
-            seq_len=max_len,
-            log=log,
-        )
 
-    return cached("ref", payload, build, t.cache_dir, log)
+def pretrain_on(model: GPT, lang: L.Language, t: TaskConfig, max_len: int, seed_offset: int, log) -> tuple:
+    """``model`` pretrained on sentences of ``lang`` with the ``task.pretrain_*`` settings, from the key
+    ``task.seed + seed_offset``: :func:`klrl.tasks.pretrain.pretrain`'s ``(params, info)``."""
+    sample = lambda k, n: L.sample(lang, k, n, t.pretrain_len)
+    return pretrain(model, sample, key=jax.random.key(t.seed + seed_offset), steps=t.pretrain_steps,
+                    batch=t.pretrain_batch, lr=t.pretrain_lr, seq_len=max_len, log=log)  # fmt: skip
 
 
 def tokenizer(lang: L.Language) -> WordTokenizer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 
 from klrl.algo import control as C
 from klrl.config import ConfigError, ControllerConfig
+from klrl.registry import CONTROLLERS
 
 _BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "controllers.py"
 _spec = importlib.util.spec_from_file_location("klrl_bench_controllers", _BENCH)
@@ -164,7 +166,7 @@ def test_from_config_and_traced_init() -> None:
     a = C.from_config(cfg).init(0.05)
     b = C.pi(3.0, kp=0.3, ki=0.02, warmup_iters=2, warmup_beta=0.3).init(0.05)
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    assert C.kind_name(a) == "pi" and int(a.params.kind) == C.KINDS.index("pi")
+    assert C.kind_name(a) == "pi" and int(a.params.kind) == C.code("pi")
     for kind in C.KINDS:
         p = C.make_params(ControllerConfig(kind=kind))
         assert all(x.shape == () for x in p)
@@ -290,7 +292,7 @@ def _kl_sequence(steps: int = 25) -> np.ndarray:
 def test_vmap_over_mixed_kinds_equals_one_by_one() -> None:
     states = _five()
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *states)
-    assert stacked.params.kind.tolist() == [0, 1, 2, 3, 4]
+    assert stacked.params.kind.tolist() == [C.code(k) for k in C.KINDS]
     vupdate = jax.jit(jax.vmap(C.update, in_axes=(0, 0, None)))
     for kls in _kl_sequence():
         stacked = vupdate(stacked, kls, 64)
@@ -309,3 +311,35 @@ def test_jit_and_eager_update_agree() -> None:
             b = update(b, k, 64)
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), a, b)
         assert a.beta.dtype == jnp.float32 and a.steps.dtype == jnp.int32 and int(a.steps) == len(kls)
+
+
+def _three(s: C.ControllerState) -> C.ControllerState:
+    for kl in (9.0, 3.0, 12.0):
+        s = C.update(s, kl, 64)
+    return s
+
+
+def test_a_kinds_code_is_its_name_not_its_place_among_the_registered() -> None:
+    """``ControllerParams.kind`` (checkpointed) is a function of the name alone: params made before a
+    new kind is registered update the same after; the index codes of older checkpoints (0-4) still
+    read as the five built-in kinds; an unknown code is named, not run as another kind."""
+    assert C.code("pi") == 2**16 + zlib.crc32(b"pi") % (2**31 - 2**16) == 1518973685  # pinned: checkpoints
+    states = _five()
+    before = [_three(s) for s in states]
+    CONTROLLERS.register("halving", knobs=())(lambda beta, integral, kl, n, p: (beta / 2, integral))
+    try:
+        assert C.kinds()[-1] == "halving"
+        for s, b in zip(states, before, strict=True):
+            jax.tree.map(np.testing.assert_array_equal, _three(s), b)
+        for i, s in enumerate(states):  # an index-coded state of an older checkpoint
+            old = s._replace(params=s.params._replace(kind=jnp.asarray(i, jnp.int32)))
+            assert C.kind_name(old) == C.INDEXED[i] == C.KINDS[i]
+            np.testing.assert_array_equal(_three(old).beta, before[i].beta)
+        h = C.from_config(ControllerConfig(kind="halving")).init(0.4)
+        assert int(h.params.kind) == C.code("halving") and float(C.update(h, 9.0, 64).beta) == pytest.approx(
+            0.2
+        )
+    finally:
+        CONTROLLERS.remove("halving")
+    with pytest.raises(ValueError, match=r"^controller code \d+: no registered kind has it"):
+        C.kind_name(h)

@@ -32,7 +32,9 @@ def _config_fields() -> set[str]:
 
 
 # the modules of the compiled step that name its metrics
-TRAIN_SOURCES = [ROOT / "klrl" / "step" / f for f in ("train.py", "parts.py", "metrics.py", "update.py")]
+TRAIN_SOURCES = [
+    ROOT / "klrl" / "step" / f for f in ("train.py", "stages.py", "context.py", "metrics.py", "update.py")
+]
 
 
 def _source_metric_names() -> tuple[set[str], list[re.Pattern]]:

@@ -23,7 +23,7 @@ from klrl.checks import (
 from klrl.config import ConfigError, RunConfig, TaskShape
 from klrl.data.vocab import WordTokenizer
 from klrl.models.gpt import GPT
-from klrl.tasks.base import HostReward, JaxReward, Task, TokenPool
+from klrl.tasks.base import JaxReward, Task, TokenPool
 
 
 # ---- 1. the configuration -------------------------------------------------------------------------------
@@ -188,8 +188,6 @@ def test_vocabulary_mismatch_is_an_error():
             _parts(dataclasses.replace(stops, tokenizer=tok))
     with pytest.raises(ConfigError, match="policy: 10 positions"):
         _parts(_task(cfg, policy=GPT(cfg.model, V, P + R - 2)))
-    with pytest.raises(ConfigError, match="reward: host-side text rewards are not run by the trainer yet"):
-        _parts(_task(cfg, reward=HostReward(lambda prompts, responses: [0.0] * len(prompts))))
 
 
 def test_check_program_checks_the_policy_and_reward_that_train():

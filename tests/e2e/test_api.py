@@ -17,7 +17,7 @@ import pytest
 
 import klrl
 from klrl.config.sweep import grid
-from klrl.io.logging import read_jsonl
+from klrl.io.readers import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -88,7 +88,7 @@ def test_one_make_train_per_program_and_each_members_own_init(tiny_cfg, tiny_tas
 
     import klrl.loop.build
     from klrl.distributed import to_host
-    from klrl.step.parts import set_learning_rate
+    from klrl.step.optim import set_learning_rate
     from klrl.step.train import make_train
 
     calls = []

@@ -419,7 +419,7 @@ def test_learning_rates_read_the_critics_own_from_the_state():
 
     from klrl.config import RunConfig
     from klrl.loop.metrics import learning_rates, member_row
-    from klrl.step.parts import make_optimizer
+    from klrl.step.optim import make_optimizer
 
     params = {"policy": {"w": jnp.ones(3), "v_head": {"k": jnp.ones(2)}}, "value": None}
 

@@ -289,7 +289,7 @@ def test_klrls_own_gpt_is_refused_in_one_line(tmp_path):
         with pytest.raises(CheckpointFormatError) as e:
             call()
         msg = str(e.value)
-        assert "\n" not in msg and "GPT has no Hugging Face counterpart" in msg, msg
+        assert "\n" not in msg and "GPT declares no Hugging Face layout" in msg and "gpt2, llama" in msg, msg
     assert not (tmp_path / "out").exists()
 
 

@@ -8,8 +8,11 @@ anything compiles."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +171,7 @@ def test_model_family_recipe(tmp_path):
     from klrl.models.base import forward
     from klrl.models.gpt2 import GPT2, config_from_hf
     from klrl.models.hf import CheckpointFormatError, load_hf
+    from klrl.models.peft import layout
     from klrl.models.pretrained import from_pretrained
     from klrl.models.registry import get_family, register_family
 
@@ -194,6 +198,13 @@ def test_model_family_recipe(tmp_path):
             np.asarray(forward(model, params, tokens, mask).logits),
             np.asarray(forward(ref, ref_params, tokens, mask).logits),
         )
+        # what the rest of klrl reads of a family is declared on its class: sharding, PEFT layout
+        assert model.partition_rules() is GPT2.PARTITION_RULES and layout(model, d) is GPT2.PEFT
+        no_peft = type("NoPeft", (TinyFam,), {"PEFT": None})(model.config)
+        with pytest.raises(
+            CheckpointFormatError, match="NoPeft declares no Hugging Face layout .*gpt2, llama"
+        ):
+            layout(no_peft, d)
     finally:
         FAMILIES.remove("tinyfam")
     with pytest.raises(CheckpointFormatError, match="model_type 'tinyfam' is not supported"):
@@ -239,3 +250,143 @@ def test_a_logits_estimator_without_chunked_form_is_refused_before_compiling(tot
     train = make_train(cfg, task)  # make_train trusts its input; the step's trace refuses it all the same
     with pytest.raises(ConfigError, match="'tv' reads the full"):
         train.step(train.init(0), task.env)
+
+
+# ---- the "yours" column of docs/extending.md: each addition in a module outside klrl, run ---------------
+
+
+def _module(tmp_path: Path, monkeypatch: Any, name: str, text: str) -> Any:
+    """``text`` as the module ``name`` in ``tmp_path`` (a user's module: no file of klrl changed),
+    imported."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+CONTROLLERS_MODULE = """
+from klrl.registry import CONTROLLERS
+
+
+def register(*names):
+    for name in names:  # the one update rule each: "up" doubles beta, "down" halves it
+        f = 2.0 if name == "up" else 0.5
+        CONTROLLERS.register(name, label=lambda c: "x2 or /2", knobs=(), help="doubles or halves")(
+            lambda beta, integral, kl, n, p, f=f: (beta * f, integral)
+        )
+"""
+
+
+def test_an_old_checkpoint_resumes_after_controllers_are_registered(tmp_path, monkeypatch):
+    """A checkpoint holds the kind by its name's code: written while ``up`` was registered before
+    ``down``, it resumes with ``up`` after they were registered the other way round (a kind's place in
+    the ``lax.switch`` changed), and its sweep knobs come from its registration."""
+    from test_tasks import _cfg, _task
+
+    import klrl
+    from klrl.config.sweep import ctrl_knobs, unread
+    from klrl.io.readers import read_jsonl
+
+    mod = _module(tmp_path, monkeypatch, "klrl_test_user_controllers", CONTROLLERS_MODULE)
+    mod.register("up", "down")
+    try:
+        cfg = _cfg().replace(
+            ctrl={"kind": "up"}, kl={"beta": 0.05},
+            train={"out_dir": str(tmp_path), "name": "run", "checkpoint_every": 1, "iterations": 2},
+        )  # fmt: skip
+        assert ctrl_knobs("up") == () and "ctrl.target" in unread(cfg)  # knobs=(): reads no knob
+        task = _task(cfg)
+        run_dir = klrl.run(cfg, task=task).dir
+        assert [r["ctrl/beta"] for r in read_jsonl(run_dir / "metrics.jsonl")] == pytest.approx([0.1, 0.2])
+        CONTROLLERS.remove("up")
+        CONTROLLERS.remove("down")
+        mod.register("down", "up")  # another process, another import order: "up" has another branch
+        assert control.kinds()[-2:] == ("down", "up")
+        klrl.run(cfg.replace(train={"iterations": 3}), task=task, resume=run_dir)
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        assert [r["ctrl/beta"] for r in rows] == pytest.approx([0.1, 0.2, 0.4])  # doubled, not halved
+    finally:
+        CONTROLLERS.remove("up")
+        CONTROLLERS.remove("down")
+
+
+TASK_MODULE = """
+import jax.numpy as jnp
+from test_tasks import _task
+
+from klrl.tasks.base import Evaluators, JaxReward, register_task
+
+
+def length_reward(env, ro):  # a reward in the graph: the fraction of the response before the stop
+    return jnp.mean(ro.mask, axis=-1) * env["reward_scale"]
+
+
+def first_token(env, ro):  # a metric in the graph, per example
+    return {"toy/first_token_mean": ro.response[:, 0].astype(jnp.float32)}
+
+
+@register_task("toy_task", help="a throw-away task")
+def build(cfg, log=None):
+    reward = JaxReward(length_reward, {"reward_scale": jnp.float32(2.0)})
+    return _task(cfg, name="toy_task", reward=reward, evaluators=Evaluators(per_example=first_token))
+
+
+def host_metric(row, samples):  # a metric on the host, by module:function
+    return {"beta_x10": 10 * row["ctrl/beta"]}
+"""
+
+
+def test_a_task_its_reward_and_its_metrics_from_a_module_of_their_own(tmp_path, monkeypatch):
+    """A task registered in a user's module, named by ``task.name``, with an in-graph reward and metric;
+    two host-side metrics, one given to ``klrl.run`` and one named by ``train.metric_fns``."""
+    from test_tasks import _cfg
+
+    import klrl
+    from klrl.config import TaskConfig
+    from klrl.registry import TASKS
+
+    _module(tmp_path, monkeypatch, "klrl_test_user_task", TASK_MODULE)
+    try:
+        assert "toy_task (a throw-away task)" in _help(TaskConfig, "name")
+        cfg = _cfg().replace(
+            task={"name": "toy_task"}, train={"metric_fns": "klrl_test_user_task:host_metric"}
+        )
+        seen = []
+        result = klrl.run(
+            cfg, write=False, metrics=[lambda row, samples: seen.append(row) or {"rows": len(seen)}]
+        )
+        m = result.metrics
+        assert len(m["reward/task"]) == 2 and len(seen) == 2
+        assert all(0.0 < r <= 2.0 for r in m["reward/task"])  # 2 x the fraction of real tokens
+        assert all(0 <= t < 11 for t in m["toy/first_token_mean"])  # token ids of the toy vocabulary
+        np.testing.assert_allclose(m["user/beta_x10"], 10 * np.asarray(m["ctrl/beta"]), rtol=1e-6)
+        assert list(m["user/rows"]) == [1.0, 2.0]
+    finally:
+        TASKS.remove("toy_task")
+    with pytest.raises(ConfigError, match="^task.name: must be one of"):
+        TaskConfig(name="toy_task")
+
+
+REWARD_MODULE = """
+def shouting(prompts, completions, **columns):  # a host text reward: the upper-case fraction
+    return [sum(ch.isupper() for ch in c) / max(sum(ch.isalpha() for ch in c), 1) for c in completions]
+"""
+
+
+def test_a_host_text_reward_by_module_and_function_runs_in_a_compiled_iteration(tmp_path, monkeypatch):
+    from test_tasks import _cfg, _task
+
+    from klrl.data.vocab import WordTokenizer
+    from klrl.step.train import make_train
+    from klrl.tasks.text import host_text_reward
+
+    _module(tmp_path, monkeypatch, "klrl_test_user_reward", REWARD_MODULE)
+    cfg = _cfg().replace(task={"name": "text"}, reward={"fn": "klrl_test_user_reward:shouting"})
+    words = ("<pad>", "<eos>", *(f"W{i}" if i % 2 else f"w{i}" for i in range(2, 11)))
+    tok = WordTokenizer(words, pad_id=0, stop_ids=(1,))
+    texts = [f"prompt {i}" for i in range(16)]
+    task = _task(cfg, tokenizer=tok, reward=host_text_reward(cfg, tok, texts, {}), prompt_texts=texts)
+    train = make_train(cfg, task)
+    state, m = train.step(train.init(0), task.env)
+    assert 0.0 <= float(m["reward/task"]) <= 1.0  # the mean fraction of upper-case words
+    task.reward.check()  # the host function did not fail

@@ -408,8 +408,8 @@ def test_layering_on_a_fake_tree(tmp_path):
             "klrl/loop/__init__.py": "",
             "klrl/loop/driver.py": "from klrl.step import train\n",
             "klrl/step/__init__.py": "",
-            "klrl/step/train.py": "from klrl.models import gpt, rollout\nimport klrl.step.parts\n",
-            "klrl/step/parts.py": "from typing import TYPE_CHECKING\n"
+            "klrl/step/train.py": "from klrl.models import gpt, rollout\nimport klrl.step.stages\n",
+            "klrl/step/stages.py": "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n    from klrl.loop.driver import Loop\n",  # step -> loop, typed only
             "klrl/models/__init__.py": "",
             "klrl/models/gpt.py": "from klrl import registry\n\n\ndef f():\n"
@@ -420,7 +420,7 @@ def test_layering_on_a_fake_tree(tmp_path):
     assert sorted(layering_violations(root)) == [
         "klrl/config/__init__.py:1: imports klrl (config -> no layer)",
         "klrl/models/gpt.py:5: imports klrl.api (models -> api)",
-        "klrl/step/parts.py:3: imports klrl.loop.driver (step -> loop)",
+        "klrl/step/stages.py:3: imports klrl.loop.driver (step -> loop)",
         "klrl/stray.py: a module of no layer (add it to ROOT_LAYERS or move it into a package)",
     ]
     packages = {"klrl.cli", "klrl.loop", "klrl.step", "klrl.models", "klrl.config"}

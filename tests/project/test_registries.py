@@ -27,10 +27,13 @@ def test_the_registries_are_filled_by_their_home_modules():
     assert set(REWARDS) >= {"positivity", "length", "arithmetic"}
 
 
-def test_the_controller_order_is_the_checkpointed_index():
-    # ControllerParams.kind (in every checkpoint) is the index in registration order: the built-ins'
-    # order is behaviour (a resumed run must find its kind), so it is pinned
-    assert control.KINDS[:5] == ("fixed", "proportional", "band", "pi", "dual")
+def test_the_checkpointed_controller_codes_are_the_names():
+    # ControllerParams.kind (in every checkpoint) is the code of the kind's name, pinned here (a changed
+    # code would make every checkpoint of that kind unreadable); 0-4 are the older checkpoints' indices
+    codes = {"fixed": 516673074, "proportional": 1188982677, "band": 1222681323, "pi": 1518973685,
+             "dual": 2145018470}  # fmt: skip
+    assert {k: control.code(k) for k in control.KINDS} == codes
+    assert control.INDEXED == control.KINDS[:5] == ("fixed", "proportional", "band", "pi", "dual")
 
 
 def test_names_where_and_describe():

@@ -527,7 +527,7 @@ def test_critic_lr_moves_only_the_critic_by_its_own_step(tiny_cfg, tiny_task, se
     on the trunk, or the whole separate value model) 10 times as far (Adam's first step: the same
     direction, scaled by the learning rate); ``critic_lr = lr`` is the default bit for bit over 4
     steps (2 epochs x 2 minibatches)."""
-    from klrl.step.parts import is_critic
+    from klrl.step.optim import is_critic
 
     model = {"value_model": "separate"} if separate else {}
     base = tiny_cfg.replace(
@@ -553,7 +553,7 @@ def test_critic_lr_moves_only_the_critic_by_its_own_step(tiny_cfg, tiny_task, se
             np.testing.assert_array_equal(g, w)
     critic = state.params["value"] if separate else state.params["policy"]["v_head"]
     assert n_critic == len(jax.tree.leaves(critic)) >= 2  # (the head's kernel and bias at least)
-    if separate:  # (the optimiser alone: tests/step/test_step_parts.py)
+    if separate:  # (the optimiser alone: tests/step/test_optim.py)
         return
     # critic_lr = lr: the default, bit for bit, over several steps
     four = base.replace(ppo={"epochs": 2, "minibatches": 2})

@@ -1,10 +1,6 @@
-"""The types the stages of :mod:`klrl.step.train` exchange, the models and the frozen context they read,
-the initial state, the optimiser and the iteration's keys and coefficients.
-
-Stages pass NamedTuples, not string-keyed dicts: :class:`~klrl.models.rollout.Rollout` (rollout) ->
-:class:`Scores` (scoring) -> :class:`Advantages` with its :class:`Batch` (what the update reads)
--> the update's statistics (:mod:`klrl.step.update`); :func:`klrl.step.metrics.iteration_metrics`
-turns one iteration into the flat metrics dict.
+"""What ``make_train`` fixes and every stage reads: the models of a run (:func:`build_models`), the frozen
+:class:`Context` (the config, the task, the models, the controller, the optimiser and the static shapes
+and modes derived from them), the iteration's coefficients and the initial train state on a mesh.
 """
 
 from __future__ import annotations
@@ -18,212 +14,20 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from klrl.algo.advantages import needs_critic
-from klrl.algo.control import Controller, ControllerState
+from klrl.algo.control import Controller
 from klrl.config import RunConfig
 from klrl.models import lora as lora_lib
 from klrl.models.base import CausalLM
-from klrl.models.heads import HEAD_KEY, ValueHead, attach
+from klrl.models.heads import ValueHead, attach
 from klrl.models.registry import get_family
 from klrl.models.remat import with_remat
 from klrl.registry import ESTIMATORS
-from klrl.rewards import running
 from klrl.step.chunked import use_chunks
 from klrl.step.parallel import SWEEP, param_specs
+from klrl.step.stages import TrainState
 from klrl.tasks.base import Task
 
 Array = jax.Array
-
-
-class TrainState(NamedTuple):
-    params: Any  # {'policy': ..., 'value': ... or None}: what the optimiser trains (adapters with LoRA)
-    ref_params: Any  # the reference policy (a copy of the initial policy); with LoRA the frozen base
-    opt_state: Any
-    ctrl: ControllerState  # beta and the controller's own state
-    other_coef: Array  # float32: the KL coefficient the controller does not drive
-    rng: Array  # base PRNG key of the run; iteration keys are fold_in(rng, iteration)
-    iteration: Array  # int32
-    skipped: Array  # int32: consecutive iterations skipped by the non-finite guard
-
-
-class Scores(NamedTuple):
-    """The scoring stage: reference and old values over the sampled sequences, task reward, evals."""
-
-    tokens: Array  # [B, P + R] prompt + response
-    key_mask: Array  # [B, P + R]
-    ref_logits: Array | None  # [B, R, V] tempered reference logits (model.logits=full), else None
-    ref_logp: Array  # [B, R] reference log-probs of the sampled tokens (0 where masked)
-    value: Array  # [B, R] old values (zeros without a critic)
-    task_reward: Array  # [B] float32
-    evals: dict[str, Array]  # per-example evaluations {name: [B]}
-    # model.logits=chunked (klrl.step.chunked): no [B, R, V] logits; what is read of them instead
-    ref_hidden: Array | None = None  # [B, R, D] reference hidden states (a logits KL in the loss)
-    exact: Array | None = None  # [B, R] exact full-vocabulary KL(pi || pi_ref), no clamp
-    full_kl: Array | None = None  # [B, R] the same under kl.clamp (what the estimator `full` gives)
-
-
-class Batch(NamedTuple):
-    """What the PPO update reads, per sequence (minibatches are row slices of it)."""
-
-    tokens: Array
-    key_mask: Array
-    response: Array  # [B, R]
-    mask: Array  # [B, R]
-    logp: Array  # [B, R] behaviour log-probs
-    ref_logp: Array  # [B, R]
-    adv: Array  # [B, R]
-    ret: Array  # [B, R] value targets
-    value: Array  # [B, R] old values
-    ref_logits: Array | None  # [B, R, V] only for a logits-based KL estimator in the loss
-    ref_hidden: Array | None = None  # [B, R, D] instead of ref_logits on the chunked path
-
-
-class Advantages(NamedTuple):
-    """The advantage stage: the update's batch and the KL terms the metrics and controller read."""
-
-    batch: Batch
-    rewards: Array  # [B, R] shaped rewards
-    kl_reward: Array  # [B, R] per-token KL of kl.estimator
-    kl_ctrl: Array  # [B, R] per-token KL of ctrl.estimator (what the controller sees)
-    k1: Array  # [B, R]
-    exact: Array | None  # [B, R] exact per-position KL from the full logits (None: kl.exact_metric off)
-    reward_moments: Any = None  # ppo.normalize_reward: the running moments with this batch merged in
-
-
-class Phases(NamedTuple):
-    """The stages ``step`` is composed of, as per-shard functions (call them under ``shard_map``
-    over ``'data'``, as the step does; ``benchmarks/`` times each one compiled on its own)."""
-
-    rollout: Any  # (state, env) -> Rollout
-    score: Any  # (state, env, rollout) -> Scores
-    advantages: Any  # (state, rollout, scores) -> Advantages
-    update: Any  # (state, batch) -> (params, opt_state, stats): PPO epochs x minibatches
-    control: Any  # (state, kl_ctrl, mask) -> (controller state, observed KL)
-
-
-class Train(NamedTuple):
-    init: Any  # (seed | key, beta=None) -> TrainState (a frozen reference: the task's arrays, not a copy)
-    place: Any  # host (restored) TrainState -> placed as ``init``'s, a frozen reference adopted likewise
-    step: Any  # jitted (state, env) -> (state, metrics): donates the state but a frozen reference
-    shard_step: Any  # the per-shard function, for vmap (sweeps) and custom wrapping (donate no init'ed ref)
-    loss: Any  # (params, minibatch: Batch, n_tok, n_seq, beta_l) -> (loss, stats): the PPO loss
-    policy: Any  # the policy's CausalLM
-    value_model: Any  # the separate value trunk, or None
-    mesh: Any
-    phases: Phases
-    context: Any = None  # the frozen klrl.step.train.Context every stage reads
-    state_shardings: Any = None  # NamedSharding pytree of the TrainState on ``mesh`` (step's in/out)
-
-
-def clip_by_global_norm(max_norm: float, critic_max_norm: float = 0.0) -> optax.GradientTransformation:
-    """``optax.clip_by_global_norm`` with the clip as one scalar factor: ``g * min(1, c / ||g||)``
-    (optax computes ``g / ||g|| * c`` per element; the two differ by float32 rounding when the clip
-    triggers and not at all when it does not). XLA counts a division as expensive and so wrote optax's
-    clipped gradients into buffers of their own (1.0 GiB on SmolLM2 with a separate value model) for
-    Adam's two moment updates to read; a multiplication by a scalar is fused into each of them. The
-    step's peak then lies elsewhere: its temporaries fell by 0.25 GiB with ``model.remat=block`` and
-    by less than 0.01 GiB with ``none`` (``benchmarks/step_memory.py --compile-only``).
-
-    ``critic_max_norm > 0`` (``optim.critic_max_grad_norm``): the critic's parameters (:func:`is_critic`)
-    and the policy's are clipped apart, ``g_p * min(1, c / ||g_p||)`` and ``g_v * min(1, c_v / ||g_v||)``
-    (``max_norm`` 0: the policy's unclipped), as two optimisers with a clip each would (verl, OpenRLHF):
-    a large value-loss gradient no longer shrinks the policy's."""
-
-    def factor(norm, c):
-        return jnp.where(norm < c, 1.0, c / norm) if c > 0 else jnp.float32(1.0)
-
-    def update_fn(updates, state, params=None):
-        del params
-        if critic_max_norm <= 0:
-            f = factor(optax.tree.norm(updates), max_norm)
-            return jax.tree.map(lambda t: t * f.astype(t.dtype), updates), state
-        leaves = jax.tree_util.tree_leaves_with_path(updates)
-        sq = lambda critic: sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in leaves
-                                if is_critic(p) == critic)  # fmt: skip
-        f_p, f_v = factor(jnp.sqrt(sq(False)), max_norm), factor(jnp.sqrt(sq(True)), critic_max_norm)
-        scale = lambda p, g: g * (f_v if is_critic(p) else f_p).astype(g.dtype)
-        return jax.tree_util.tree_map_with_path(scale, updates), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-def is_critic(path: tuple) -> bool:
-    """Whether the parameter at ``path`` (a key path into ``TrainState.params``) is the critic's: the
-    value head on the policy trunk (``params['policy'][HEAD_KEY]``, ``model.value_model=head``) or the
-    separate value model (``params['value']``: its trunk and head). The shared trunk is the policy's."""
-    keys = [getattr(k, "key", None) for k in path[:2]]
-    return keys[0] == "value" or keys == ["policy", HEAD_KEY]
-
-
-def scale_policy_critic(step_size: Array, critic_step_size: Array) -> optax.GradientTransformation:
-    """``optax.scale`` with its own factor for the critic's parameters (:func:`is_critic`): the policy's
-    updates times ``step_size``, the critic's times ``critic_step_size`` (each ``step_size * g``, as
-    ``optax.scale`` computes it, so equal factors give its result bit for bit)."""
-
-    def update_fn(updates, state, params=None):
-        del params
-        scaled = jax.tree_util.tree_map_with_path(
-            lambda p, g: (critic_step_size if is_critic(p) else step_size) * g, updates
-        )
-        return scaled, state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """Adam(W) with global-norm clipping and a schedule; the peak learning rate is an
-    injected hyper-parameter (``opt_state[-1].hyperparams['step_size']`` = -lr) so a
-    sweep can give each member its own.
-
-    ``optim.critic_lr > 0``: the critic's parameters (:func:`is_critic`) step by ``critic_lr``
-    instead (``hyperparams['critic_step_size']`` = -critic_lr, :func:`scale_policy_critic`), as a
-    second Adam(W) with that learning rate would: Adam and the schedule are per element, only the
-    final scale differs. The clip is one global norm over all parameters (one optimiser, as TRL's PPO),
-    or with ``optim.critic_max_grad_norm > 0`` one norm each for the policy's and the critic's
-    (:func:`clip_by_global_norm`; verl and OpenRLHF clip the critic's optimiser on its own)."""
-    o = cfg.optim
-    total_steps = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.minibatches
-    decay = max(total_steps - o.warmup_steps, 1)
-    if o.schedule == "constant":
-        shape = optax.constant_schedule(1.0)
-    elif o.schedule == "linear":
-        shape = optax.linear_schedule(1.0, 0.0, decay)
-    else:
-        shape = optax.cosine_decay_schedule(1.0, decay)
-    if o.warmup_steps:
-        shape = optax.join_schedules(
-            [optax.linear_schedule(0.0, 1.0, o.warmup_steps), shape], [o.warmup_steps]
-        )
-    clip = o.max_grad_norm > 0 or o.critic_max_grad_norm > 0
-    parts = [clip_by_global_norm(o.max_grad_norm, o.critic_max_grad_norm)] if clip else []
-    if cfg.ppo.normalize_reward:  # the task reward's running moments (klrl.rewards.running): state only
-        parts = [running.holder(), *parts]
-    parts += [optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)]
-    if o.weight_decay > 0:
-        parts += [optax.add_decayed_weights(o.weight_decay)]
-    parts += [optax.scale_by_schedule(shape)]
-    if o.critic_lr > 0:
-        scale = optax.inject_hyperparams(scale_policy_critic)(step_size=-o.lr, critic_step_size=-o.critic_lr)
-    else:
-        scale = optax.inject_hyperparams(optax.scale)(step_size=-o.lr)
-    return optax.chain(*parts, scale)
-
-
-def set_learning_rate(opt_state: Any, lr: Array | float) -> Any:
-    """Return ``opt_state`` with the peak learning rate replaced (see :func:`make_optimizer`)."""
-    last = opt_state[-1]
-    hp = dict(last.hyperparams, step_size=-jnp.asarray(lr, jnp.float32))
-    return (*opt_state[:-1], last._replace(hyperparams=hp))
-
-
-def where(ok: Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
-def all_finite(tree: Any) -> Array:
-    leaves = [
-        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)
-    ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 class Models(NamedTuple):
@@ -430,15 +234,6 @@ class Context:
         )
 
 
-# ---- per-iteration pieces ---------------------------------------------------------------------------
-
-
-def iteration_keys(state: TrainState) -> tuple[Array, Array, Array]:
-    """(prompt, sampling, minibatch-permutation) keys of this iteration."""
-    k_prompt, k_sample, k_perm = jax.random.split(jax.random.fold_in(state.rng, state.iteration), 3)
-    return k_prompt, k_sample, k_perm
-
-
 def coefs(ctx: Context, state: TrainState) -> tuple[Array, Array]:
     """(reward-side beta, loss-side coefficient)."""
     if ctx.drives_reward:
@@ -517,8 +312,9 @@ def state_shardings(ctx: Context, mesh: Any, sweep: bool = False) -> Any:
     # the models' parameters as arguments: they may be abstract (jax.ShapeDtypeStruct)
     abstract = jax.eval_shape(
         lambda p, v: initial_state(replace(ctx, policy_params=p, value_params=v), 0),
-        ctx.policy_params, ctx.value_params,
-    )  # fmt: skip
+        ctx.policy_params,
+        ctx.value_params,
+    )
     specs = param_specs(rules, abstract, mesh)
     if sweep:
         stack = lambda t: jax.tree.map(lambda s: PartitionSpec(SWEEP, *s), t)
