@@ -156,7 +156,8 @@ def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, ho
     on these members (the command line does, before it joins a distributed run)."""
     with reliability.RunGuard(log) as guard:
         given = task is not None
-        members, plan = _checked(members, stacked, given, write, resume, guard, sweep_devices, checked)
+        members, plan = _checked(members, stacked, given, write, resume, out_dir, guard, sweep_devices,
+                                 checked)  # fmt: skip
         spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
         prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
                                   check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
@@ -175,12 +176,12 @@ def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, ho
         return out
 
 
-def _checked(members, stacked, task_given, write, resume, guard, sweep_devices, checked=False):  # fmt: skip
-    """``members`` through :func:`klrl.checks.preflight` (unless ``checked``) and the resume plan (None: a
-    fresh start)."""
+def _checked(members, stacked, task_given, write, resume, out_dir, guard, sweep_devices, checked):
+    """``members`` through :func:`klrl.checks.preflight` (unless ``checked``: the command line ran it) and
+    the resume plan (None: a fresh start)."""
     if not checked:
         members = preflight(members, "sweep" if stacked else "run", write=write, resume=resume,
-                            sweep_devices=sweep_devices, task_given=task_given)  # fmt: skip
+                            run_dir=out_dir, sweep_devices=sweep_devices, task_given=task_given)  # fmt: skip
     if resume is None:
         return members, None
     if distributed.is_main() and Path(resume).is_dir():

@@ -105,7 +105,7 @@ def drive(
     built-in ones and the trackers, on every process; ``metrics``: the user's metric functions
     (:class:`klrl.loop.user.MetricFns`: ``user/<name>`` in every row, before it is written)."""
     log = log or _stderr
-    restore_to = _restore_target(prog, write)
+    restore_to = _restore_target(prog)
     if resume is not None:
         loop = _resumed(prog, resume, restore_to, log)
     else:
@@ -159,12 +159,10 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _restore_target(prog: Program, write: bool) -> Any:
+def _restore_target(prog: Program) -> Any:
     """Where a checkpoint is restored to (the state's shapes, dtypes and shardings; shardings=None:
     host arrays), once ``train.rollback_metric`` is known to be usable."""
-    metric = prog.configs[0].train.rollback_metric
-    if metric and not write:
-        raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
+    metric = prog.configs[0].train.rollback_metric  # (with write=True: klrl.checks.preflight)
     abstract = prog.abstract if prog.abstract is not None else jax.eval_shape(prog.init)
     restore_to = ckpt.target(abstract, prog.shardings)
     if metric:
