@@ -87,10 +87,11 @@ def run(
     (e.g. :func:`klrl.analysis.report.maybe_write_report`); ``models`` go to
     :func:`klrl.step.train.make_train` (``policy=``, ``policy_params=``, ...).
     ``on_step(iteration, metrics)`` is called with each iteration's metrics as they are recorded
-    (e.g. for a live plot; see :func:`klrl.loop.driver.drive`). ``hooks``: objects with
-    ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`klrl.loop.hooks.Hook`: ``row.it``,
-    ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``), told after
-    the built-in hooks (metrics, checkpoints, samples, progress, trackers). ``checked``: ``cfg`` already
+    (e.g. for a live plot; see :func:`klrl.loop.driver.drive`). ``hooks``: ``klrl.hook(fn, every=N)``
+    or objects with ``on_row(loop, row)`` and ``on_stop(loop)`` (:class:`klrl.loop.hooks.Hook`:
+    ``row.it``, ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``; a
+    request returned: :mod:`klrl.loop.hooks`), told after the built-in hooks (metrics, checkpoints,
+    samples, progress, trackers). ``checked``: ``cfg`` already
     passed :func:`klrl.checks.preflight` (mode ``"run"``, the same ``write`` and ``resume``) and is not
     checked again. ``metrics``: functions ``fn(row_metrics, samples) -> {name: float}`` whose values are
     written with each row as ``user/<name>`` (:mod:`klrl.loop.user`; ``train.metric_fns`` names them

@@ -19,12 +19,13 @@ the local Hugging Face cache, fetched into it first when it is not there
 (:func:`klrl.models.catalog.resolve_model_paths`); the run's ``config.json`` records the snapshot's path.
 
 ``python experiments/run.py [flags]`` is this command, chosen by its flags (:mod:`klrl.cli.legacy`).
-Every check that needs no compiled code (the config, the paths a run writes, the ``--distributed``
-arguments, a damaged run directory, then :func:`klrl.checks.preflight`: the model paths and fields, the
-task's vocabulary and lengths) runs before anything is built, once (the API is told: ``checked=True``);
-a failure is one line on stderr and exit status 2. ``--check`` (every command that trains) runs those
-checks alone, and those the run makes once its task is built (the text task's prompts, reward
-functions and adapters, without reading a weight: :func:`klrl.checks.check_text_task`): ``check: ok (N
+Every check that needs no compiled code (the flags, the ``--distributed`` arguments, a damaged run
+directory, then :func:`klrl.checks.preflight`, the same checks ``klrl.run`` and ``klrl.sweep`` make: the
+paths a run opens and writes, the config, the model paths and fields, the task's vocabulary and lengths,
+the reward functions, the device count) runs before anything is built, once (the API is told:
+``checked=True``); a failure is one line on stderr and exit status 2. ``--check`` (every command that
+trains) runs those checks alone, and those the run makes once its task is built (the text task's prompts,
+reward functions and adapters, without reading a weight: :func:`klrl.checks.check_text_task`): ``check: ok (N
 members)`` and exit 0, or the run's error line and exit 2; nothing is built or written.
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
