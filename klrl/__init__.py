@@ -28,6 +28,7 @@ _NAMES = {
     "ControllerState": ("klrl.algo.control", "ControllerState"),
     "write_report": ("klrl.analysis.report", "write_report"),
     "hook": ("klrl.loop.user", "hook"),  # klrl.hook(fn, every=N), Levanter's add_hook
+    "every": ("klrl.loop.user", "every"),  # klrl.every(N)(fn), @klrl.every(N)
     "RunResult": ("klrl.analysis.results", "RunResult"),
     "load_run": ("klrl.analysis.results", "load_run"),
     "load_sweep": ("klrl.analysis.results", "load_sweep"),
@@ -95,6 +96,7 @@ __all__ = [
     "advantages",
     "control",
     "dpo",
+    "every",
     "generate",
     "hook",
     "kl",

@@ -87,10 +87,11 @@ def run(
     (e.g. :func:`klrl.analysis.report.maybe_write_report`); ``models`` go to
     :func:`klrl.step.train.make_train` (``policy=``, ``policy_params=``, ...).
     ``on_step(iteration, metrics)`` is called with each iteration's metrics as they are recorded
-    (e.g. for a live plot; see :func:`klrl.loop.driver.drive`). ``hooks``: objects with
-    ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`klrl.loop.hooks.Hook`: ``row.it``,
-    ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``), told after
-    the built-in hooks (metrics, checkpoints, samples, progress, trackers). ``checked``: ``cfg`` already
+    (e.g. for a live plot; see :func:`klrl.loop.driver.drive`). ``hooks``: ``klrl.hook(fn, every=N)``
+    or objects with ``on_row(loop, row)`` and ``on_stop(loop)`` (:class:`klrl.loop.hooks.Hook`:
+    ``row.it``, ``row.members[0]`` the row as ``metrics.jsonl`` has it; ``loop.rows``, ``loop.dirs``; a
+    request returned: :mod:`klrl.loop.hooks`), told after the built-in hooks (metrics, checkpoints,
+    samples, progress, trackers). ``checked``: ``cfg`` already
     passed :func:`klrl.checks.preflight` (mode ``"run"``, the same ``write`` and ``resume``) and is not
     checked again. ``metrics``: functions ``fn(row_metrics, samples) -> {name: float}`` whose values are
     written with each row as ``user/<name>`` (:mod:`klrl.loop.user`; ``train.metric_fns`` names them
@@ -156,7 +157,8 @@ def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, ho
     on these members (the command line does, before it joins a distributed run)."""
     with reliability.RunGuard(log) as guard:
         given = task is not None
-        members, plan = _checked(members, stacked, given, write, resume, guard, sweep_devices, checked)
+        members, plan = _checked(members, stacked, given, write, resume, out_dir, guard, sweep_devices,
+                                 checked)  # fmt: skip
         spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
         prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
                                   check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
@@ -175,12 +177,12 @@ def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, ho
         return out
 
 
-def _checked(members, stacked, task_given, write, resume, guard, sweep_devices, checked=False):  # fmt: skip
-    """``members`` through :func:`klrl.checks.preflight` (unless ``checked``) and the resume plan (None: a
-    fresh start)."""
+def _checked(members, stacked, task_given, write, resume, out_dir, guard, sweep_devices, checked):
+    """``members`` through :func:`klrl.checks.preflight` (unless ``checked``: the command line ran it) and
+    the resume plan (None: a fresh start)."""
     if not checked:
         members = preflight(members, "sweep" if stacked else "run", write=write, resume=resume,
-                            sweep_devices=sweep_devices, task_given=task_given)  # fmt: skip
+                            run_dir=out_dir, sweep_devices=sweep_devices, task_given=task_given)  # fmt: skip
     if resume is None:
         return members, None
     if distributed.is_main() and Path(resume).is_dir():

@@ -15,20 +15,26 @@
 3. **The devices** (:func:`check_devices`, :func:`check_device_count`): the batch, minibatches and
    groups split over the data devices, and the devices asked for are there.
 
-:func:`klrl.api.run` and :func:`klrl.api.sweep` call :func:`preflight` at their entry (the model paths
-resolved, 1, and 2 on the shape of a built-in task, :func:`klrl.tasks.base.builtin_task_shape`, before
-anything is built) and :func:`check_program` (2 and 3; the device split before the parts, whose reward
-is traced on one device's share of the batch) on the task they built; nothing below them checks again
-(``make_train`` trusts its input). The command line (:mod:`klrl.cli`) runs :func:`preflight` itself
-(before it joins a distributed run; ``klrl ... --check`` runs it, then :func:`check_text_task`, the
-text task's checks of the built task made on its files alone) and tells the API
-(``checked=True``). A failure is a :class:`ConfigError` naming the field or the part.
+:func:`preflight` is the one entry for every door: :func:`klrl.api.run`, :func:`klrl.api.sweep` (a resume
+included) and every ``klrl`` command that trains call it once, before anything is built: the paths the
+run opens and writes (:mod:`klrl.io.paths`), the model paths resolved, 1, 2 on the shape of a built-in
+task (:func:`klrl.tasks.base.builtin_task_shape`), the reward functions loaded, and a single run's device
+count. The API then runs :func:`check_program` (2 and 3; the device split before the parts, whose reward
+is traced on one device's share of the batch) on the task it built; nothing below them checks again
+(``make_train`` trusts its input). The command line runs :func:`preflight` itself (before it joins a
+distributed run, which checks its device count once joined; ``klrl ... --check`` runs it, then
+:func:`check_text_task`, the text task's checks of the built task made on its files alone), turns its
+error into one line and exit 2, and tells the API (``checked=True``). A failure is a
+:class:`ConfigError` naming the field or the part: the same line through either door
+(``tests/cli/test_preflight_doors.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,6 +45,7 @@ from klrl.algo.advantages import needs_critic
 from klrl.config import ConfigError, RunConfig
 from klrl.config.relevance import check_relevance
 from klrl.config.sweep import check_members
+from klrl.io.paths import check_run_dir_writable, check_special_fields, check_writable_dir
 from klrl.loop.user import from_config as user_hooks
 from klrl.models.base import CausalLM
 from klrl.models.catalog import MODEL_FIELDS, resolve_model_paths
@@ -46,19 +53,21 @@ from klrl.models.gpt import GPT
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import pretrained_header
 from klrl.models.rollout import Rollout
+from klrl.rewards import RewardLoadError
 from klrl.rewards.host import HostReward as TextReward
-from klrl.rewards.host import RewardFunctionError
+from klrl.rewards.host import RewardFunctionError, load_reward_fn, parse_specs
 from klrl.step.chunked import check_estimators
 from klrl.step.context import build_models
 from klrl.step.parallel import mesh_from_config
 from klrl.step.train import check_adapters
 from klrl.tasks.base import OWN_MODEL_TASKS, JaxReward, Task, builtin_task_shape
+from klrl.tasks.pretrain import cache_root
 from klrl.tasks.text import check_fields, check_model_paths, host_text_reward, load_prompts
 
 __all__ = [
     "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
-    "check_export", "check_lora_widths", "check_model_fields", "check_task", "check_text_reward",
-    "check_text_task",
+    "check_export", "check_lora_widths", "check_model_fields", "check_reward_fns", "check_run_paths",
+    "check_task", "check_text_reward", "check_text_task",
     "preflight", "text_reward",
 ]  # fmt: skip
 MODES = ("run", "sweep")  # preflight's modes: one run, or a sweep's stacked members
@@ -94,7 +103,8 @@ def check_config(
         raise ConfigError(f"resume: a resumed {where} (write=True)")
     if members[0].train.rollback_metric and not write:
         raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
-    check_model_fields(members[0], stacked=stacked)
+    for m in members:
+        check_model_fields(m, stacked=stacked)  # (the only place they are checked)
     if resume is None:  # a resume's config is the run's own (config.json); the CLI checks the flags given
         check_relevance(members, task_given=task_given)
     check_lora_widths(members[0])
@@ -108,23 +118,40 @@ def preflight(
     *,
     write: bool = True,
     resume: Any = None,
+    run_dir: Any = None,
     sweep_devices: int = 1,
     task_given: bool = False,
+    devices: bool = True,
     log: Any = None,
 ) -> list[RunConfig]:
     """Every check of ``members`` (``mode``: ``"run"``, one member, or ``"sweep"``) that needs neither a
-    built task nor a device, once: a Hub name in a ``model.*`` path resolved to its snapshot in the local
-    Hugging Face cache, fetched there when it is not (:func:`klrl.models.catalog.resolve_model_paths`;
-    ``log(line)`` once per name resolved), :func:`check_config`, then per member the checkpoint paths
-    that must exist (:func:`klrl.tasks.text.check_model_paths`), the ``model.*`` fields the run reads
-    (:func:`check_model_fields`), the user's ``train.hooks`` and ``train.metric_fns`` (each imported:
-    :func:`klrl.loop.user.from_config`) and a built-in task's vocabulary and lengths (:func:`check_task` on
-    :func:`klrl.tasks.base.builtin_task_shape`; the last two not for a task the caller brings,
-    ``task_given``). Returns the members resolved. :func:`klrl.api.run` and :func:`klrl.api.sweep` run
-    it at their entry; ``klrl ... --check`` runs it alone. A failure is a :class:`ConfigError`."""
+    built task nor a compiled step, once, for every door (:func:`klrl.api.run`, :func:`klrl.api.sweep`,
+    a resume, and each ``klrl`` command that trains, which turns the error into one line and exit 2):
+
+    1. no ``model.*``/``data.*``/``reward.fn``/... path is a named pipe, socket or device
+       (:func:`klrl.io.paths.check_special_fields`); with ``write``, the directories the run writes can
+       be written (:func:`check_run_paths`: ``train.out_dir`` or ``run_dir``, the resumed directory
+       ``resume``, the task cache);
+    2. a Hub name in a ``model.*`` path resolved to its snapshot in the local Hugging Face cache,
+       fetched there when it is not (:func:`klrl.models.catalog.resolve_model_paths`; ``log(line)`` once
+       per name resolved);
+    3. :func:`check_config` (the members, the ``model.*`` fields of each, relevance, LoRA widths,
+       W&B), the user's ``train.hooks`` and ``train.metric_fns`` (each imported:
+       :func:`klrl.loop.user.from_config`);
+    4. unless the caller brings its own task (``task_given``): the checkpoint paths that must exist
+       (:func:`klrl.tasks.text.check_model_paths`), a built-in task's vocabulary and lengths
+       (:func:`check_task` on :func:`klrl.tasks.base.builtin_task_shape`) and every ``reward.fn``
+       entry loads (:func:`check_reward_fns`);
+    5. a single run's ``train.devices`` against the devices there are (:func:`check_device_count`;
+       ``devices=False``: not yet, the command line's ``--distributed`` checks it once it has joined).
+
+    Returns the members resolved. A failure is a :class:`ConfigError` naming the field."""
     if mode not in MODES:
         raise ValueError(f"preflight: mode must be one of {', '.join(MODES)}, got {mode!r}")
     stacked = mode == "sweep"
+    check_special_fields(members)  # before anything opens a path
+    if write:
+        check_run_paths(members[0], resume=resume, run_dir=run_dir)
     resolved = [resolve_model_paths(m, log) for m in members]
     lines = [
         f"model.{f}: {getattr(old.model, f)} is {getattr(m.model, f)} (the local Hugging Face cache)"
@@ -141,11 +168,47 @@ def preflight(
     if not task_given:
         for m in resolved:
             check_model_paths(m)  # a missing checkpoint before anything is built
-            check_model_fields(m, stacked=stacked)  # a model path the run would not read
         for m in resolved:
             if m.task.name in BUILTIN_TASKS:  # (a task registered elsewhere: checked once it is built)
                 check_task(m, builtin_task_shape(m))
+        check_reward_fns(resolved[0])
+    if devices and not stacked:
+        check_device_count(resolved[0])
     return resolved
+
+
+def check_run_paths(cfg: RunConfig, *, resume: Any = None, run_dir: Any = None) -> None:
+    """The directories a run writes, tried (:func:`klrl.io.paths.check_writable_dir`): a new run's
+    ``run_dir`` (the API's argument) or ``train.out_dir`` (and ``train.name`` in it), a resumed
+    directory ``resume`` and its files (:func:`klrl.io.paths.check_run_dir_writable`), and the task's
+    cache (named by the field or the environment variable it came from)."""
+    if resume is not None:
+        if Path(resume).is_dir():  # (a directory that is not there: the resume says so, reading it)
+            check_run_dir_writable(resume, "resume")
+    elif run_dir is not None:
+        check_writable_dir(run_dir, "run_dir")
+    else:
+        check_writable_dir(cfg.train.out_dir, "train.out_dir")
+        if cfg.train.name:  # the run directory itself (a name too long, a loop or a file there)
+            check_writable_dir(Path(cfg.train.out_dir) / cfg.train.name, "train.name")
+    if cfg.task.cache_dir:
+        what = "task.cache_dir"
+    elif os.environ.get("KLRL_CACHE"):
+        what = "the task cache ($KLRL_CACHE)"
+    else:
+        what = "the task cache (~/.cache/klrl; $KLRL_CACHE or --task.cache_dir sets another)"
+    check_writable_dir(cache_root(cfg.task.cache_dir), what)
+
+
+def check_reward_fns(cfg: RunConfig) -> None:
+    """Every ``reward.fn`` entry loads (a built-in name, ``module:function`` or ``file.py:function``)."""
+    if not cfg.reward.fn.strip():
+        return
+    try:
+        for spec in parse_specs(cfg.reward.fn, cfg.reward.weights)[0]:
+            load_reward_fn(spec)
+    except RewardLoadError as e:
+        raise ConfigError(f"reward.fn: {e}") from None
 
 
 def check_text_task(cfg: RunConfig) -> None:

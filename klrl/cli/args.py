@@ -13,12 +13,10 @@ naming the field and exit status 2, before anything compiles. An unknown flag ge
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,7 +26,8 @@ import yaml
 from klrl.config import SECTIONS, ConfigError, RunConfig, aliases, field_names
 from klrl.config.fields import GPT_ONLY
 from klrl.config.schema import ALIASES, closest, short
-from klrl.io.readers import RunDirError, read_json, read_text, special_kind
+from klrl.io import paths
+from klrl.io.readers import RunDirError, read_json, read_text
 
 _FLOAT = re.compile(r"^-(\d|\.\d|inf|nan|infinity)", re.IGNORECASE)
 SWEEP_SYNTAX = "expected --sweep section.field=v1,v2 (e.g. --sweep kl.beta=0.01,0.1)"
@@ -328,138 +327,27 @@ def config_from_args(ns: argparse.Namespace, base: RunConfig | None = None) -> R
         fail(str(e))
 
 
-# ---- paths: no FIFO, socket or device ----------------------------------------------------------------
-# the config fields that name a file or directory klrl opens (reward.fn: FILE.py:FUNCTION)
-PATH_FIELDS = ("model.path", "model.value_path", "model.reward_path", "model.eval_path", "model.adapter",
-               "data.path", "data.eval_path", "reward.fn", "task.cache_dir", "train.out_dir")  # fmt: skip
+# ---- paths (klrl.io.paths: ConfigErrors), as one line and exit 2 for the commands that are not runs ----
+def _or_fail(check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    try:
+        check(*args, **kwargs)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def check_special(path: str | os.PathLike | None, what: str) -> None:
-    """``path`` (a path argument) is not a named pipe, socket or device (checked before anything opens
-    it: a FIFO with no writer would wait forever, a device may never end); one line, exit 2."""
-    if not path:
-        return
-    kind = special_kind(path)
-    if kind is not None:
-        fail(f"{what}: {path}: not a regular file or directory ({kind})")
-
-
-def check_special_fields(cfgs: list[RunConfig]) -> None:
-    """:func:`check_special` for every :data:`PATH_FIELDS` value of ``cfgs``."""
-    for cfg in cfgs:
-        for name in PATH_FIELDS:
-            section, field = name.split(".")
-            for value in str(getattr(getattr(cfg, section), field)).split(","):  # reward.fn: a list
-                value = value.strip()
-                if name == "reward.fn" and ":" in value:
-                    value = value.rsplit(":", 1)[0]
-                check_special(value, name)
-
-
-# ---- paths a run will write ----------------------------------------------------------------------
-def _existing_ancestor(p: Path, what: str) -> Path:
-    """The nearest ancestor of ``p`` (``p`` itself included) that exists; a component that cannot be
-    looked up (a name too long, a symbolic link loop or one to nothing, no permission) is one line."""
-    p = p.absolute()
-    while True:
-        try:
-            os.stat(p)
-            return p
-        except (FileNotFoundError, NotADirectoryError):
-            if os.path.islink(p):  # (a loop is ELOOP below; here a link to a path that does not exist)
-                fail(f"{what}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
-            if p == p.parent:
-                return p
-            p = p.parent
-        except OSError as e:  # ENAMETOOLONG, ELOOP, EACCES
-            fail(f"{what}: {p}: {e.strerror or type(e).__name__}")
-
-
-def _probe(top: Path) -> None:
-    """Create a directory in ``top`` and a 4 KiB file in it, fsync'ed, then remove both (a full disk
-    refuses the file's block where an empty directory may still fit); raises what the disk raised."""
-    probe = tempfile.mkdtemp(prefix=".klrl-write-test-", dir=top)
-    try:
-        fd = os.open(os.path.join(probe, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"\0" * 4096)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(probe, "probe"))
-        with contextlib.suppress(OSError):
-            os.rmdir(probe)
-
-
-def check_writable_dir(path: str | os.PathLike, what: str) -> None:
-    """``path`` is (or can be created as) a directory this process can write into.
-
-    Tried, not inferred from permission bits (``os.access`` says yes to root in ``/proc``, or on a
-    read-only mount): a directory (``path``'s first missing component) is created in the nearest
-    existing ancestor with a 4 KiB file in it (a full disk), and removed at once; nothing is left
-    behind. Every failure (a name too long, a symbolic link loop, a file in the way, read-only, no
-    permission, no space) is one line naming ``what``, the path and the cause, exit 2."""
-    p = Path(path)
-    top = _existing_ancestor(p, what)
-    if top == p.absolute() and not top.is_dir():
-        fail(f"{what}: {p} exists and is not a directory")
-    if not top.is_dir():
-        fail(f"{what}: {p} cannot be created: {top} is not a directory")
-    try:
-        _probe(top)
-    except OSError as e:
-        where = "" if top == p.absolute() else f" cannot be created: {top}"
-        fail(f"{what}: {p}{where} is not writable ({e.strerror or type(e).__name__})")
+    """:func:`klrl.io.paths.check_special`: one line, exit 2."""
+    _or_fail(paths.check_special, path, what)
 
 
 def check_new_path(path: str | os.PathLike, what: str, *, directory: bool) -> None:
-    """An output a command creates (``klrl export``'s ``OUT_DIR``, ``reward-model``'s ``--out`` with
-    ``directory``; ``generate --out FILE``): nothing there yet (an empty directory is allowed for a
-    directory) and its parent writable (:func:`check_writable_dir`); one line, exit 2, otherwise."""
-    p = Path(path)
-    top = _existing_ancestor(p, what)
-    if top == p.absolute():
-        if not directory or not p.is_dir() or any(p.iterdir()):
-            kind = "exists and is not an empty directory" if directory else "exists"
-            fail(f"{what}: {p}: {kind} (nothing is overwritten)")
-        check_writable_dir(p, what)
-        return
-    check_writable_dir(p.parent if not directory else p, what)
-
-
-def check_paths(cfg: RunConfig, *, new_run: bool) -> None:
-    """The directories a run writes: ``train.out_dir`` (a new run) and the task's cache (named by the
-    field or the environment variable it came from)."""
-    from klrl.tasks.pretrain import cache_root
-
-    if new_run:
-        check_writable_dir(cfg.train.out_dir, "train.out_dir")
-        if cfg.train.name:  # the run directory itself (a name too long, a loop or a file there)
-            check_writable_dir(Path(cfg.train.out_dir) / cfg.train.name, "train.name")
-    if cfg.task.cache_dir:
-        what = "task.cache_dir"
-    elif os.environ.get("KLRL_CACHE"):
-        what = "the task cache ($KLRL_CACHE)"
-    else:
-        what = "the task cache (~/.cache/klrl; $KLRL_CACHE or --task.cache_dir sets another)"
-    check_writable_dir(cache_root(cfg.task.cache_dir), what)
+    """:func:`klrl.io.paths.check_new_path`: one line, exit 2."""
+    _or_fail(paths.check_new_path, path, what, directory=directory)
 
 
 def check_run_dir_writable(run_dir: str | os.PathLike, what: str) -> None:
-    """A run directory (and its files) that a resume or a report writes into."""
-    d = Path(run_dir)
-    if not os.access(d, os.W_OK | os.X_OK):
-        fail(f"{what}: {d} is not writable (read-only or no permission)")
-    try:  # a full disk (os.access does not see it): a file of one block, written and removed
-        _probe(d)
-    except OSError as e:
-        fail(f"{what}: {d} is not writable ({e.strerror or type(e).__name__})")
-    for name in ("metrics.jsonl", "config.json", "checkpoints", "events.jsonl", "report.md"):
-        f = d / name
-        if f.exists() and not os.access(f, os.W_OK):
-            fail(f"{what}: {f} is not writable (read-only or no permission)")
+    """:func:`klrl.io.paths.check_run_dir_writable` (``klrl report``): one line, exit 2."""
+    _or_fail(paths.check_run_dir_writable, run_dir, what)
 
 
 def check_coordinator(address: str | None) -> None:

@@ -19,12 +19,13 @@ the local Hugging Face cache, fetched into it first when it is not there
 (:func:`klrl.models.catalog.resolve_model_paths`); the run's ``config.json`` records the snapshot's path.
 
 ``python experiments/run.py [flags]`` is this command, chosen by its flags (:mod:`klrl.cli.legacy`).
-Every check that needs no compiled code (the config, the paths a run writes, the ``--distributed``
-arguments, a damaged run directory, then :func:`klrl.checks.preflight`: the model paths and fields, the
-task's vocabulary and lengths) runs before anything is built, once (the API is told: ``checked=True``);
-a failure is one line on stderr and exit status 2. ``--check`` (every command that trains) runs those
-checks alone, and those the run makes once its task is built (the text task's prompts, reward
-functions and adapters, without reading a weight: :func:`klrl.checks.check_text_task`): ``check: ok (N
+Every check that needs no compiled code (the flags, the ``--distributed`` arguments, a damaged run
+directory, then :func:`klrl.checks.preflight`, the same checks ``klrl.run`` and ``klrl.sweep`` make: the
+paths a run opens and writes, the config, the model paths and fields, the task's vocabulary and lengths,
+the reward functions, the device count) runs before anything is built, once (the API is told:
+``checked=True``); a failure is one line on stderr and exit status 2. ``--check`` (every command that
+trains) runs those checks alone, and those the run makes once its task is built (the text task's prompts,
+reward functions and adapters, without reading a weight: :func:`klrl.checks.check_text_task`): ``check: ok (N
 members)`` and exit 0, or the run's error line and exit 2; nothing is built or written.
 Exit status: 0 done (or stopped by SIGTERM after a checkpoint), 130
 stopped by SIGINT, 1 the run stopped itself (non-finite guard, rollback limit).
@@ -45,10 +46,8 @@ from klrl.cli.args import (
     SWEEP_SYNTAX,
     build_parser,
     check_coordinator,
-    check_paths,
     check_run_dir_writable,
     check_special,
-    check_special_fields,
     config_from_args,
     fail,
     overrides_of,
@@ -220,10 +219,11 @@ def _configs(mode: str, ns: argparse.Namespace) -> tuple[RunConfig, list[RunConf
 
     if members is not None:  # a flag the study or the sweep sets per member, or no member reads: refused
         _check_overrides(ns, cfg, members, "the study" if mode == "study" else "--sweep")
-    try:  # a field without effect (a resume: the flags given; its config.json is the run's own)
-        check_relevance(members or [cfg], only=overrides_of(ns) if mode == "resume" else None)
-    except ConfigError as e:
-        fail(str(e))
+    if mode == "resume":  # a field without effect among the flags given (its config.json is the run's own;
+        try:  # a new run's fields are klrl.checks.preflight's)
+            check_relevance(members or [cfg], only=overrides_of(ns))
+        except ConfigError as e:
+            fail(str(e))
     return cfg, members, axes
 
 
@@ -258,50 +258,46 @@ def _check_distributed(ns: argparse.Namespace) -> bool:
     return bool(want)
 
 
-def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None
-                  ) -> list[RunConfig]:  # fmt: skip
-    """The paths a run writes, then :func:`klrl.checks.preflight` (the only place the model paths, the
-    ``model.*`` fields and the built-in task's vocabulary and lengths are checked; a Hub name resolved is
-    one line on stdout), the reward functions; then the config's warnings. Returns the members resolved."""
+def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None,
+                  distributed: bool) -> list[RunConfig]:  # fmt: skip
+    """:func:`klrl.checks.preflight`, the one check of every door (the paths a run writes, the model paths
+    and fields, the built-in task's vocabulary and lengths, the reward functions, a single run's device
+    count unless ``--distributed``, which checks it once joined: :func:`_join`; a Hub name resolved is one
+    line on stdout); then the config's warnings. Returns the members resolved."""
     from klrl.checks import preflight
-    from klrl.cli.launch import check_reward_fns
 
-    check_paths(cfg, new_run=mode != "resume")
-    if mode == "resume":
-        check_run_dir_writable(ns.resume, "--resume")
     try:
         members = preflight(members or [cfg], "run" if members is None else "sweep",
                             sweep_devices=ns.sweep_devices, resume=ns.resume if mode == "resume" else None,
-                            log=print)  # fmt: skip
+                            devices=not distributed, log=print)  # fmt: skip
     except ConfigError as e:
         fail(str(e))
-    check_reward_fns(cfg)
     for w in config_warnings(cfg):  # after every check: an error is the only line on stderr
         print(f"warning: {w}", file=sys.stderr)
     return members
 
 
-def _join(ns: argparse.Namespace, distributed: bool, run_alone: bool, cfg: RunConfig) -> None:
-    """``--distributed``: join the other processes (before anything touches a device); then a run's
-    ``train.devices`` against the devices there are (:func:`klrl.checks.check_device_count`)."""
+def _join(ns: argparse.Namespace, run_alone: bool, cfg: RunConfig) -> None:
+    """``--distributed``: join the other processes (before anything touches a device), then a run's
+    ``train.devices`` against all their devices (:func:`klrl.checks.check_device_count`: the one check
+    :func:`klrl.checks.preflight` leaves to a distributed run, which cannot count them before)."""
     from klrl.checks import check_device_count
     from klrl.distributed import ENV_COORDINATOR, initialize, timeout_from_env
 
-    if distributed:
-        try:
-            timeout = ns.distributed_timeout or timeout_from_env()
-        except ValueError as e:
-            fail(f"--distributed-timeout: {e}")
-        where = ns.coordinator or os.environ.get(ENV_COORDINATOR) or "the auto-detected coordinator"
-        print(f"joining the distributed run at {where} (waiting up to {timeout:g} s)", flush=True)
-        try:
-            initialize(ns.coordinator, ns.num_processes, ns.process_id, timeout_s=timeout)
-        except ValueError as e:
-            if "coordinator_address" in str(e):  # JAX's words when nothing was given or detected
-                e = ValueError("no coordinator given and no cluster detected (Cloud TPU, Slurm, Open MPI, "
-                               "Kubernetes): pass --coordinator HOST:PORT --num-processes N --process-id I "
-                               "(or $KLRL_COORDINATOR, $KLRL_NUM_PROCESSES, $KLRL_PROCESS_ID)")  # fmt: skip
-            fail(f"--distributed: {e}")
+    try:
+        timeout = ns.distributed_timeout or timeout_from_env()
+    except ValueError as e:
+        fail(f"--distributed-timeout: {e}")
+    where = ns.coordinator or os.environ.get(ENV_COORDINATOR) or "the auto-detected coordinator"
+    print(f"joining the distributed run at {where} (waiting up to {timeout:g} s)", flush=True)
+    try:
+        initialize(ns.coordinator, ns.num_processes, ns.process_id, timeout_s=timeout)
+    except ValueError as e:
+        if "coordinator_address" in str(e):  # JAX's words when nothing was given or detected
+            e = ValueError("no coordinator given and no cluster detected (Cloud TPU, Slurm, Open MPI, "
+                           "Kubernetes): pass --coordinator HOST:PORT --num-processes N --process-id I "
+                           "(or $KLRL_COORDINATOR, $KLRL_NUM_PROCESSES, $KLRL_PROCESS_ID)")  # fmt: skip
+        fail(f"--distributed: {e}")
     if run_alone:
         try:
             check_device_count(cfg)
@@ -335,21 +331,19 @@ def execute(mode: str, ns: argparse.Namespace) -> int:
     if mode == "report":
         return _report(ns.report, ns)
     cfg, members, axes = _configs(mode, ns)
-    check_special_fields(members or [cfg])
     if ns.sweep_devices != 1 and mode != "sweep":
         fail("--sweep-devices: needs --sweep")
     if ns.sweep_devices < 1:
         fail(f"--sweep-devices: must be >= 1 (got {ns.sweep_devices})")
     distributed = _check_distributed(ns)
-    checked = _check_inputs(mode, ns, cfg, members)
+    checked = _check_inputs(mode, ns, cfg, members, distributed)
     cfg, members = checked[0], None if members is None else checked
     if ns.check:  # nothing joined, built, compiled or written
         _check_as_the_run(checked)
-        if not distributed and members is None:
-            _join(ns, False, True, cfg)
         print(f"check: ok ({len(checked)} member{'s' if len(checked) != 1 else ''})")
         return 0
-    _join(ns, distributed, members is None, cfg)
+    if distributed:
+        _join(ns, members is None, cfg)
     return _launch(mode, ns, cfg, members, axes)
 
 

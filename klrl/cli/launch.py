@@ -1,7 +1,7 @@
-"""What ``klrl train/sweep/study/resume`` (:mod:`klrl.cli.commands`) do once the config is built: the
-reward functions load (a check of the environment), then the run or sweep itself (:func:`klrl.api.run`,
-:func:`klrl.api.sweep`, told that :func:`klrl.checks.preflight` has run: ``checked=True``) with the
-user's mistakes as one line and exit 2 (:func:`guarded`), and its summary printed."""
+"""What ``klrl train/sweep/study/resume`` (:mod:`klrl.cli.commands`) do once the config is checked: the
+run or sweep itself (:func:`klrl.api.run`, :func:`klrl.api.sweep`, told that :func:`klrl.checks.preflight`
+has run: ``checked=True``) with the user's mistakes as one line and exit 2 (:func:`guarded`), and its
+summary printed."""
 
 from __future__ import annotations
 
@@ -22,21 +22,8 @@ from klrl.io.readers import RunDirError
 from klrl.loop.reliability import RunStopped
 from klrl.models.hf import CheckpointFormatError
 from klrl.rewards import RewardFunctionError, RewardLoadError
-from klrl.rewards.host import load_reward_fn, parse_specs
 
-__all__ = ["check_reward_fns", "exit_status", "guarded", "run_one", "run_sweep", "stopped_line"]
-
-
-def check_reward_fns(cfg: RunConfig) -> None:
-    """Every ``reward.fn`` entry loads (a built-in name, ``module:function`` or ``file.py:function``)."""
-    if not cfg.reward.fn.strip():
-        return
-
-    try:
-        for spec in parse_specs(cfg.reward.fn, cfg.reward.weights)[0]:
-            load_reward_fn(spec)
-    except RewardLoadError as e:
-        fail(f"reward.fn: {e}")
+__all__ = ["exit_status", "guarded", "run_one", "run_sweep", "stopped_line"]
 
 
 def guarded(call: Any) -> Any:

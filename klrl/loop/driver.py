@@ -7,10 +7,15 @@ exactly ``train.max_consecutive_skips`` skips), the quality rollback, a failed h
 and resume: the same code for both, so a sweep resumes exactly like a run, bit for bit.
 
 The driver itself is short: it opens the run (new or resumed) into a :class:`~klrl.loop.hooks.Loop`,
-steps it and records each step's row; the rest is done by the hooks of :mod:`klrl.loop.hooks`
-(checkpoints, metrics sink, samples, progress, rollback, reward failure, held-out evaluation, signals),
-each told of every recorded row (``on_step``) and of the end (``on_stop``). Metrics are fetched one
-step late (the host writes iteration ``i`` while the device runs ``i + 1``), at once at a checkpoint.
+steps it and records each step's row; the rest is done by hooks (:mod:`klrl.loop.hooks`, built by
+:func:`klrl.loop.wiring.hooks`), every one called the same way, in one list: ``before_step``,
+``on_metrics``, ``on_row`` (every ``every`` rows), ``sync_due``/``on_sync``, ``on_note``, ``truncate``,
+``on_stop``. A hook that needs the loop to do something returns a request, and the driver does it the
+same way whichever hook asked: a :class:`~klrl.loop.hooks.Note` goes to every hook's ``on_note``; a
+:class:`~klrl.loop.hooks.Stop` ends the loop (the state saved first through ``on_sync`` when it asks);
+a :class:`~klrl.loop.hooks.Restore` rolls the run back (every hook's ``truncate``, then the state, the
+rows and the iteration set back). Metrics are fetched one step late (the host writes iteration ``i``
+while the device runs ``i + 1``), at once when a hook wants the state synced (a checkpoint is due).
 
 Layout: a single run keeps everything in its run directory; a sweep keeps ``sweep.json``,
 ``task.json`` and ``checkpoints/`` in the sweep directory and one directory (config, metrics,
@@ -21,25 +26,23 @@ in :mod:`klrl.loop.stops`, :class:`Program` in :mod:`klrl.loop.program`.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from klrl import distributed
-from klrl.config import ConfigError
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import new_run_dir
 from klrl.io.results import RunResult, varying_fields
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
-from klrl.loop import frozen, reliability
+from klrl.loop import frozen, reliability, wiring
 from klrl.loop.compile import CacheStats, compile_line, phase_log, xla_banners
 from klrl.loop.files import (
     ROLLED_BACK,
@@ -48,30 +51,12 @@ from klrl.loop.files import (
     cut_to_checkpoint,
     member_dirs,
     results,
-    rollback_bases,
 )
-from klrl.loop.hooks import (
-    Checkpoints,
-    HeldOut,
-    Hook,
-    KLSignNote,
-    Loop,
-    MetricsSink,
-    ProgressLine,
-    QualityRollback,
-    ReadyTimes,
-    Rejected,
-    RewardFailure,
-    Row,
-    Signals,
-)
+from klrl.loop.hooks import Hook, Loop, Note, ReadyTimes, Restore, Row, Stop
 from klrl.loop.hostmem import release_freed_memory
 from klrl.loop.metrics import alias_map, learning_rates, member_row
 from klrl.loop.program import Program
-from klrl.loop.samples import Samples, pop_samples
-from klrl.loop.stops import skips_message
-from klrl.loop.trackers import WandbTracker
-from klrl.loop.user import MetricFns
+from klrl.loop.samples import pop_samples
 
 __all__ = ["ROLLED_BACK", "SAMPLES_ROLLED_BACK", "Program", "drive"]
 
@@ -87,12 +72,13 @@ def drive(
     log: Callable[[str], None] | None = None,
     guard: reliability.RunGuard | None = None,
     on_step: Callable[[int, dict[str, Any]], Any] | None = None,
-    hooks: Sequence[Hook] = (),
+    hooks: Sequence[Any] = (),
     metrics: Sequence[Callable[..., dict[str, float]]] = (),
 ) -> tuple[list[RunResult], str | None]:
-    """Run ``prog`` to the end (or a stop); returns one :class:`RunResult` per member and the
-    reason of a guard/rollback stop (None otherwise). See the module docstring. A failed host reward
-    function raises :class:`~klrl.rewards.host.RewardFunctionError` (``.result``: the results).
+    """Run ``prog`` to the end (or a stop); returns one :class:`RunResult` per member and the line of a
+    stop that is the run's error (a guard, the rollback limit; None otherwise). A stop that raises (a
+    failed host reward function: :class:`~klrl.rewards.host.RewardFunctionError`) raises once the results
+    are written (``.result``: them). See the module docstring.
 
     ``guard`` (:class:`klrl.loop.reliability.RunGuard`, entered by the caller before anything was built)
     holds the signal handlers installed since then and takes the run directory's lock here, before
@@ -100,81 +86,45 @@ def drive(
 
     ``on_step(iteration, metrics)`` (e.g. a live plot in a notebook) is called on the host after each
     row is recorded (one step late, as rows are), with the run's metrics (``{name: float}``) or, for
-    a sweep, ``{name: array over members}``; on process 0 only. ``hooks``: the user's own objects with
-    ``on_step(loop, row)`` and ``on_stop(loop)`` (:class:`~klrl.loop.hooks.Hook`), told after the
-    built-in ones and the trackers, on every process; ``metrics``: the user's metric functions
-    (:class:`klrl.loop.user.MetricFns`: ``user/<name>`` in every row, before it is written)."""
+    a sweep, ``{name: array over members}``; on process 0 only. ``hooks``: the user's own hooks
+    (:func:`klrl.loop.user.as_hook`: a :class:`~klrl.loop.hooks.Hook`, ``klrl.hook(fn, every=N)``, an
+    object with ``on_row(loop, row)``), called after the built-in ones and the trackers, on every process;
+    ``metrics``: the user's metric functions (:mod:`klrl.loop.user`: ``user/<name>`` in every
+    row, before it is written)."""
     log = log or _stderr
-    restore_to = _restore_target(prog, write)
+    restore_to = _restore_target(prog)
     if resume is not None:
         loop = _resumed(prog, resume, restore_to, log)
     else:
         loop = _new(prog, write, out_dir, guard)
-    user = list(hooks)
-    hooks = _hooks(loop, resume, restore_to, guard, log, on_step)
-    hooks.user += user
-    if metrics:
-        hooks.metric_fns.append(MetricFns(list(metrics), hooks.samples))
+    all_hooks = wiring.hooks(loop, resume, restore_to, guard, log, on_step, hooks, metrics)
+    ready = ReadyTimes()  # when each step's outputs became ready (the rows' timing)
     try:
-        with hooks.signals:
-            while _iteration(loop, hooks):
+        with contextlib.ExitStack() as entered:
+            for h in all_hooks:  # (a hook that is a context manager is entered while the loop runs)
+                if hasattr(h, "__enter__"):
+                    entered.enter_context(h)
+            while _iteration(loop, all_hooks, ready):
                 pass
     finally:
-        for h in hooks.stopping_order:
+        for h in all_hooks:
             h.on_stop(loop)
+        ready.close()
         release_freed_memory()  # (the saves' freed heap, before the export and the report)
-    return _finish(loop, hooks.ckpts)
-
-
-@dataclass
-class _Hooks:
-    """The loop's hooks by name (the driver calls a few of them at their own moments: the signals
-    before an iteration, the held-out evaluation before a step, the checkpoints at a sync point)."""
-
-    signals: Signals
-    ckpts: Checkpoints
-    heldout: HeldOut
-    reward: RewardFailure
-    rollback: QualityRollback
-    samples: Samples
-    sink: MetricsSink
-    progress: ProgressLine
-    ready: ReadyTimes
-    user: list[Hook]  # the KL sign note, the trackers (log.wandb) and the user's hooks, in this order
-    metric_fns: list[Hook] = field(default_factory=list)  # the user's metric functions (klrl.loop.user)
-
-    @property
-    def row_order(self) -> list[Hook]:
-        """The hooks told of a recorded row, in this order (the samples' decoding before the sink's
-        clock; the progress line last)."""
-        return [self.samples, *self.metric_fns, self.rollback, self.sink, self.progress, *self.user]
-
-    @property
-    def stopping_order(self) -> list[Hook]:
-        return [self.progress, self.samples, self.ckpts, self.rollback, self.sink, self.heldout, self.reward,
-                self.ready, *self.user]  # fmt: skip
+    return _finish(loop)
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _restore_target(prog: Program, write: bool) -> Any:
+def _restore_target(prog: Program) -> Any:
     """Where a checkpoint is restored to (the state's shapes, dtypes and shardings; shardings=None:
-    host arrays), once ``train.rollback_metric`` is known to be usable."""
-    metric = prog.configs[0].train.rollback_metric
-    if metric and not write:
-        raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
+    host arrays), once the hooks' needs of the program are known to be met
+    (:func:`klrl.loop.wiring.check`)."""
     abstract = prog.abstract if prog.abstract is not None else jax.eval_shape(prog.init)
-    restore_to = ckpt.target(abstract, prog.shardings)
-    if metric:
-        names = jax.eval_shape(prog.step, abstract, prog.env)[1]
-        if metric not in names:
-            raise ConfigError(
-                f"train.rollback_metric: {metric!r} is not a metric of this run "
-                f"(e.g. {', '.join(sorted(n for n in names if n.startswith(('eval/', 'reward/'))))})"
-            )
-    return restore_to
+    wiring.check(prog, abstract)
+    return ckpt.target(abstract, prog.shardings)
 
 
 def _new(prog: Program, write: bool, out_dir: str | Path | None, guard: reliability.RunGuard | None) -> Loop:
@@ -223,98 +173,56 @@ def _resumed(prog: Program, resume: Resume, restore_to: Any, log: Callable[[str]
     return Loop(prog, resume.dir, dirs, writers, state, rows, len(rows[0]), rollbacks, main)
 
 
-def _hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliability.RunGuard | None,
-           log: Callable[[str], None], on_step: Callable[..., Any] | None) -> _Hooks:  # fmt: skip
-    """The loop's hooks, set up for ``loop`` (new or resumed)."""
-    prog, tc, n = loop.prog, loop.configs[0].train, len(loop.configs)
-    metric, traces, bases, initial = tc.rollback_metric, [], [None] * n, None
-    if metric:
-        # the state a rollback to step 0 restores (a host copy: ``init`` cannot be re-run once ``step``
-        # has donated the controller's parameter arrays)
-        initial = ckpt.host_copy(frozen.without(prog, loop.state if resume is None else prog.init()))
-        traces = [[float(r.get(metric, math.nan)) for r in rows] for rows in loop.rows]
-        if resume is not None:  # the rollback metric at iteration 0 (the threshold's reference)
-            bases = rollback_bases(resume.meta, metric, traces)
-    rollback = QualityRollback(tc, loop.stacked, log, traces, bases, initial)
-    mgr = None if loop.root is None else ckpt.manager(loop.root, keep=tc.keep_checkpoints, async_save=True)
-    if mgr is not None and loop.main and not tc.quiet:  # how many checkpoints, how big (the disk they take)
-        log(
-            ckpt.plan_line(
-                frozen.without(prog, restore_to), tc.keep_checkpoints, tc.checkpoint_every, loop.root
-            )
-        )
-    last_saved = loop.start if resume is not None else -1
-    ckpts = Checkpoints(mgr, tc.checkpoint_every, tc.iterations, frozen.without(prog, restore_to),
-                        rollback.base_meta, last_saved)  # fmt: skip
-    loop.t0 = time.time()
-    quiet = tc.quiet or not loop.main
-    progress = ProgressLine.of(tc.iterations, tc.log_every, quiet, loop.start)
-    loop.lrs = learning_rates(loop.state, n)  # (read before the first step donates the state)
-    signals = Signals(guard.signals if guard is not None else None, log)
-    sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
-    heldout, reward, samples = HeldOut(prog), RewardFailure(prog), Samples.of(loop)
-    trackers: list[Hook] = []
-    if loop.main and not tc.quiet:
-        trackers.append(KLSignNote(loop.configs[0].kl.estimator, log))
-    if loop.configs[0].log.wandb and loop.main:  # (wandb imported there, only then)
-        trackers.append(WandbTracker(loop, samples, sink.aliases, log))
-    return _Hooks(signals, ckpts, heldout, reward, rollback, samples, sink, progress, ReadyTimes(), trackers)
-
-
-def _iteration(loop: Loop, hooks: _Hooks) -> bool:
-    """One pass: a step (unless a signal came or all are done), the rows fetched by now recorded, what
-    they ask for done, a checkpoint when due; False when the loop is over."""
-    stopping = hooks.signals.received is not None  # no new step: sync, checkpoint, return
+def _iteration(loop: Loop, hooks: list[Hook], ready: ReadyTimes) -> bool:
+    """One pass: the hooks asked before a step, a step (unless one asked to stop, or all are done), the
+    rows fetched by now recorded, the first request done, the state synced when a hook wants it;
+    False when the loop is over."""
     fetch = [loop.pending] if loop.pending is not None else []
     loop.pending = None
     sync = True
-    if not stopping and loop.i < loop.iterations:
-        # before the step donates the state: the held-out metrics of the state after i updates
-        err = hooks.reward.heldout_error() if hooks.heldout.before_step(loop) else None
-        if err is not None:
-            return _heldout_stop(loop, hooks, fetch, err)
-        sync = _step(loop, fetch, hooks)
-    action = _record(loop, hooks, fetch)
-    if action is not None:
-        loop.pending = None
-        return _act(action, loop, hooks)
+    request = _first(h.before_step(loop) for h in hooks)  # e.g. a signal; the held-out evaluation
+    if request is None and loop.i < loop.iterations:
+        sync = _step(loop, fetch, hooks, ready)
+    # the rows fetched by now are recorded before any stop, and a request of theirs comes first
+    request = _record(loop, hooks, fetch) or request
+    if request is not None:
+        return _act(request, loop, hooks)
     if sync:
-        hooks.ckpts.save(loop, loop.i)
-    if stopping:
-        loop.stopped = hooks.signals.name
-        return False
+        _sync(loop, hooks, loop.i)
     return loop.i < loop.iterations or loop.pending is not None
 
 
-def _heldout_stop(loop: Loop, hooks: _Hooks, fetch: list[_Fetch], err: Exception) -> bool:
-    """The held-out evaluation's reward failed (``err``) before step ``loop.i``: the rows fetched by now
-    (the previous step's, pending when it was not a checkpoint) recorded first, as any row, so the
-    state saved is the state after exactly the rows written; what a row asks for comes first."""
-    action = _record(loop, hooks, fetch)
-    if action is not None and not _act(action, loop, hooks):
-        return False
-    hooks.reward.heldout_stop(loop, hooks.ckpts, err)
-    return False
+def _first(requests: Iterable[Any]) -> Any:
+    """The first request of ``requests`` (the hooks' answers, in their order): the hooks after it are not
+    asked when ``requests`` is a generator (before a step, before a row is made), all of them are when it
+    is a list (a recorded row is told to every hook)."""
+    return next((r for r in requests if r is not None), None)
 
 
-def _step(loop: Loop, fetch: list[_Fetch], hooks: _Hooks) -> bool:
-    """One step; its metrics fetched now (a checkpoint is due: returns True) or with the next one,
-    with when its outputs were ready (:class:`~klrl.loop.hooks.ReadyTimes`)."""
+def _step(loop: Loop, fetch: list[_Fetch], hooks: list[Hook], ready: ReadyTimes) -> bool:
+    """One step; its metrics fetched now (a hook wants the state after it synced: returns True) or with
+    the next one, with when its outputs were ready (:class:`~klrl.loop.hooks.ReadyTimes`)."""
     release_freed_memory()  # freed heap (compiles, checkpoints) back before the step
     if loop.i == loop.start:  # the call compiles the step (klrl.loop.compile: its line, XLA's banners)
         loop.state, metrics = _first_step(loop)
     else:
         loop.state, metrics = loop.prog.step(loop.state, loop.prog.env)
-    done = (loop.i, metrics, hooks.ready.watch(metrics))
+    done = (loop.i, metrics, ready.watch(metrics))
     if loop.i == loop.start:  # the call compiled the step: its heap, while the step runs
         release_freed_memory()
     loop.i += 1
-    sync = hooks.ckpts.due(loop.i)
+    sync = any([h.sync_due(loop.i) for h in hooks])
     if sync:
         fetch.append(done)
     else:
         loop.pending = done
     return sync
+
+
+def _sync(loop: Loop, hooks: list[Hook], step: int) -> None:
+    """Each hook told that ``loop.state`` is the state after ``step`` updates (e.g. a checkpoint)."""
+    for h in hooks:
+        h.on_sync(loop, step)
 
 
 def _first_step(loop: Loop) -> tuple[Any, Any]:
@@ -334,29 +242,38 @@ def _first_step(loop: Loop) -> tuple[Any, Any]:
     return out
 
 
-def _record(loop: Loop, hooks: _Hooks, fetch: list[_Fetch]) -> Rejected | str | None:
-    """Record the fetched rows in order, until one asks for something (rows end where a stop was
-    decided): a :class:`Rejected` (a host reward failed), ``'skips'`` or ``'rollback'``; else None."""
-    for it, m, ready in fetch:
-        rejected = hooks.reward.rejected(it, m)
-        if rejected is not None:
-            return rejected
-        row = _row(loop, hooks.heldout, it, m, ready())
-        for h in hooks.row_order:
-            h.on_step(loop, row)
-        skips = max(r[-1].get("guard/consecutive_skips", 0.0) for r in loop.rows)
-        if reliability.skip_stop(skips, loop.configs[0].train.max_consecutive_skips):
-            return "skips"
-        if hooks.rollback.crossed():
-            return "rollback"
+def _record(loop: Loop, hooks: list[Hook], fetch: list[_Fetch]) -> Stop | Restore | None:
+    """Record the fetched rows in order, each told to every hook, until one asks to stop or restore
+    (rows end where that was decided); notes are passed on at once."""
+    for it, m, when in fetch:
+        m = dict(distributed.to_host(m))
+        request = _first(_notes(loop, hooks, h.on_metrics(loop, it, m)) for h in hooks)
+        if request is not None:  # (the row is not recorded)
+            return request
+        row = _row(loop, it, m, when())
+        request = _first([_notes(loop, hooks, h.on_row(loop, row)) for h in hooks if it % h.every == 0])
+        if request is not None:
+            return request
     return None
 
 
-def _row(loop: Loop, heldout: HeldOut, it: int, m: Any, ready: float) -> Row:
-    """The step's metrics ``m`` (ready at ``ready``) on the host as row ``it``, appended to every
-    member's rows."""
-    m = dict(distributed.to_host(m))
-    m.update(heldout.take(it))
+def _notes(loop: Loop, hooks: list[Hook], answer: Any) -> Stop | Restore | None:
+    """A hook's answer (None, a request or a list of them): its notes passed to every hook, its first
+    stop or restore returned."""
+    out = None
+    for r in answer if isinstance(answer, list | tuple) else [answer]:
+        if isinstance(r, Note):
+            for h in hooks:
+                h.on_note(loop, r)
+        elif isinstance(r, Stop | Restore):
+            out = out or r
+        elif r is not None:
+            raise TypeError(f"a hook returned {type(r).__name__}, not a Note, Stop or Restore (or None)")
+    return out
+
+
+def _row(loop: Loop, it: int, m: dict[str, Any], ready: float) -> Row:
+    """The step's host metrics ``m`` (ready at ``ready``) as row ``it``, appended to every member's rows."""
     samples = pop_samples(m)  # decoded and written every train.samples_every iterations
     members = []
     for j, c in enumerate(loop.configs):
@@ -366,34 +283,38 @@ def _row(loop: Loop, heldout: HeldOut, it: int, m: Any, ready: float) -> Row:
     return Row(it, m, members, samples, ready)
 
 
-def _act(action: Rejected | str, loop: Loop, hooks: _Hooks) -> bool:
-    """Do what a row asked for; False when the loop is over."""
-    if isinstance(action, Rejected):
-        hooks.reward.stop(loop, hooks.ckpts, action)
-        return False
-    if action == "rollback":
-        loop.stop_error = hooks.rollback.roll_back(loop, hooks.ckpts)
-        if loop.stop_error is not None:
-            return False
-        hooks.sink.restart_clock()  # the next row follows a restore: not timed
+def _act(request: Stop | Restore, loop: Loop, hooks: list[Hook]) -> bool:
+    """Do what a hook asked for (the pending step's row dropped); False when the loop is over."""
+    loop.pending = None
+    if isinstance(request, Restore):  # every output cut back to the step, then the state set to it
+        for h in hooks:
+            h.truncate(loop, request.step)
+        for rows in loop.rows:
+            del rows[request.step :]
+        loop.state = loop.prog.place(request.state)
+        loop.lrs = learning_rates(request.state, len(loop.configs))
+        loop.i, loop.rollbacks = request.step, loop.rollbacks + 1
+        _notes(loop, hooks, list(request.notes))
         return True
-    # the step after the K-th skip was a no-op (klrl.step.train.guard): its row is dropped and, for a
-    # single run, the state is the one after exactly K skips
-    if not loop.stacked:
-        hooks.ckpts.save(loop, loop.recorded)
-    n_skips = int(max(r[-1]["guard/consecutive_skips"] for r in loop.rows))
-    max_skips = loop.configs[0].train.max_consecutive_skips
-    loop.stop_error = skips_message(n_skips, max_skips, hooks.ckpts.where_saved())
-    loop.i = loop.recorded
+    if request.rewind:
+        loop.i = loop.recorded
+    if request.state is not None:
+        loop.state = loop.prog.place(request.state(loop.state))
+    if request.save:
+        _sync(loop, hooks, loop.recorded)
+    loop.stop, loop.stop_line = request, request.line(loop) if callable(request.line) else request.line
     return False
 
 
-def _finish(loop: Loop, ckpts: Checkpoints) -> tuple[list[RunResult], str | None]:
-    """The results (process 0 closes the writers and writes the summaries); a reward stop raises."""
+def _finish(loop: Loop) -> tuple[list[RunResult], str | None]:
+    """The results (process 0 closes the writers and writes the summaries); a stop that raises raises."""
     info = {"train_s": time.time() - loop.t0, "task": loop.prog.task_info, "start_iteration": loop.start,
             "iteration": loop.i, "stopped": loop.stopped, "rollbacks": loop.rollbacks,
-            "checkpoint": ckpts.last_saved if ckpts.last_saved >= 0 else None}  # fmt: skip
+            "checkpoint": loop.checkpoint}  # fmt: skip
     out = results(loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, loop.writers,
                   max(loop.i - 1, 0))  # fmt: skip
-    RewardFailure.raise_stop(loop, out)
+    if loop.stop is not None and loop.stop.raises is not None:
+        err = loop.stop.raises(loop.stop_line)
+        err.result = out
+        raise err
     return out, loop.stop_error

@@ -20,7 +20,6 @@ from klrl.io import readers
 from klrl.io.logging import MetricsWriter, hparams_of
 from klrl.io.results import RunResult, columns, member_names, sweep_axes
 from klrl.io.resume import Resume, complete_lines, replace_file
-from klrl.io.samples import trim_samples
 from klrl.loop.metrics import final_metrics
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
@@ -117,12 +116,14 @@ def rollback_bases(meta: dict[str, Any], metric: str, traces: list[list[float]])
     return bases
 
 
-def move_rolled_back(dirs: list[Path], target: int, main: bool) -> None:
+def move_rolled_back(dirs: list[Path | None], target: int, main: bool) -> None:
     """A rollback to ``target``: the metrics rows after it move to ``metrics.rolled_back.jsonl``
-    (appended, never lost), the samples of those iterations to ``samples.rolled_back.jsonl``."""
+    (appended, never lost; the samples of those iterations are :class:`klrl.loop.samples.Samples`')."""
     if not main:
         return
     for d in dirs:
+        if d is None:
+            continue
         path = d / "metrics.jsonl"
         lines = complete_lines(path)
         with open(d / ROLLED_BACK, "ab") as f:
@@ -130,7 +131,6 @@ def move_rolled_back(dirs: list[Path], target: int, main: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.truncate(path, sum(map(len, lines[:target])))  # the writer appends (O_APPEND) from here
-        trim_samples(d / "samples.jsonl", target, d / SAMPLES_ROLLED_BACK)
 
 
 def results(

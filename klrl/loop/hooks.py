@@ -1,43 +1,85 @@
-"""What :func:`klrl.loop.driver.drive` does around each step, as hook objects over one :class:`Loop`.
+"""What :func:`klrl.loop.driver.drive` does around each step, as hooks over one :class:`Loop`, in the manner
+of Levanter's ``Trainer.add_hook(fn, every=N)``.
 
 The driver steps the program and records each step's row (one step late, see :mod:`klrl.loop.driver`);
-everything else is a hook, each a small class with ``on_step(loop, row)`` (a row was recorded) and
-``on_stop(loop)`` (the loop ended, on every way out), in the manner of Levanter's ``Trainer.add_hook``.
-Each output has one owner, which holds its file and the keys it shows:
+everything else is a hook, and the driver calls every hook the same way, in the order of the list
+(:func:`klrl.loop.wiring.hooks`: the built-in ones, the trackers, then the user's):
 
-* :class:`Checkpoints`: ``checkpoints/`` (the whole, stacked, state every ``train.checkpoint_every``
-  iterations and at the end, ``every=``) and each checkpoint's metadata (the config, the rows so far,
-  the rollback reference); where the last one is (:meth:`Checkpoints.where_saved`);
-* :class:`MetricsSink`: ``metrics.jsonl`` and the TensorBoard scalars of each member (every key of the
-  row, and ``train.metric_aliases``' names in the event file only), ``timing.jsonl``
-  (``train/iteration_s``, ``perf/tokens_per_s``: :func:`klrl.loop.metrics.timings`, the wall time
-  between two steps' outputs becoming ready, :class:`ReadyTimes`) and the ``on_step`` callback; at the
-  end :func:`klrl.loop.files.results` closes its writers with the HParams dashboard's final values
-  (:data:`klrl.loop.metrics.FINAL_KEYS`) and writes ``summary.json``
-  (:data:`klrl.io.results.SUMMARY_KEYS`, :meth:`klrl.io.results.RunResult.summary`);
-* :class:`ReadyTimes`: when each step's outputs became ready (a watcher thread, no host sync added);
-* :class:`~klrl.loop.samples.Samples` (in :mod:`klrl.loop.samples`, beside the decoding it drives):
-  ``samples.jsonl`` and TensorBoard's ``samples/text`` (the step's ``_samples/*`` rows, decoded);
+* ``before_step(loop)``: before a step (the state is the state after ``loop.i`` updates);
+* ``on_metrics(loop, it, metrics)``: a step's host metrics, before its row is made (a hook may add keys);
+* ``on_row(loop, row)``: a row was recorded, on the rows whose iteration is a multiple of ``every``;
+* ``sync_due(i)`` / ``on_sync(loop, step)``: whether the state after ``i`` updates is wanted at once (its
+  metrics fetched without waiting for the next step), then that state, all its rows recorded;
+* ``on_note(loop, note)``: a :class:`Note` another hook asked for (a line for an event file);
+* ``truncate(loop, step)``: the run rolls back to ``step``: drop what was written after it;
+* ``on_stop(loop)``: the loop ended (on every way out).
+
+A hook that needs something of the loop returns a request instead of doing it: a :class:`Note`, a
+:class:`Stop` (the run ends, its state saved first or not) or a :class:`Restore` (the run rolls back
+to a checkpoint: the driver asks every hook to ``truncate`` to that step). The driver acts on the first
+request of a row (or before a step); what it does is the same whichever hook asked.
+
+Every file of a run directory (a single run's, or a sweep member's) has one owner, the only code that
+writes it (``tests/loop/test_run_files.py`` runs a tiny run and checks each file it writes against this
+table; ``*`` is any name):
+
+=============================  =========================================================================
+file                           owner
+=============================  =========================================================================
+``config.json``                :func:`klrl.loop.files.create_dirs` (a resume rewrites it,
+                               :func:`klrl.loop.files.cut_to_checkpoint`)
+``task.json``                  :func:`klrl.loop.files.create_dirs`
+``sweep.json``                 :func:`klrl.loop.files.create_dirs` (a sweep's directory)
+``metrics.jsonl``              :class:`MetricsSink` (its writers, :class:`klrl.io.logging.MetricsWriter`)
+``metrics.rolled_back.jsonl``  :class:`MetricsSink` (its ``truncate``)
+``timing.jsonl``               :class:`MetricsSink`
+``events.jsonl``               :class:`MetricsSink` (the :class:`Note` s of the other hooks)
+``tb/*``                       :class:`MetricsSink` (TensorBoard: scalars, notes, the samples' text)
+``samples.jsonl``              :class:`~klrl.loop.samples.Samples`
+``samples.rolled_back.jsonl``  :class:`~klrl.loop.samples.Samples` (its ``truncate``)
+``checkpoints/*``              :class:`Checkpoints` (a sweep's directory)
+``summary.json``               :func:`klrl.loop.files.results`
+``xla.log``                    :func:`klrl.loop.compile.xla_banners` (the first step's compile)
+``wandb_id``, ``wandb/*``      :class:`klrl.loop.trackers.WandbTracker` (``log.wandb``)
+``policy/*``                   :func:`klrl.tasks.text.save_policy` (:func:`klrl.api.run`, after the loop)
+``report.md``, ``report-*``    :func:`klrl.analysis.report.write_report` (after the loop)
+``.klrl.lock``                 :class:`klrl.io.lock.RunLock` (:class:`klrl.loop.reliability.RunGuard`'s)
+=============================  =========================================================================
+
+The metrics files are opened by :mod:`klrl.loop.files` for the sink (a new run's, or a resume's cut
+back to its checkpoint before the loop starts) and closed by :func:`klrl.loop.files.results` with the
+HParams dashboard's final values; between the two only the sink writes them.
+
+The hooks:
+
+* :class:`Checkpoints`: the whole, stacked, state every ``train.checkpoint_every`` iterations and at
+  the end (``sync_due``/``on_sync``), each with its metadata (the config, the rows so far, the rollback
+  reference); ``loop.saved`` says where the last one is;
+* :class:`MetricsSink`: each member's row (every key, and ``train.metric_aliases``' names in the event
+  file only), the iteration's wall time (:func:`klrl.loop.metrics.timings`, between two steps' outputs
+  becoming ready, :class:`ReadyTimes`), the notes, and the ``on_step`` callback;
+* :class:`~klrl.loop.samples.Samples`: the step's ``_samples/*`` rows, decoded (their TensorBoard text
+  a :class:`Note` to the sink);
 * :class:`ProgressLine`: the tqdm bar or the plain progress lines on stdout, showing
   :attr:`ProgressLine.KEYS` (a sweep's: member means and beta's range, :func:`sweep_progress`);
 * :class:`KLSignNote`: one note in the log when the penalised KL estimate's batch mean
-  (``kl/reward_<est>_seq_sum``) is negative and the exact KL (``kl/exact_seq_sum``) positive (k1's
-  noise at a small batch);
-* :class:`QualityRollback`: the ``train.rollback_metric`` trace, its reference at iteration 0 and the
-  rollback itself, which moves the rows after it to ``metrics.rolled_back.jsonl`` and
-  ``samples.rolled_back.jsonl`` (:mod:`klrl.loop.reliability` decides, :mod:`klrl.loop.stops` words it);
+  (``kl/reward_<est>_seq_sum``) is negative and the exact KL (``kl/exact_seq_sum``) positive;
+* :class:`SkipStop`: a :class:`Stop` after ``train.max_consecutive_skips`` non-finite skips in a row;
+* :class:`QualityRollback`: ``train.rollback_metric``'s trace, its reference at iteration 0 and, when
+  it crosses ``train.rollback_threshold``, a :class:`Restore` to the newest good checkpoint with beta
+  raised (a :class:`Stop` after ``train.max_rollbacks``; :mod:`klrl.loop.reliability` decides,
+  :mod:`klrl.loop.stops` words it);
 * :class:`HeldOut`: the held-out evaluation of the state before a step, its ``eval/heldout/*`` keys
-  (:mod:`klrl.step.evaluate`) merged into that row;
-* :class:`RewardFailure`: a host reward function that failed (on a row the guard rejected, or in the
-  held-out evaluation) ends the run with the last good state saved;
-* :class:`Signals`: SIGTERM/SIGINT (:class:`klrl.loop.reliability.StopSignals`), polled by the driver.
+  (:mod:`klrl.step.evaluate`) merged into that row; a :class:`Stop` when its host reward failed;
+* :class:`RewardFailure`: a host reward function that failed on a row the guard rejected: a
+  :class:`Stop` with the last good state saved, the row not recorded;
+* :class:`Signals`: SIGTERM/SIGINT (:class:`klrl.loop.reliability.StopSignals`): a :class:`Stop` with
+  the state saved, before the next step.
 
-Beside them: :class:`klrl.loop.trackers.WandbTracker` (``log.wandb``: W&B) and
-:class:`klrl.loop.user.MetricFns` (``train.metric_fns``: the ``user/*`` keys) and ``train.hooks``
-(:mod:`klrl.loop.user`). :func:`due` is the cadence the samples and the held-out evaluation share.
-
-:class:`Loop` is the state they share (the train state, the rows, the iteration, how the run ended);
-:class:`Row` is one recorded row as the hooks see it.
+Beside them: :class:`klrl.loop.trackers.WandbTracker` (``log.wandb``), :class:`klrl.loop.user.MetricFns`
+(``train.metric_fns``: the ``user/*`` keys) and the user's hooks (``klrl.hook(fn, every=N)``,
+``train.hooks``: :mod:`klrl.loop.user`). :func:`due` is the cadence the samples and the held-out
+evaluation share. :class:`Loop` is the state they share; :class:`Row` is one recorded row as they see it.
 """
 
 from __future__ import annotations
@@ -60,7 +102,7 @@ from klrl.io import checkpoint as ckpt
 from klrl.io.logging import MetricsWriter, Progress
 from klrl.loop import fault, frozen, reliability
 from klrl.loop.files import move_rolled_back
-from klrl.loop.metrics import latest, learning_rates, timings, with_aliases
+from klrl.loop.metrics import latest, timings, with_aliases
 from klrl.loop.program import Program
 from klrl.loop.stops import (
     base_message,
@@ -69,6 +111,7 @@ from klrl.loop.stops import (
     reward_error,
     reward_failure,
     rollback_message,
+    skips_message,
 )
 from klrl.rewards.host import RewardFunctionError
 
@@ -91,9 +134,10 @@ class Loop:
     i: int = -1  # iterations stepped (default: ``start``)
     # the newest step's (iteration, metrics, when its outputs were ready: ReadyTimes.watch), not yet fetched
     pending: tuple[int, Any, Callable[[], float]] | None = None
-    stopped: str | None = None  # the signal that stopped the run
-    stop_error: str | None = None  # why a guard or the rollback limit stopped it
-    reward_stop: str | None = None  # why a failed reward function stopped it
+    stop: Stop | None = None  # what ended the run early (the driver sets it; None: ran to the end or going)
+    stop_line: str | None = None  # the stop's line (worded once the state was saved)
+    saved: str = "none yet"  # where the last good state is, for the stop lines (Checkpoints keeps it)
+    checkpoint: int | None = None  # the newest checkpoint's step (None: none)
     t0: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -117,6 +161,65 @@ class Loop:
         """Rows recorded (the first member's; every member has as many)."""
         return len(self.rows[0])
 
+    @property
+    def stopped(self) -> str | None:
+        """The signal that stopped the run."""
+        return self.stop.signal if self.stop is not None else None
+
+    @property
+    def stop_error(self) -> str | None:
+        """Why the run stopped itself (a guard, the rollback limit): raised as
+        :class:`klrl.loop.reliability.RunStopped`."""
+        return self.stop_line if self.stop is not None and self.stop.raises is None else None
+
+    @property
+    def reward_stop(self) -> str | None:
+        """Why a stop that raises (a failed host reward function) ended the run."""
+        return self.stop_line if self.stop is not None and self.stop.raises is not None else None
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line for member ``member``'s event file at iteration ``it``: ``events.jsonl`` (``kind``, ``text``)
+    or, with ``tag``, TensorBoard's text under that tag. The sink writes it (its files' one owner)."""
+
+    member: int
+    it: int
+    kind: str
+    text: str
+    tag: str | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the loop after the rows recorded (the pending step's row dropped; ``rewind=False``: the
+    iteration count left as stepped). ``state(old)``: the state to keep instead of ``loop.state``
+    (e.g. the last good parameters restamped); ``save``: checkpointed first, as the state after the rows
+    recorded; ``line``: the stop's line, or ``line(loop)`` worded after the save (``loop.saved``);
+    ``signal``: the signal that stopped the run (no error); ``raises``: the exception the run raises
+    once its results are written (``.result``: them), else the line is the run's stop error
+    (:class:`klrl.loop.reliability.RunStopped`)."""
+
+    line: str | Callable[[Loop], str] | None = None
+    save: bool = False
+    state: Callable[[Any], Any] | None = None
+    signal: str | None = None
+    raises: type[Exception] | None = None
+    rewind: bool = True
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Roll the run back to ``step``: ``state`` (the checkpoint's, e.g. with beta raised) becomes the
+    train state, every hook's ``truncate(loop, step)`` cuts its output back to it, then ``notes``."""
+
+    step: int
+    state: Any
+    notes: tuple[Note, ...] = ()
+
+
+Request = Note | Stop | Restore
+
 
 @dataclass(frozen=True)
 class Row:
@@ -139,10 +242,36 @@ def due(iteration: int, every: int, iterations: int) -> bool:
 
 
 class Hook:
-    """A hook: nothing to do by default."""
+    """A hook: nothing to do by default (see the module docstring for when each method is called).
+    ``on_row`` is called on the rows whose iteration is a multiple of :attr:`every`."""
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    every: int = 1
+
+    def before_step(self, loop: Loop) -> Request | None:
+        """Before step ``loop.i`` (``loop.state``: the state after ``loop.i`` updates)."""
+        return None
+
+    def on_metrics(self, loop: Loop, it: int, metrics: dict[str, Any]) -> Request | None:
+        """Step ``it``'s host metrics, before its row is made (keys may be added); a :class:`Stop`:
+        the row is not recorded."""
+        return None
+
+    def on_row(self, loop: Loop, row: Row) -> Request | list[Request] | None:
         """A row was recorded (``loop.rows`` ends with it)."""
+        return None
+
+    def sync_due(self, i: int) -> bool:
+        """Whether the state after ``i`` updates is wanted at once (:meth:`on_sync`)."""
+        return False
+
+    def on_sync(self, loop: Loop, step: int) -> None:
+        """``loop.state`` is the state after ``step`` updates, every row of it recorded."""
+
+    def on_note(self, loop: Loop, note: Note) -> None:
+        """Another hook asked for a note."""
+
+    def truncate(self, loop: Loop, step: int) -> None:
+        """The run rolls back to ``step``: what was written for the iterations from ``step`` on goes."""
 
     def on_stop(self, loop: Loop) -> None:
         """The loop ended (also on an exception)."""
@@ -164,6 +293,12 @@ class Signals(Hook):
     def name(self) -> str | None:
         return self.signals.name
 
+    def before_step(self, loop: Loop) -> Request | None:
+        """A signal came: stop with the state saved (no new step)."""
+        if self.received is None:
+            return None
+        return Stop(save=True, signal=self.name)
+
     def __enter__(self) -> Signals:
         self.signals.__enter__()
         return self
@@ -178,14 +313,30 @@ class Checkpoints(Hook):
 
     def __init__(self, mgr: Any, every: int, iterations: int, restore_to: Any,
                  base_meta: Callable[[], Any], last_saved: int = -1):  # fmt: skip
-        self.mgr, self.every, self.iterations = mgr, every, iterations
+        self.mgr, self.save_every, self.iterations = mgr, every, iterations
         self.restore_to, self.base_meta = restore_to, base_meta
         self.last_saved = last_saved  # the newest step saved (-1: none)
         self.frozen_id: dict | None = None  # the frozen reference's {path, digest} (klrl.loop.frozen)
 
     def due(self, i: int) -> bool:
         """Whether the state after ``i`` iterations is saved (its metrics fetched at once)."""
-        return i == self.iterations or (self.every > 0 and i % self.every == 0)
+        return i == self.iterations or (self.save_every > 0 and i % self.save_every == 0)
+
+    def sync_due(self, i: int) -> bool:
+        return self.due(i)
+
+    def on_sync(self, loop: Loop, step: int) -> None:
+        self.save(loop, step)
+        self.tell(loop)
+
+    def truncate(self, loop: Loop, step: int) -> None:
+        self.drop_after(step)
+        self.tell(loop)
+
+    def tell(self, loop: Loop) -> None:
+        """``loop.saved`` and ``loop.checkpoint``: where the last good state is."""
+        loop.saved = self.where_saved()
+        loop.checkpoint = self.last_saved if self.last_saved >= 0 else None
 
     def save(self, loop: Loop, step: int) -> None:
         """``loop.state`` as checkpoint ``step`` (once), with the rows recorded so far in its metadata."""
@@ -221,7 +372,9 @@ class Checkpoints(Hook):
 
     def drop_after(self, step: int) -> None:
         """Delete the checkpoints after ``step`` (a rollback to it; 0: the initial state)."""
-        for s in ckpt.steps(self.mgr):
+        if self.mgr is None:
+            return
+        for s in self.steps():  # (after the saves in flight: a step being saved is deleted too)
             if s > step:
                 self.mgr.delete(s)
         self.last_saved = step if step > 0 else -1
@@ -231,13 +384,14 @@ class Checkpoints(Hook):
             ckpt.finish(self.mgr)  # wait + close; a second error on the way out is dropped
 
 
-class ReadyTimes(Hook):
+class ReadyTimes:
     """When each step's outputs became ready: :meth:`watch` hands the step's metrics to a watcher
     thread, which waits for them (``jax.block_until_ready``, in the order the steps were dispatched)
     and notes the time. The step returns as soon as it is dispatched (on an accelerator; on the CPU a
     step with a host callback returns when it is done) and the loop fetches its metrics one step late,
     or with the next step's at a checkpoint: neither the return nor the fetch is the time the step
-    finished, the watcher's is, and the loop's own thread waits for nothing sooner than before."""
+    finished, the watcher's is, and the loop's own thread waits for nothing sooner than before. Not a
+    hook: the driver's own clock of the steps it dispatched."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -267,7 +421,8 @@ class ReadyTimes(Hook):
             box.append(time.time())
             done.set()
 
-    def on_stop(self, loop: Loop) -> None:
+    def close(self) -> None:
+        """The watcher thread ends (the driver's, at the loop's end)."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
@@ -285,11 +440,22 @@ class MetricsSink(Hook):
         self.aliases, self.callback = aliases, callback
         self.last: float | None = None  # when the previous row's step was ready
 
-    def restart_clock(self) -> None:
-        """The next row follows a restore: not timed."""
+    def truncate(self, loop: Loop, step: int) -> None:
+        """A rollback to ``step``: the rows after it move to ``metrics.rolled_back.jsonl``
+        (:func:`klrl.loop.files.move_rolled_back`); the next row follows a restore: not timed."""
+        move_rolled_back(loop.dirs, step, loop.main)
         self.last = None
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    def on_note(self, loop: Loop, note: Note) -> None:
+        if note.member >= len(loop.writers):  # (not the writing process)
+            return
+        w = loop.writers[note.member]
+        if note.tag is None:
+            w.event(note.it, note.kind, note.text)
+        elif getattr(w, "_tb", None) is not None:
+            w._tb.add_text(note.tag, note.text, int(note.it))
+
+    def on_row(self, loop: Loop, row: Row) -> None:
         now = row.ready if row.ready is not None else time.time()
         dt = None if self.last is None else now - self.last
         self.last = now
@@ -340,7 +506,7 @@ class ProgressLine(Hook):
         """Over a :class:`~klrl.io.logging.Progress` of ``total`` iterations showing :attr:`KEYS`."""
         return cls(Progress(total, every, quiet, start=start, keys=cls.KEYS))
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    def on_row(self, loop: Loop, row: Row) -> None:
         if loop.stacked:
             means, text = sweep_progress(row.metrics)
             self.progress.update(row.it, means, extra=text)
@@ -364,7 +530,7 @@ class KLSignNote(Hook):
         self.key, self.estimator = f"kl/reward_{estimator}_seq_sum", estimator
         self.log, self.done = log, False
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    def on_row(self, loop: Loop, row: Row) -> None:
         for j, m in enumerate(row.members if not self.done else ()):
             est, exact = m.get(self.key), m.get("kl/exact_seq_sum")
             if est is None or exact is None or not (est < -self.FLOOR and exact > 0):
@@ -381,16 +547,35 @@ class KLSignNote(Hook):
             return
 
 
+class SkipStop(Hook):
+    """The non-finite guard's stop: a :class:`Stop` once a member's ``guard/consecutive_skips`` reaches
+    ``train.max_consecutive_skips`` (:func:`klrl.loop.reliability.skip_stop`). The step after the K-th
+    skip was a no-op (:mod:`klrl.step.train`): its row is dropped and, for a single run, the state (the
+    one after exactly K skips) is saved."""
+
+    def __init__(self, max_skips: int):
+        self.max_skips = max_skips
+
+    def on_row(self, loop: Loop, row: Row) -> Stop | None:
+        skips = max(r[-1].get("guard/consecutive_skips", 0.0) for r in loop.rows)
+        if not reliability.skip_stop(skips, self.max_skips):
+            return None
+        n = int(skips)
+        return Stop(lambda lp: skips_message(n, self.max_skips, lp.saved), save=not loop.stacked)
+
+
 class QualityRollback(Hook):
     """``train.rollback_metric``'s trace per member, its reference (the value at iteration 0) and the
     rollback: back to the newest checkpoint good for every member whose metric crossed, with those
-    members' beta x ``train.rollback_factor``; inert without a metric. ``initial``: a host copy of the
-    state a rollback to step 0 restores (``init`` cannot be re-run once ``step`` donated its arrays)."""
+    members' beta x ``train.rollback_factor`` (a :class:`Restore`; a :class:`Stop` after
+    ``train.max_rollbacks``); inert without a metric. ``ckpts``: the checkpoints it reads (steps, states);
+    ``initial``: a host copy of the state a rollback to step 0 restores (``init`` cannot be re-run once
+    ``step`` donated its arrays)."""
 
     def __init__(self, tc: Any, stacked: bool, log: Callable[[str], None], traces: list[list[float]],
-                 bases: list[float | None], initial: Any = None):  # fmt: skip
+                 bases: list[float | None], initial: Any = None, ckpts: Any = None):  # fmt: skip
         self.tc, self.metric, self.stacked, self.log = tc, tc.rollback_metric, stacked, log
-        self.traces, self.bases, self.initial = traces, bases, initial
+        self.traces, self.bases, self.initial, self.ckpts = traces, bases, initial, ckpts
 
     def base_meta(self) -> dict[str, Any] | None:
         """The references a checkpoint's metadata keeps (a resume reads them back)."""
@@ -404,9 +589,11 @@ class QualityRollback(Hook):
     def who(self, j: int) -> str:
         return f"member {j:02d}: " if self.stacked else ""
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    def on_row(self, loop: Loop, row: Row) -> list[Request] | None:
+        """The row's metric traced (a bad reference: a note); past the threshold, the rollback."""
         if not self.metric:
-            return
+            return None
+        out: list[Request] = []
         for j, mj in enumerate(row.members):
             self.traces[j].append(mj.get(self.metric, math.nan))
             if self.bases[j] is None:
@@ -415,8 +602,10 @@ class QualityRollback(Hook):
                 if msg is not None:
                     msg = self.who(j) + msg
                     self.log(msg)
-                    if loop.writers:
-                        loop.writers[j].event(row.it, "rollback_off", msg)
+                    out.append(Note(j, row.it, "rollback_off", msg))
+        if self.crossed():
+            out.append(self.roll_back(loop, self.ckpts))
+        return out
 
     def crossed(self) -> bool:
         """Whether a member's newest metric is past the threshold."""
@@ -425,47 +614,46 @@ class QualityRollback(Hook):
             reliability.is_bad(tr[-1], b, t) for tr, b in zip(self.traces, self.bases, strict=True)
         )
 
-    def roll_back(self, loop: Loop, ckpts: Checkpoints) -> str | None:
-        """Restore the newest checkpoint good for every crossed member (the others replay exactly) and
-        set ``loop.i`` to its step; returns the stop line instead after ``train.max_rollbacks``."""
-        steps = ckpts.steps()
+    def roll_back(self, loop: Loop, ckpts: Checkpoints) -> Restore | Stop:
+        """The :class:`Restore` of the newest checkpoint good for every crossed member (the others replay
+        exactly), the crossed members' beta raised; the :class:`Stop` after ``train.max_rollbacks``."""
         decs = {}
+        steps = ckpts.steps() if ckpts.mgr is not None else []
         for j, trace in enumerate(self.traces):
             d = reliability.decide_rollback(trace, steps, self.tc.rollback_threshold, self.bases[j])
             if d is not None:
                 decs[j] = d
         j0, d0 = next(iter(decs.items()))
-        if loop.rollbacks >= self.tc.max_rollbacks:
-            return give_up_message(self.who(j0), self.metric, d0, self.tc.rollback_threshold, loop.rollbacks)
-        target = min(d.step for d in decs.values())
-        old, beta = self._restore(loop, ckpts, target, list(decs))
-        move_rolled_back(loop.dirs, target, loop.main)  # rows (and samples) after it: *.rolled_back.jsonl
-        for j, trace in enumerate(self.traces):
-            del loop.rows[j][target:], trace[target:]
-        loop.rollbacks += 1
         tc = self.tc
+        if loop.rollbacks >= tc.max_rollbacks:
+            line = give_up_message(self.who(j0), self.metric, d0, tc.rollback_threshold, loop.rollbacks)
+            return Stop(line, rewind=False)
+        target = min(d.step for d in decs.values())
+        state, old, beta = self._restored(loop, ckpts, target, list(decs))
+        notes = []
         for j, d in decs.items():
-            msg = rollback_message(loop.rollbacks, tc.max_rollbacks, self.who(j), self.metric, d,
+            msg = rollback_message(loop.rollbacks + 1, tc.max_rollbacks, self.who(j), self.metric, d,
                                    tc.rollback_threshold, target, float(old[j]), float(beta[j]))  # fmt: skip
-            if loop.writers:
-                loop.writers[j].event(d.crossing, "rollback", msg)
             self.log(msg)
-        loop.i = target
-        return None
+            notes.append(Note(j, d.crossing, "rollback", msg))
+        return Restore(target, state, tuple(notes))
 
-    def _restore(self, loop: Loop, ckpts: Checkpoints, target: int, members: list[int]) -> tuple[Any, Any]:
-        """``loop.state`` := checkpoint ``target`` with the crossed ``members``' beta raised; returns
-        the restored and the new beta per member (flat)."""
+    def truncate(self, loop: Loop, step: int) -> None:
+        for trace in self.traces:
+            del trace[step:]
+
+    def _restored(
+        self, loop: Loop, ckpts: Checkpoints, target: int, members: list[int]
+    ) -> tuple[Any, Any, Any]:
+        """Checkpoint ``target`` with the crossed ``members``' beta raised, and the restored and the new
+        beta per member (flat)."""
         failed = np.asarray(distributed.to_host(loop.state.ctrl.beta), np.float32)  # beta when it crossed
         new = self.initial if target == 0 else ckpts.restore(target)
         new = frozen.restored(loop.prog, new, {}, f"checkpoint {target}")  # the frozen reference put back
         old = np.asarray(distributed.to_host(new.ctrl.beta), np.float32)
         new_beta = reliability.rollback_betas(old, failed, members, self.tc.rollback_factor)
         new = new._replace(ctrl=new.ctrl._replace(beta=new_beta))
-        loop.state = loop.prog.place(new)
-        loop.lrs = learning_rates(new, len(loop.configs))
-        ckpts.drop_after(target)
-        return old.reshape(-1), new_beta.reshape(-1)
+        return new, old.reshape(-1), new_beta.reshape(-1)
 
 
 class HeldOut(Hook):
@@ -473,16 +661,33 @@ class HeldOut(Hook):
     ``data.eval_every`` iterations, before the step donates it; merged into row ``i``."""
 
     def __init__(self, prog: Program):
-        self.evaluate = prog.evaluate
-        self.every, self.iterations = prog.configs[0].data.eval_every, prog.configs[0].train.iterations
+        self.evaluate, self.check = prog.evaluate, prog.heldout_check
+        self.eval_every, self.iterations = prog.configs[0].data.eval_every, prog.configs[0].train.iterations
         self.rows: dict[int, Any] = {}  # held-out metrics waiting for their row
 
-    def before_step(self, loop: Loop) -> bool:
+    def evaluated(self, loop: Loop) -> bool:
         """Evaluate ``loop.state`` if iteration ``loop.i`` is due; whether it was."""
-        if self.evaluate is None or not due(loop.i, self.every, self.iterations):
+        if (
+            self.evaluate is None
+            or loop.i >= self.iterations
+            or not due(loop.i, self.eval_every, self.iterations)
+        ):
             return False
         self.rows[loop.i] = jax.block_until_ready(self.evaluate(loop.state, loop.prog.env))
         return True
+
+    def before_step(self, loop: Loop) -> Stop | None:
+        """The evaluation when due; its host reward failed (``prog.heldout_check``): a :class:`Stop`
+        with the state saved as it is (it is good: only the evaluation's reward failed) and the error
+        raised once the results are written."""
+        err = reward_error(self.check) if self.evaluated(loop) else None
+        if err is None:
+            return None
+        return Stop(lambda lp: f"{err} (held-out evaluation); last good state: {lp.saved}", save=True,
+                    raises=RewardFunctionError)  # fmt: skip
+
+    def on_metrics(self, loop: Loop, it: int, metrics: dict[str, Any]) -> None:
+        metrics.update(self.take(it))
 
     def take(self, it: int) -> dict[str, Any]:
         """Row ``it``'s held-out metrics on the host ({} if it has none)."""
@@ -506,15 +711,15 @@ class Rejected:
 
 
 class RewardFailure(Hook):
-    """A host reward function that failed, end to end: :mod:`klrl.rewards.host` records the failure in
-    its callback; this hook asks for it (:meth:`rejected`, :meth:`heldout_error`), ends the run (on a
-    row the guard rejected, ``prog.reward_check``: with the state, the last good parameters, saved as
-    the state after the rows recorded, :meth:`stop`; in the held-out evaluation,
-    ``prog.heldout_check``: with the state as it is, :meth:`heldout_stop`) and, once the results are
-    written, raises it (:meth:`raise_stop`); the command line turns the error into one line."""
+    """A host reward function that failed on a row the guard rejected: :mod:`klrl.rewards.host` records
+    the failure in its callback; this hook asks for it (``prog.reward_check``, :meth:`rejected`) before the
+    row is recorded and ends the run (:meth:`stop`): the iteration (and any after it) was rejected, so the
+    state holds the last good parameters, saved as the state after the rows recorded when no member
+    accepted the iteration; the error is raised once the results are written (the command line turns it
+    into one line). The held-out evaluation's reward failure is :class:`HeldOut`'s."""
 
     def __init__(self, prog: Program):
-        self.check, self.heldout_check = prog.reward_check, prog.heldout_check
+        self.check = prog.reward_check
 
     def rejected(self, it: int, m: Any) -> Rejected | None:
         """Whether row ``it`` (the step's metrics ``m``) was rejected because a host reward failed."""
@@ -524,31 +729,14 @@ class RewardFailure(Hook):
         e = reward_failure(self.check, skipped)
         return None if e is None else Rejected(it, e, skipped)
 
-    def stop(self, loop: Loop, ckpts: Checkpoints, r: Rejected) -> None:
-        """End the run at ``r``: the iteration (and any after it, see :mod:`klrl.rewards.host`) was
-        rejected, so the state holds the last good parameters."""
-        if ckpts.mgr is not None and r.accepted_none():
-            loop.state = loop.prog.place(restamp(ckpt.host_copy(loop.state), loop.rows))
-            ckpts.save(loop, loop.recorded)
-        loop.reward_stop = f"{r.error}; last good state: {ckpts.where_saved()}"
-        loop.i = loop.recorded
-
-    def heldout_error(self) -> Exception | None:
-        """The held-out rows' reward failure, or None."""
-        return reward_error(self.heldout_check)
-
-    def heldout_stop(self, loop: Loop, ckpts: Checkpoints, err: Exception) -> None:
-        """End the run at the held-out reward failure ``err`` with the state saved as it is (it is good:
-        only the evaluation's reward failed). The driver has recorded every row fetched by then, so
-        ``loop.state`` is the state after ``loop.recorded`` updates."""
-        ckpts.save(loop, loop.recorded)
-        loop.reward_stop = f"{err} (held-out evaluation); last good state: {ckpts.where_saved()}"
+    def on_metrics(self, loop: Loop, it: int, metrics: dict[str, Any]) -> Stop | None:
+        r = self.rejected(it, metrics)
+        return None if r is None else self.stop(loop, r)
 
     @staticmethod
-    def raise_stop(loop: Loop, results: Any) -> None:
-        """Raise :class:`~klrl.rewards.host.RewardFunctionError` (``.result``: ``results``) if a reward
-        failure stopped the run (``loop.reward_stop``)."""
-        if loop.reward_stop is not None:
-            err = RewardFunctionError(loop.reward_stop)
-            err.result = results
-            raise err
+    def stop(loop: Loop, r: Rejected) -> Stop:
+        """The :class:`Stop` at ``r``."""
+        save = r.accepted_none()
+        restamped = (lambda state: restamp(ckpt.host_copy(state), loop.rows)) if save else None
+        return Stop(lambda lp: f"{r.error}; last good state: {lp.saved}", save=save, state=restamped,
+                    raises=RewardFunctionError)  # fmt: skip

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from klrl.io.samples import SamplesWriter, table_cell
-from klrl.loop.hooks import Hook, Loop, Row, due
+from klrl.io.samples import SamplesWriter, table_cell, trim_samples
+from klrl.loop.files import SAMPLES_ROLLED_BACK
+from klrl.loop.hooks import Hook, Loop, Note, Row, due
 from klrl.step.samples import PREFIX
 
 NUMBERS = ("reward", "kl_seq_sum", "kl_exact_seq_sum", "ref_logprob", "length")
@@ -86,29 +87,29 @@ def markdown(decoded: dict[str, list[Any]]) -> str:
 
 
 class SampleLog:
-    """Writes decoded samples for each member directory (``writers``: the loop's MetricsWriters)."""
+    """Writes decoded samples for each member directory."""
 
-    def __init__(self, tokenizer: Any, dirs: list[Path], writers: list[Any], every: int, iterations: int,
+    def __init__(self, tokenizer: Any, dirs: list[Path], every: int, iterations: int,
                  prompt_texts: Sequence[str] | None = None):  # fmt: skip
         self.tokenizer, self.every, self.iterations = tokenizer, every, iterations
         self.prompt_texts = prompt_texts
-        self.writers = writers
         self.files = [SamplesWriter(d) for d in dirs]
         self.last: tuple[int, list[dict[str, list[Any]]]] | None = None  # the newest (iteration, decoded)
 
-    def write(self, iteration: int, rows: dict[str, np.ndarray], stacked: bool) -> None:
+    def write(self, iteration: int, rows: dict[str, np.ndarray], stacked: bool) -> list[str]:
+        """Each member's rows decoded and written to its ``samples.jsonl`` when ``iteration`` is due;
+        returns each member's markdown table (for TensorBoard; [] when not due)."""
         if not rows or not due(iteration, self.every, self.iterations):
-            return
-        self.last = (iteration, [])
+            return []
+        self.last, tables = (iteration, []), []
         for j, f in enumerate(self.files):
             member = {k: np.asarray(v)[j] for k, v in rows.items()} if stacked else rows
             dec = decode_rows(self.tokenizer, member, self.prompt_texts)
             self.last[1].append(dec)
             extra = {k: v for k, v in dec.items() if k not in ("prompt", "completion", "reward")}
             f.write(iteration, dec["prompt"], dec["completion"], dec["reward"], **extra)
-            tb = getattr(self.writers[j], "_tb", None) if j < len(self.writers) else None
-            if tb is not None:
-                tb.add_text("samples/text", markdown(dec), int(iteration))
+            tables.append(markdown(dec))
+        return tables
 
     def close(self) -> None:
         for f in self.files:
@@ -116,7 +117,9 @@ class SampleLog:
 
 
 class Samples(Hook):
-    """The step's samples, decoded and written every ``train.samples_every`` iterations (None: off)."""
+    """The step's samples, decoded and written every ``train.samples_every`` iterations (None: off); their
+    TensorBoard text a :class:`~klrl.loop.hooks.Note` to the sink, the event files' owner. The owner of
+    ``samples.jsonl`` and ``samples.rolled_back.jsonl`` (a rollback's :meth:`truncate`)."""
 
     def __init__(self, log: SampleLog | None):
         self.log = log
@@ -127,15 +130,22 @@ class Samples(Hook):
         prog, tc = loop.prog, loop.configs[0].train
         if not loop.writers or prog.tokenizer is None or tc.samples_every <= 0:
             return cls(None)
-        return cls(
-            SampleLog(
-                prog.tokenizer, loop.dirs, loop.writers, tc.samples_every, tc.iterations, prog.prompt_texts
-            )
-        )
+        return cls(SampleLog(prog.tokenizer, loop.dirs, tc.samples_every, tc.iterations, prog.prompt_texts))
 
-    def on_step(self, loop: Loop, row: Row) -> None:
-        if self.log is not None:
-            self.log.write(row.it, row.samples, loop.stacked)
+    def on_row(self, loop: Loop, row: Row) -> list[Note]:
+        if self.log is None:
+            return []
+        tables = self.log.write(row.it, row.samples, loop.stacked)
+        return [Note(j, row.it, "samples", t, tag="samples/text") for j, t in enumerate(tables)]
+
+    def truncate(self, loop: Loop, step: int) -> None:
+        """A rollback to ``step``: the samples of the iterations from ``step`` on move to
+        ``samples.rolled_back.jsonl`` (process 0; also with ``train.samples_every`` off now)."""
+        if not loop.main:
+            return
+        for d in loop.dirs:
+            if d is not None:
+                trim_samples(d / "samples.jsonl", step, d / SAMPLES_ROLLED_BACK)
 
     def on_stop(self, loop: Loop) -> None:
         if self.log is not None:

@@ -79,7 +79,7 @@ class WandbTracker(Hook):
         if mode != "disabled":
             log(_where(self.runs, mode))
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    def on_row(self, loop: Loop, row: Row) -> None:
         decoded = getattr(self.samples.log, "last", None)
         for j, run in enumerate(self.runs):
             mj = with_aliases(row.members[j], self.aliases) if self.aliases else row.members[j]

@@ -1,8 +1,13 @@
 """The user's own hooks and metric functions, in the manner of Levanter's ``Trainer.add_hook(fn, every=N)``
 and tunix's ``metric_fns``.
 
-* :func:`every` (also ``klrl.hook``): a plain function ``fn(loop, row)`` called after every ``n``-th
-  recorded row (``row.it % n == 0``), as a :class:`~klrl.loop.hooks.Hook`;
+* :func:`hook` (``klrl.hook(fn, every=N)``) and :func:`every` (``klrl.every(N)``, also a decorator): a
+  plain function ``fn(loop, row)`` called on the recorded rows whose iteration is a multiple of ``N``
+  (``row.it`` = 0, N, 2N, ...), as a :class:`~klrl.loop.hooks.Hook`; it may return a request
+  (:class:`~klrl.loop.hooks.Stop`, :class:`~klrl.loop.hooks.Note`, :class:`~klrl.loop.hooks.Restore`)
+  as the built-in hooks do;
+* :func:`as_hook`: any object given as a hook: a :class:`~klrl.loop.hooks.Hook` as it is, an object with
+  ``on_row`` or (the older name) ``on_step`` and ``on_stop`` adapted;
 * :class:`MetricFns`: functions ``fn(row_metrics, samples) -> {name: float}`` whose results are merged
   into each member's row as ``user/<name>`` before it is written (``metrics.jsonl``, TensorBoard, the
   run's result); ``samples`` is the member's decoded samples (a list of ``{prompt, completion, reward,
@@ -20,23 +25,24 @@ from typing import Any
 from klrl.config import ConfigError, RunConfig
 from klrl.loop.hooks import Hook, Loop, Row
 
-__all__ = ["MetricFns", "every", "from_config", "load"]
+__all__ = ["MetricFns", "as_hook", "every", "from_config", "hook", "load"]
 
 PREFIX = "user/"
 
 
 class Every(Hook):
-    """``fn(loop, row)`` after the rows whose iteration is a multiple of ``n``; ``on_stop(loop)`` too
-    if ``fn`` has one."""
+    """``fn(loop, row)`` on the rows whose iteration is a multiple of ``n`` (its return value: a request,
+    or None); ``on_stop(loop)`` too if ``fn`` has one."""
 
     def __init__(self, n: int, fn: Callable[[Loop, Row], Any]):
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"every: n must be an int >= 1, got {n!r}")
-        self.n, self.fn = n, fn
+        if not callable(fn):
+            raise TypeError(f"hook: fn must be a function fn(loop, row), got {type(fn).__name__}")
+        self.every, self.fn = n, fn
 
-    def on_step(self, loop: Loop, row: Row) -> None:
-        if row.it % self.n == 0:
-            self.fn(loop, row)
+    def on_row(self, loop: Loop, row: Row) -> Any:
+        return self.fn(loop, row)
 
     def on_stop(self, loop: Loop) -> None:
         stop = getattr(self.fn, "on_stop", None)
@@ -46,15 +52,44 @@ class Every(Hook):
 
 def every(n: int, fn: Callable[[Loop, Row], Any] | None = None) -> Any:
     """A hook calling ``fn(loop, row)`` every ``n`` iterations (``row.it`` = 0, n, 2n, ...); without
-    ``fn``, a decorator: ``@every(10)``."""
+    ``fn``, a decorator: ``@klrl.every(10)``."""
     if fn is None:
         return lambda f: Every(n, f)
     return Every(n, fn)
 
 
 def hook(fn: Callable[[Loop, Row], Any], every: int = 1) -> Hook:  # noqa: A002 - Levanter's name
-    """``klrl.hook(fn, every=N)``: :func:`every` with Levanter's argument order."""
+    """``klrl.hook(fn, every=N)``: ``fn(loop, row)`` on every ``N``-th row (:func:`every`)."""
     return Every(every, fn)
+
+
+class _Adapted(Hook):
+    """An object with ``on_row(loop, row)`` (or ``on_step``, the older name) and maybe ``on_stop(loop)``
+    and ``every``, not a :class:`~klrl.loop.hooks.Hook` subclass."""
+
+    def __init__(self, obj: Any, method: str):
+        self.obj, self.method, self.every = obj, method, int(getattr(obj, "every", 1))
+
+    def on_row(self, loop: Loop, row: Row) -> Any:
+        return getattr(self.obj, self.method)(loop, row)
+
+    def on_stop(self, loop: Loop) -> None:
+        stop = getattr(self.obj, "on_stop", None)
+        if callable(stop):
+            stop(loop)
+
+
+def as_hook(obj: Any) -> Hook:
+    """``obj`` as a :class:`~klrl.loop.hooks.Hook`: a Hook as it is, an object with ``on_row`` (or
+    ``on_step``, the older name) adapted, a plain function ``fn(loop, row)`` called after every row."""
+    if isinstance(obj, Hook):
+        return obj
+    for method in ("on_row", "on_step"):
+        if callable(getattr(obj, method, None)):
+            return _Adapted(obj, method)
+    if callable(obj):
+        return Every(1, obj)
+    raise TypeError(f"hooks: {type(obj).__name__} is not a hook (on_row(loop, row), on_stop(loop))")
 
 
 class MetricFns(Hook):
@@ -66,7 +101,7 @@ class MetricFns(Hook):
         self.fns = list(items)
         self.samples = samples  # the samples hook (klrl.loop.samples.Samples) whose decoded rows fns get
 
-    def on_step(self, loop: Loop, row: Row) -> None:
+    def on_row(self, loop: Loop, row: Row) -> None:
         decoded = _samples(getattr(self.samples, "log", None), row)
         for j, mj in enumerate(row.members):
             out: dict[str, float] = {}

@@ -370,7 +370,7 @@ def test_read_only_directories(tmp_path, read_only, capsys):
     run = _valid_run(tmp_path / "run")
     before = snapshot(run)
     read_only(run)
-    one_line_exit_2(capsys, run_py.main, ["--resume", str(run)], "--resume", "not writable")
+    one_line_exit_2(capsys, run_py.main, ["--resume", str(run)], "resume: ", "not writable")
     one_line_exit_2(capsys, run_py.main, ["--report", str(run)], "--report", "not writable")
     assert snapshot(run) == before
 

@@ -231,3 +231,21 @@ def test_check_device_count() -> None:
         check_device_count(cfg.replace(train={"devices": n + 1}))
     check_device_count(cfg.replace(train={"devices": 0}))  # all the devices there are
     check_device_count(cfg.replace(train={"devices": 0, "mesh": f"{n},1,1"}))  # train.mesh's data axis
+
+
+def test_preflight_checks_each_members_model_fields_once(monkeypatch) -> None:
+    """``check_model_fields`` ran twice on member 0 (``check_config`` and ``preflight``'s loop); once per
+    member now (issue 50)."""
+    import klrl.checks as checks
+    from klrl.checks import preflight
+
+    seen = []
+    real = checks.check_model_fields
+    monkeypatch.setattr(checks, "check_model_fields", lambda cfg, **k: seen.append(cfg) or real(cfg, **k))
+    cfg = RunConfig()
+    members = [cfg.replace(kl={"beta": b}) for b in (0.1, 1.0)]
+    preflight(members, "sweep", write=False)
+    assert seen == members
+    seen.clear()
+    preflight([cfg], "run", write=False)
+    assert seen == [cfg]

@@ -1,7 +1,8 @@
 """klrl.loop.hooks, each hook driven directly (fake rows, writers and states; no model, no step):
 checkpoints (every=, the metadata, where_saved, drop/restore), the metrics sink (rows, aliases,
-timing, the on_step callback), samples, progress, the quality rollback, the held-out evaluation,
-the reward failure and the signals; against hand values."""
+timing, the on_step callback, notes, a rollback's truncation), samples, progress, the skip stop, the
+quality rollback (its Restore and Stop requests), the held-out evaluation, the reward failure and the
+signals (their Stop requests); against hand values."""
 
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ from klrl.loop.hooks import (
     HeldOut,
     Loop,
     MetricsSink,
+    Note,
     ProgressLine,
     QualityRollback,
     Rejected,
+    Restore,
     RewardFailure,
     Row,
     Signals,
+    SkipStop,
+    Stop,
 )
 from klrl.loop.program import Program
 from klrl.loop.reliability import StopSignals
@@ -153,8 +158,8 @@ def test_sink_writes_each_member_with_aliases_times_rows_and_calls_back(monkeypa
     members = [{"ctrl/beta": 0.1, "response/length": 5.0}, {"ctrl/beta": 1.0}]
     for it in range(4):
         if it == 3:
-            sink.restart_clock()  # a restore: the next row is not timed
-        sink.on_step(loop, _row(loop, it, members))
+            sink.truncate(loop, 3)  # a restore: the next row is not timed
+        sink.on_row(loop, _row(loop, it, members))
     w0 = writers[0].calls
     assert w0[0] == ("write", 0, {"ctrl/beta": 0.1, "response/length": 5.0, "coef": 0.1})
     # iteration 1: 2.5 s after iteration 0; 5 tokens x 4 sequences / 2.5 s; iteration 2 took 0 s
@@ -169,10 +174,10 @@ def test_sink_writes_each_member_with_aliases_times_rows_and_calls_back(monkeypa
 def test_sink_without_aliases_writers_or_on_process_0():
     loop = _loop([_cfg()], writers=[_Writer()])
     seen = []
-    MetricsSink({}, lambda it, m: seen.append((it, m))).on_step(loop, _row(loop, 0, [{"a": 1.0}]))
+    MetricsSink({}, lambda it, m: seen.append((it, m))).on_row(loop, _row(loop, 0, [{"a": 1.0}]))
     assert loop.writers[0].calls == [("write", 0, {"a": 1.0})] and seen == [(0, {"a": 1.0})]
     other = _loop([_cfg()], main=False)
-    MetricsSink({}, lambda it, m: seen.append(it)).on_step(other, _row(other, 0, [{"a": 1.0}]))
+    MetricsSink({}, lambda it, m: seen.append(it)).on_row(other, _row(other, 0, [{"a": 1.0}]))
     assert len(seen) == 1  # not on the other processes
 
 
@@ -182,7 +187,7 @@ def test_sink_times_the_steps_ready_not_the_recording(monkeypatch):
     monkeypatch.setattr(H.time, "time", lambda: 100.0)
     sink = MetricsSink({}, None)
     for it, ready in enumerate([50.0, 53.0]):
-        sink.on_step(loop, Row(it, {}, [{"response/length": 3.0}], {}, ready))
+        sink.on_row(loop, Row(it, {}, [{"response/length": 3.0}], {}, ready))
     assert loop.writers[0].calls[1] == ("timing", 1, {"train/iteration_s": 3.0, "perf/tokens_per_s": 4.0})
 
 
@@ -210,7 +215,7 @@ def test_ready_times_when_outputs_become_ready_in_dispatch_order():
     when_a, when_b = times.watch({"m": a}), times.watch([b])
     assert time.time() - t0 < 0.1  # watch does not wait
     assert when_b() == pytest.approx(b.at, abs=0.05) and when_a() == pytest.approx(a.at, abs=0.05)
-    times.on_stop(None)
+    times.close()
     assert times.watch({})() >= b.at  # a new watcher after a stop
 
 
@@ -221,8 +226,9 @@ class _SampleLog:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def write(self, it: int, rows: Any, stacked: bool) -> None:
+    def write(self, it: int, rows: Any, stacked: bool) -> list[str]:
         self.calls.append((it, rows, stacked))
+        return ["| table |"]
 
     def close(self) -> None:
         self.calls.append("close")
@@ -232,11 +238,12 @@ def test_samples_written_and_closed():
     log = _SampleLog()
     loop = _loop([_cfg()])
     h = Samples(log)
-    h.on_step(loop, _row(loop, 3, [{}], samples={"ids": [1]}))
+    notes = h.on_row(loop, _row(loop, 3, [{}], samples={"ids": [1]}))
     h.on_stop(loop)
     assert log.calls == [(3, {"ids": [1]}, False), "close"]
+    assert notes == [Note(0, 3, "samples", "| table |", tag="samples/text")]  # TensorBoard's, via the sink
     off = Samples(None)  # off: nothing to do
-    off.on_step(loop, _row(loop, 4, [{}]))
+    off.on_row(loop, _row(loop, 4, [{}]))
     off.on_stop(loop)
 
 
@@ -265,12 +272,12 @@ class _Progress:
 def test_progress_line_of_a_run_and_of_a_sweep():
     p = _Progress()
     one = _loop([_cfg()])
-    ProgressLine(p).on_step(one, Row(2, {"reward/task": np.float32(0.5)}, [{}]))
+    ProgressLine(p).on_row(one, Row(2, {"reward/task": np.float32(0.5)}, [{}]))
     assert p.calls == [(2, {"reward/task": 0.5}, "")] and type(p.calls[0][1]["reward/task"]) is float
     sweep = _loop([_cfg(), _cfg()], stacked=True)
     m = {"reward/task": np.array([1.0, 3.0]), "ctrl/beta": np.array([0.1, 1.0])}
     h = ProgressLine(p)
-    h.on_step(sweep, Row(4, m, [{}, {}]))
+    h.on_row(sweep, Row(4, m, [{}, {}]))
     h.on_stop(sweep)
     assert p.calls[1:] == [(4, {"reward/task": 2.0}, "beta 0.1..1 (2 members, mean)"), "close"]
 
@@ -289,32 +296,39 @@ class _State(NamedTuple):
 
 def _rollback(tc: Any, stacked: bool, n: int, initial: Any = None) -> tuple[QualityRollback, list[str]]:
     logs: list[str] = []
+    if initial is None:
+        initial = _State(0, _Ctrl(np.zeros(n if stacked else (), np.float32)))
     return QualityRollback(tc, stacked, logs.append, [[] for _ in range(n)], [None] * n, initial), logs
 
 
 def test_rollback_traces_its_metric_and_words_a_bad_base():
     tc = _cfg(rollback_metric="m", rollback_threshold=2.0).train
     writers = [_Writer(), _Writer()]
-    loop = _loop([_cfg(), _cfg()], stacked=True, writers=writers)
+    loop = _loop(
+        [_cfg(), _cfg()], stacked=True, writers=writers, state=_State(5, _Ctrl(np.ones(2, np.float32)))
+    )
     h, logs = _rollback(tc, True, 2)
-    h.on_step(loop, _row(loop, 0, [{"m": 1.0}, {"m": 0.0}]))
+    notes = h.on_row(loop, _row(loop, 0, [{"m": 1.0}, {"m": 0.0}]))
     assert logs == ["member 01: quality rollback off: m = 0.0 at iteration 0 is not a positive number"]
-    assert writers[1].calls == [("event", 0, "rollback_off", logs[0])] and writers[0].calls == []
+    assert notes == [Note(1, 0, "rollback_off", logs[0])]  # for the sink, the event files' owner
+    assert writers[1].calls == [] and writers[0].calls == []
     assert h.base_meta() == {"metric": "m", "values": [1.0, 0.0]}
-    h.on_step(loop, _row(loop, 1, [{"m": 1.9}, {"m": 5.0}]))
+    assert h.on_row(loop, _row(loop, 1, [{"m": 1.9}, {"m": 5.0}])) == []
     assert not h.crossed()  # 1.9 < 2 x 1; member 1's check is off
-    h.on_step(loop, _row(loop, 2, [{"m": 2.1}, {}]))
+    h.ckpts = _Ckpts([])
+    (restore,) = h.on_row(loop, _row(loop, 2, [{"m": 2.1}, {}]))  # crossed: a rollback to step 0
     assert h.crossed() and h.traces[0] == [1.0, 1.9, 2.1] and math.isnan(h.traces[1][-1])
-    assert len(logs) == 1  # the base is set once
+    assert isinstance(restore, Restore) and restore.step == 0
+    assert len(logs) == 2 and logs[1].startswith("rollback 1/3: member 00: m = 2.1")  # the base set once
 
 
 def test_rollback_base_of_a_run_and_inert_without_a_metric():
     h, _ = _rollback(_cfg(rollback_metric="m", rollback_threshold=2.0).train, False, 1)
     loop = _loop([_cfg()])
-    h.on_step(loop, _row(loop, 0, [{"m": math.nan}]))
+    h.on_row(loop, _row(loop, 0, [{"m": math.nan}]))
     assert h.base_meta() == {"metric": "m", "value": None}  # a non-finite base is saved as None
     off, logs = _rollback(_cfg().train, False, 1)
-    off.on_step(loop, _row(loop, 1, [{"m": 5.0}]))
+    off.on_row(loop, _row(loop, 1, [{"m": 5.0}]))
     assert off.base_meta() is None and not off.crossed() and off.traces == [[]] and not logs
 
 
@@ -342,61 +356,76 @@ class _Ckpts:
 
 
 def test_rollback_restores_the_newest_good_checkpoint_with_beta_raised(tmp_path):
+    """The rollback hook asks (a Restore of checkpoint 2 with beta raised, its line as a note); the owners
+    cut their outputs back (the trace here, metrics.jsonl the sink's: test_sink_truncates_...)."""
     tc = _cfg(rollback_metric="m", rollback_threshold=2.0, rollback_factor=2.0).train
-    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(4)))
-    writer = _Writer()
-    placed = []
-    loop = _loop([_cfg()], writers=[writer], dirs=[tmp_path], state=_State(9, _Ctrl(np.float32(0.3))),
-                 prog={"place": lambda s: placed.append(s) or s})  # fmt: skip
+    loop = _loop([_cfg()], dirs=[tmp_path], state=_State(9, _Ctrl(np.float32(0.3))))
     h, logs = _rollback(tc, False, 1)
-    for it, v in enumerate([1.0, 1.2, 1.5, 2.5]):
-        h.on_step(loop, _row(loop, it, [{"m": v}]))
-    loop.i = 4
     ck = _Ckpts([1, 2], restored=_State(2, _Ctrl(np.float32(0.1))))
-    assert h.roll_back(loop, ck) is None
+    h.ckpts = ck
+    for it, v in enumerate([1.0, 1.2, 1.5]):
+        assert h.on_row(loop, _row(loop, it, [{"m": v}])) == []
+    (r,) = h.on_row(loop, _row(loop, 3, [{"m": 2.5}]))
     # crossing at 3 (2.5 > 2 x 1.0); checkpoint 2 is good (1.5); beta 2 x max(0.1, 0.3) = 0.6
-    assert ck.calls == [("restore", 2), ("drop_after", 2)]
-    assert (
-        loop.i == 2
-        and loop.rollbacks == 1
-        and loop.rows == [[{"iteration": 0, "m": 1.0}, {"iteration": 1, "m": 1.2}]]
-    )
-    assert h.traces == [[1.0, 1.2]] and loop.state is placed[0] and loop.state.w == 2
-    assert float(loop.state.ctrl.beta) == pytest.approx(0.6) and loop.state.ctrl.beta.dtype == np.float32
+    assert isinstance(r, Restore) and r.step == 2 and ck.calls == [("restore", 2)]
+    assert r.state.w == 2 and float(r.state.ctrl.beta) == pytest.approx(0.6)
+    assert r.state.ctrl.beta.dtype == np.float32
     want = ("rollback 1/3: m = 2.5 at iteration 3 is 2.500x its start (threshold 2.0); restored "
             "checkpoint 2, beta 0.1 -> 0.6")  # fmt: skip
-    assert logs == [want] and writer.calls[-1] == ("event", 3, "rollback", want)
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"iteration": 0}\n{"iteration": 1}\n'
-    assert (tmp_path / "metrics.rolled_back.jsonl").read_text() == '{"iteration": 2}\n{"iteration": 3}\n'
+    assert logs == [want] and r.notes == (Note(0, 3, "rollback", want),)
+    assert loop.rollbacks == 0 and loop.recorded == 4  # the driver does what the request says
+    h.truncate(loop, 2)
+    assert h.traces == [[1.0, 1.2]]
 
 
 def test_rollback_to_the_initial_state_and_the_limit(tmp_path):
     tc = _cfg(rollback_metric="m", rollback_threshold=0.5, max_rollbacks=1).train
     initial = _State(0, _Ctrl(np.array([0.1, 0.2], np.float32)))
-    dirs = [tmp_path / "a", tmp_path / "b"]
-    for d in dirs:
-        d.mkdir()
-        (d / "metrics.jsonl").write_text("{}\n" * 3)
-    loop = _loop(
-        dirs=dirs,
-        cfgs=[_cfg(), _cfg()],
-        stacked=True,
-        state=_State(5, _Ctrl(np.array([0.4, 0.1], np.float32))),
-    )
+    loop = _loop([_cfg(), _cfg()], stacked=True, state=_State(5, _Ctrl(np.array([0.4, 0.1], np.float32))))
     h, logs = _rollback(tc, True, 2, initial)
-    for it, (a, b) in enumerate([(1.0, 1.0), (0.8, 1.0), (0.4, 0.9)]):
-        h.on_step(loop, _row(loop, it, [{"m": a}, {"m": b}]))
-    ck = _Ckpts([])
-    assert h.crossed() and h.roll_back(loop, ck) is None  # member 0 fell below 0.5 x 1.0
-    assert ck.calls == [("drop_after", 0)] and loop.i == 0 and loop.rows == [[], []]
-    np.testing.assert_allclose(loop.state.ctrl.beta, [0.8, 0.2])  # member 1 replays with its own beta
+    h.ckpts = ck = _Ckpts([])
+    for it, (a, b) in enumerate([(1.0, 1.0), (0.8, 1.0)]):
+        assert h.on_row(loop, _row(loop, it, [{"m": a}, {"m": b}])) == []
+    (r,) = h.on_row(loop, _row(loop, 2, [{"m": 0.4}, {"m": 0.9}]))  # member 0 fell below 0.5 x 1.0
+    assert isinstance(r, Restore) and r.step == 0 and ck.calls == [] and r.state.w == 0
+    np.testing.assert_allclose(r.state.ctrl.beta, [0.8, 0.2])  # member 1 replays with its own beta
     assert logs[-1].startswith("rollback 1/1: member 00: m = 0.4 at iteration 2 is 0.400x its start")
-    for it, (a, b) in enumerate([(1.0, 1.0), (0.3, 1.0)]):
-        h.on_step(loop, _row(loop, it, [{"m": a}, {"m": b}]))
-    stop = h.roll_back(loop, ck)  # max_rollbacks reached: the stop line, nothing restored
-    assert stop == ("member 00: m = 0.3 at iteration 1 is 0.300x its start, past train.rollback_threshold "
-                    "0.5, after 1 rollbacks (train.max_rollbacks); newest good checkpoint: 0")  # fmt: skip
-    assert loop.rollbacks == 1 and len(loop.rows[0]) == 2
+    h.truncate(loop, 0)
+    loop.rows, loop.rollbacks = [[], []], 1  # (as the driver does it)
+    assert h.traces == [[], []]
+    h.on_row(loop, _row(loop, 0, [{"m": 1.0}, {"m": 1.0}]))
+    (stop,) = h.on_row(loop, _row(loop, 1, [{"m": 0.3}, {"m": 1.0}]))  # max_rollbacks reached: the stop
+    assert isinstance(stop, Stop) and not stop.save and not stop.rewind and stop.raises is None
+    assert stop.line == ("member 00: m = 0.3 at iteration 1 is 0.300x its start, past "
+                         "train.rollback_threshold 0.5, after 1 rollbacks (train.max_rollbacks); newest good "
+                         "checkpoint: 0")  # fmt: skip
+
+
+def test_skip_stop_after_k_skips_saves_a_single_run():
+    h = SkipStop(2)
+    loop = _loop([_cfg()], rows=[[{"guard/consecutive_skips": 1.0}]])
+    assert h.on_row(loop, Row(0, {}, [{}])) is None
+    loop.rows[0].append({"guard/consecutive_skips": 2.0})
+    stop = h.on_row(loop, Row(1, {}, [{}]))
+    loop.saved = "checkpoint 1 in D"
+    assert isinstance(stop, Stop) and stop.save and stop.line(loop).startswith("2 consecutive iterations")
+    assert stop.line(loop).endswith("last good state: checkpoint 1 in D")
+    sweep = _loop([_cfg(), _cfg()], stacked=True, rows=[[{"guard/consecutive_skips": 2.0}], [{}]])
+    assert not h.on_row(sweep, Row(0, {}, [{}, {}])).save  # a sweep's state is not saved
+
+
+def test_sink_truncates_to_the_rolled_back_file_and_writes_notes(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(4)))
+    w = _Writer()
+    loop = _loop([_cfg()], writers=[w], dirs=[tmp_path])
+    sink = MetricsSink({}, None)
+    sink.last = 5.0
+    sink.truncate(loop, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"iteration": 0}\n{"iteration": 1}\n'
+    assert (tmp_path / "metrics.rolled_back.jsonl").read_text() == '{"iteration": 2}\n{"iteration": 3}\n'
+    assert sink.last is None  # the next row follows a restore: not timed
+    sink.on_note(loop, Note(0, 3, "rollback", "why"))
+    assert w.calls == [("event", 3, "rollback", "why")]
 
 
 # ---- held-out evaluation, reward failure ----------------------------------------------------------------
@@ -412,11 +441,16 @@ def test_heldout_evaluates_when_due_and_merges_once():
     due = []
     for i in range(5):
         loop.i = i
-        due.append(h.before_step(loop))
+        due.append(h.evaluated(loop))
     assert due == [True, False, True, False, True]  # every 2 and the last iteration
     assert seen == [("s0", "env")] * 3 and sorted(h.rows) == [0, 2, 4]
     assert h.take(2) == {"eval/x": 3.0} and h.take(2) == {} and h.take(1) == {}
-    assert not HeldOut(_prog([cfg])).before_step(loop)  # no evaluation
+    m = {"a": 1.0}
+    h.on_metrics(loop, 4, m)  # merged into the step's metrics before its row is made
+    assert m == {"a": 1.0, "eval/x": 3.0}
+    loop.i = 5
+    assert not h.evaluated(loop)  # all done: no evaluation after the last step
+    assert not HeldOut(_prog([cfg])).evaluated(loop)  # no evaluation
 
 
 def _raises(msg: str):
@@ -448,40 +482,43 @@ def test_reward_stop_saves_the_last_good_state_restamped():
     rows = [[{"guard/consecutive_skips": 0.0}, {"guard/consecutive_skips": 0.0}]]
     loop = _loop([_cfg()], rows=rows, state=_Counted(np.int32(3), np.int32(1)))
     loop.i = 4
-    ck = _Ckpts([])
-    RewardFailure(loop.prog).stop(loop, ck, Rejected(2, RewardFunctionError("boom"), np.ones(1)))
-    assert loop.reward_stop == "boom; last good state: there" and loop.i == 2
-    assert ck.calls == [("save", 2, loop.state)] and int(loop.state.iteration) == 2
-    # a member accepted the iteration, or nothing is written: the state is not saved
-    loop2 = _loop([_cfg()], rows=[[{}]], state=_Counted(np.int32(3), np.int32(0)))
-    ck2 = _Ckpts([])
-    RewardFailure(loop2.prog).stop(loop2, ck2, Rejected(1, RewardFunctionError("x"), np.array([0.0, 1.0])))
-    RewardFailure(loop2.prog).stop(
-        loop2, _Ckpts([], mgr=None), Rejected(1, RewardFunctionError("x"), np.ones(1))
-    )
-    assert ck2.calls == [] and loop2.state.iteration == 3 and loop2.i == 1
+    stop = RewardFailure.stop(loop, Rejected(2, RewardFunctionError("boom"), np.ones(1)))
+    assert stop.save and stop.rewind and stop.raises is RewardFunctionError
+    restamped = stop.state(loop.state)
+    assert int(restamped.iteration) == 2 and int(restamped.skipped) == 0
+    loop.saved = "there"
+    assert stop.line(loop) == "boom; last good state: there"
+    # a member accepted the iteration: nothing saved, the state kept
+    stop2 = RewardFailure.stop(loop, Rejected(1, RewardFunctionError("x"), np.array([0.0, 1.0])))
+    assert not stop2.save and stop2.state is None
+    h = RewardFailure(_prog([_cfg()], reward_check=_raises("boom")))
+    assert h.on_metrics(loop, 3, {"guard/skipped": np.array([0.0])}) is None  # accepted: recorded
+    assert isinstance(h.on_metrics(loop, 3, {"guard/skipped": np.array([1.0])}), Stop)  # refused
 
 
 def test_heldout_reward_failure_saves_the_state_as_it_is():
-    loop = _loop([_cfg()], rows=[[{}, {}, {}]], state="s")
-    ck = _Ckpts([])
-    assert RewardFailure(loop.prog).heldout_error() is None  # no check
-    assert RewardFailure(_prog([_cfg()], heldout_check=lambda: None)).heldout_error() is None  # it passed
-    h = RewardFailure(_prog([_cfg()], heldout_check=_raises("nan reward")))
-    err = h.heldout_error()
-    assert isinstance(err, RewardFunctionError) and str(err) == "nan reward" and not ck.calls
-    h.heldout_stop(loop, ck, err)
-    assert ck.calls == [("save", 3, "s")]  # the state after the rows recorded
-    assert loop.reward_stop == "nan reward (held-out evaluation); last good state: there"
+    cfg = _cfg(iterations=5).replace(data={"eval_every": 2})
+    ev = {"evaluate": lambda s, env: {"eval/x": 1.0}}
+    loop = _loop([cfg], rows=[[{}, {}]], state="s")
+    assert HeldOut(loop.prog).before_step(loop) is None  # no evaluation
+    assert HeldOut(_prog([cfg], heldout_check=lambda: None, **ev)).before_step(loop) is None  # it passed
+    h = HeldOut(_prog([cfg], heldout_check=_raises("nan reward"), **ev))
+    loop.i = 1
+    assert h.before_step(loop) is None  # not due: not evaluated, not asked
+    loop.i = 2
+    stop = h.before_step(loop)
+    assert isinstance(stop, Stop) and stop.save and stop.state is None and stop.raises is RewardFunctionError
+    loop.saved = "there"
+    assert stop.line(loop) == "nan reward (held-out evaluation); last good state: there"
 
 
-def test_the_reward_stop_is_raised_with_the_results():
+def test_signals_ask_for_a_saved_stop():
+    sig = Signals(StopSignals(print), print)
     loop = _loop([_cfg()])
-    RewardFailure.raise_stop(loop, ["r"])  # no reward stop: nothing raised
-    loop.reward_stop = "boom; last good state: there"
-    with pytest.raises(RewardFunctionError, match="^boom; last good state: there$") as e:
-        RewardFailure.raise_stop(loop, ["r"])
-    assert e.value.result == ["r"]
+    assert sig.before_step(loop) is None
+    sig.signals.received = signal.SIGTERM
+    stop = sig.before_step(loop)
+    assert isinstance(stop, Stop) and stop.save and stop.signal == "SIGTERM" and stop.raises is None
 
 
 # ---- signals -----------------------------------------------------------------------------------------
@@ -508,13 +545,13 @@ def test_kl_sign_note_once_when_the_penalised_mean_is_negative_and_the_exact_kl_
     note = H.KLSignNote("k1", lines.append)
     loop = _loop([_cfg(batch_size=8), _cfg(batch_size=8)], stacked=True, dirs=[None, None])
     k, e = "kl/reward_k1_seq_sum", "kl/exact_seq_sum"
-    note.on_step(loop, _row(loop, 0, [{k: -1e-7, e: 7e-8}, {k: 3.6e-7, e: 7e-8}]))  # iteration 0: noise
-    note.on_step(loop, _row(loop, 1, [{k: 0.2, e: 0.1}, {k: 0.3, e: 0.1}]))  # agree
-    note.on_step(loop, _row(loop, 2, [{k: 0.2, e: 0.1}, {k: -0.41, e: 0.12}]))
-    note.on_step(loop, _row(loop, 3, [{k: -0.5, e: 0.1}, {k: -0.5, e: 0.1}]))  # once only
+    note.on_row(loop, _row(loop, 0, [{k: -1e-7, e: 7e-8}, {k: 3.6e-7, e: 7e-8}]))  # iteration 0: noise
+    note.on_row(loop, _row(loop, 1, [{k: 0.2, e: 0.1}, {k: 0.3, e: 0.1}]))  # agree
+    note.on_row(loop, _row(loop, 2, [{k: 0.2, e: 0.1}, {k: -0.41, e: 0.12}]))
+    note.on_row(loop, _row(loop, 3, [{k: -0.5, e: 0.1}, {k: -0.5, e: 0.1}]))  # once only
     assert len(lines) == 1
     assert lines[0].startswith("note: iteration 2: member 01: the penalised KL estimate kl/reward_k1_seq_sum")
     assert "batch mean -0.41 nats/seq while the exact KL is 0.12" in lines[0] and "at batch 8" in lines[0]
     quiet = H.KLSignNote("k1", lines.append)
-    quiet.on_step(loop, _row(loop, 4, [{k: -0.5}, {k: -0.5}]))  # no exact KL (kl.exact_metric false)
+    quiet.on_row(loop, _row(loop, 4, [{k: -0.5}, {k: -0.5}]))  # no exact KL (kl.exact_metric false)
     assert len(lines) == 1

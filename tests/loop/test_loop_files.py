@@ -62,7 +62,19 @@ def test_move_rolled_back_appends_and_truncates(tmp_path):
     moved = (tmp_path / ROLLED_BACK).read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in kept] == [0, 1]
     assert moved[0] == '{"old": 1}' and [json.loads(x)["iteration"] for x in moved[1:]] == [2, 3, 4]
+    assert not (tmp_path / SAMPLES_ROLLED_BACK).exists()  # the samples' own hook moves those (one owner)
+
+
+def test_the_samples_hook_moves_the_rolled_back_samples(tmp_path):
+    from test_hooks import _cfg, _loop
+
+    from klrl.loop.samples import Samples
+
+    _rows(tmp_path, 5)
+    Samples(None).truncate(_loop([_cfg()], dirs=[tmp_path]), 2)  # (also with samples off now)
+    kept = (tmp_path / "samples.jsonl").read_text().splitlines()
     samples_moved = (tmp_path / SAMPLES_ROLLED_BACK).read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in kept] == [0, 1]
     assert [json.loads(x)["iteration"] for x in samples_moved] == [2, 3, 4]
 
 
