@@ -1,6 +1,7 @@
 """experiments/llm_study.py on the tiny test GGUF (policy and judge): the prepare stage stores every
 pool response with its judge numbers and gold parts, the proxies' separation and best-of-n per prompt;
-an arm stores every held-out response of every member at every checkpoint; the pairs are within-prompt
+an arm (a PPO sweep, or the DPO arm on the strong proxy's own pairs) stores every held-out response of every
+member at every checkpoint; the pairs are within-prompt
 in the gold's order; every preset's arms are valid sweeps. experiments/llm_gold.py --replay rebuilds
 its stored check byte for byte."""
 
@@ -54,13 +55,19 @@ def test_every_presets_arms_are_valid_sweeps(preset):
     }
     grpo = a["grpo"]
     assert {m.kl.loss_coef for m in grpo} == {0.04, 0.001} and all(m.kl.placement == "loss" for m in grpo)
+    import klrl
+
+    for b in llm_study._floats(P["dpo_betas"]):  # the DPO arm's settings are a valid DPOConfig
+        klrl.DPOConfig(beta=b, lr=P["dpo_lr"], batch_size=P["dpo_batch"], iterations=P["dpo_iterations"],
+                       eval_every=P["dpo_eval_every"], checkpoint_every=P["dpo_eval_every"])  # fmt: skip
+    assert P["dpo_iterations"] % P["dpo_eval_every"] == 0  # the last checkpoint is an evaluated one
 
 
 @pytest.mark.slow
 def test_the_tiny_study_stores_every_response(tmp_path):
     res, out = tmp_path / "res", tmp_path / "runs"
     argv = ["--preset", "tiny", "--model-path", str(GGUF), "--judge", str(GGUF), "--out", str(out),
-            "--results", str(res), "--stage", "prepare,grpo"]  # fmt: skip
+            "--results", str(res), "--stage", "prepare,grpo,dpo"]  # fmt: skip
     assert llm_study.main(argv) == 0
     P, study = llm_study.PRESETS["tiny"], json.loads((res / "study.json").read_text())
     held = _rows(res / "pool_heldout.jsonl.gz")
@@ -89,12 +96,33 @@ def test_the_tiny_study_stores_every_response(tmp_path):
     }
     assert all(r["kl"] >= 0 and "gold" in r and "proxy_strong" in r for r in ev)
     assert all(r["kl"] == 0 for r in ev if r["step"] == 0)  # the base against itself
+    # the DPO arm: one program of betas x seeds on the strong proxy's pairs, each checkpoint evaluated
+    dev = _rows(res / "dpo_eval.jsonl.gz")
+    runs = json.loads(gzip.open(res / "dpo_runs.json.gz", "rt").read())["runs"]
+    betas, seeds = llm_study._floats(P["dpo_betas"]), [int(s) for s in P["seeds"].split(",")]
+    assert [(r["beta"], r["seed"]) for r in runs] == [(b, s) for b in betas for s in seeds] and len(
+        betas
+    ) == 2
+    steps = P["dpo_iterations"] // P["dpo_eval_every"]
+    assert len(dev) == P["heldout"] * (1 + len(runs) * steps)
+    assert {(r["member"], r["step"]) for r in dev} == {(-1, 0)} | {
+        (j, (s + 1) * P["dpo_eval_every"]) for j in range(len(runs)) for s in range(steps)
+    }
+    assert all(r["kl"] == 0 for r in dev if r["step"] == 0) and any(r["kl"] > 0 for r in dev if r["step"] > 0)
+    base = [r for r in ev if r["step"] == 0]  # the same base, prompts and keys as the grpo arm's
+    assert [r["completion"] for r in dev if r["step"] == 0] == [r["completion"] for r in base]
+    timing = study["timing"]["dpo"]
+    assert timing["pairs"] == study["proxies"]["strong"]["pairs"] == runs[0]["config"]["pairs"]["train"]
+    train = _rows(res / "pool_train.jsonl.gz")
+    strong = llm_study.proxy_pairs(train, study["prompts"]["train"], P, study["seed"])["strong"]
+    assert all(p["gold_chosen"] and train[p["rows"][0]]["gold"] > train[p["rows"][1]]["gold"] for p in strong)
     outs = ("claims.md", "claims.json", "llm_study.png")
     first = {f: (res / f).read_bytes() for f in outs}
     assert (
         "GRPO k3 loss 0.04" in first["claims.md"].decode()
         and "| turn arm | - | not run |" in first["claims.md"].decode()
     )
+    assert all(f"DPO beta={b:g}: the gold peaks and falls" in first["claims.md"].decode() for b in betas)
     assert llm_study.main(["--replay", str(res)]) == 0
     assert {f: (res / f).read_bytes() for f in outs} == first  # the replay is byte for byte
 
