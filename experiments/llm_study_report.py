@@ -96,6 +96,15 @@ def gao_turn(kl: np.ndarray, gain: np.ndarray, form: str) -> float:
     return float(turn(a, b, form)) ** 2
 
 
+def seed_interval(x: np.ndarray) -> tuple[float, float, float]:
+    """``(mean, lo, hi)`` of ``x`` over seeds: the t-interval (:func:`klrl.analysis.aggregate.t_interval`,
+    which returns the mean and the half-width), the mean three times for one seed."""
+    from klrl.analysis.aggregate import t_interval
+
+    m, half, _ = (float(v) for v in t_interval(x))
+    return (m, m - half, m + half) if len(x) > 1 else (m, m, m)
+
+
 def boot(values: np.ndarray, stat: Any, seed: int = 0) -> dict[str, float]:
     """``stat`` of ``values [..., prompts]`` and its 95% interval over resampled prompts (the last axis)."""
     from klrl.analysis.overopt import prompt_bootstrap
@@ -261,7 +270,6 @@ def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
     """Tracking over the second half of the evaluations: the held-out exact KL's mean over prompts against
     the target (``KL / target - 1`` and the share of evaluations within +-25%), per controller and start,
     t-intervals over seeds, beside the fixed beta it should settle at."""
-    from klrl.analysis.aggregate import t_interval
 
     members, steps, kl = table(evals, "kl")
     mk = np.nanmean(kl, -1)[:, len(steps) // 2 :]
@@ -273,7 +281,7 @@ def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
         target = runs[js[0]]["config"]["ctrl"]["target"]
         err = mk[js].mean(1) / target - 1
         within = (np.abs(mk[js] / target - 1) <= 0.25).mean(1)
-        m, lo, hi = (float(x) for x in t_interval(err)) if len(js) > 1 else (float(err[0]),) * 3
+        m, lo, hi = seed_interval(err)
         ok = len(js) > 1 and -0.25 <= lo and hi <= 0.25
         out.append(
             {
@@ -289,7 +297,6 @@ def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
 def grpo_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
     """GRPO with the KL in the loss: the held-out KL at the last evaluation and its rise over the second
     half (nats per evaluation), per coefficient over seeds."""
-    from klrl.analysis.aggregate import t_interval
 
     members, steps, kl = table(evals, "kl")
     mk = np.nanmean(kl, -1)
@@ -304,7 +311,7 @@ def grpo_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
             if len(steps) - half > 1
             else np.zeros(len(js))
         )
-        m, lo, hi = (float(x) for x in t_interval(slope)) if len(js) > 1 else (float(slope[0]),) * 3
+        m, lo, hi = seed_interval(slope)
         out.append(
             {
                 "claim": f"{lab}: the KL keeps rising (runs away) by iteration {steps[-1]}",

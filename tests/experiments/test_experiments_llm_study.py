@@ -132,3 +132,57 @@ def test_llm_gold_replay_rebuilds_the_stored_check_byte_for_byte(tmp_path):
     shutil.copy(src / "judged.jsonl.gz", tmp_path / "judged.jsonl.gz")
     assert llm_gold.main(["--replay", "--results", str(tmp_path)]) == 0
     assert (tmp_path / "gold_check.json").read_bytes() == (src / "gold_check.json").read_bytes()
+
+
+def _evals(kl, gold, prompts=8, noise=0.01):
+    """Held-out rows from ``kl`` and ``gold`` ``[members, steps]`` (step 0 the shared base), each prompt the
+    member's value plus a fixed per-prompt offset and a little noise (so per-prompt SEs are finite)."""
+    rng = np.random.default_rng(0)
+    kl, gold = np.asarray(kl, float), np.asarray(gold, float)
+    rows = [{"member": -1, "step": 0, "prompt_idx": q, "kl": 0.0, "gold": gold[0, 0] + q / 10,
+             "proxy_strong": 0.0, "completion": f"b{q}"} for q in range(prompts)]  # fmt: skip
+    for j in range(kl.shape[0]):
+        for s in range(1, kl.shape[1]):
+            for q in range(prompts):
+                rows.append({"member": j, "step": s, "prompt_idx": q, "kl": kl[j, s] + noise * rng.normal(),
+                             "gold": gold[j, s] + q / 10 + noise * rng.normal(), "proxy_strong": 0.0,
+                             "completion": f"m{j}s{s}q{q}"})  # fmt: skip
+    return rows
+
+
+def test_grpo_and_ctrl_claims_read_the_seed_interval_as_an_interval():
+    from experiments import llm_study_report as rep
+
+    flat = [
+        [0, 1, 2, 2.0, 2.5, 3.0],
+        [0, 1, 2, 2.0, 1.5, 1.0],
+        [0, 1, 2, 2.0, 2.1, 1.9],
+    ]  # slopes +-, mean ~0
+    runs = [{"label": "GRPO k3 loss 0.04"}] * 3
+    assert rep.grpo_claims(_evals(flat, np.zeros((3, 6))), runs)[0]["verdict"] == "**not shown**"
+    up = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4.5, 5.5], [0, 1, 2, 3, 3.9, 5.2]]
+    assert rep.grpo_claims(_evals(up, np.zeros((3, 6))), runs)[0]["verdict"] == "**rising**"
+    at = [[0, 6, 6.1, 5.9, 6.0, 6.05], [0, 3, 5.9, 6.1, 6.0, 5.95], [0, 9, 6.0, 6.0, 6.1, 5.9]]
+    cruns = [{"label": "pi from 1", "config": {"ctrl": {"target": 6.0}}}] * 3
+    assert rep.ctrl_claims(_evals(at, np.zeros((3, 6))), cruns)[0]["verdict"] == "**tracks**"
+    off = [[0, 6, 9, 9, 9, 9], [0, 6, 9.5, 9.5, 9.5, 9.5], [0, 6, 8.5, 8.5, 8.5, 8.5]]
+    assert rep.ctrl_claims(_evals(off, np.zeros((3, 6))), cruns)[0]["verdict"] == "**tracking not shown**"
+
+
+def test_dpo_claims_find_the_peak_and_its_kl_per_beta():
+    from experiments import llm_study_report as rep
+
+    kl = [[0, 1, 4, 9, 16]] * 2 + [[0, 0.1, 0.2, 0.3, 0.4]] * 2  # beta 0.1 x 2 seeds, beta 1 x 2 seeds
+    gold = [[0, 1, 2, 1, 0], [0, 1.5, 2, 0.5, -1], [0, 0.1, 0.2, 0.3, 0.4], [0, 0.1, 0.2, 0.3, 0.4]]
+    runs = [{"beta": b, "seed": s, "label": f"DPO beta={b:g}"} for b in (0.1, 1.0) for s in (0, 1)]
+    ev = _evals(kl, gold)
+    assert rep.falls(rep.table(ev, "gold")[2])[1] == [True, True, False, False]
+    pk = rep.peak_kl(rep.table(ev, "gold")[2], rep.table(ev, "kl")[2])
+    np.testing.assert_allclose(pk, [4, 4, 0.4, 0.4], atol=0.02)
+    turn = {"peak_kl": {"value": 20.0, "lo": 15.0, "hi": 25.0}, "turn_kl": {"value": 21.0}}
+    rows, curves = rep.dpo_claims(ev, runs, turn)
+    assert len(rows) == 2 and curves["beta"] == [0.1, 0.1, 1.0, 1.0]
+    assert rows[0]["verdict"].startswith("**peaks and falls on 2 of 2 seeds**; peak KL **below** PPO's")
+    assert "peak at step 2, 2" in rows[0]["measured"] and "KL at the peak 4.00" in rows[0]["measured"]
+    assert rows[1]["verdict"] == "**not shown**; peak KL not compared (no peak)"
+    assert rep.dpo_claims(ev, runs, None)[0][0]["verdict"].endswith("no PPO turn arm to compare")
