@@ -62,8 +62,8 @@ _CPU: dict[str, Any] = {
     "ctrl_settle": 0.1, "ctrl_target": 6.0, "ctrl_iterations": 48, "ctrl_lr": 3e-4,
     "grpo_coefs": "0.04,0.001", "grpo_iterations": 100, "group_size": 4,
     "eval_every": 4, "eval_n": 1, "minibatches": 2, "epochs": 1, "advantage": "rloo",
-    "dpo_betas": "0.01,0.03,0.1,0.3,1", "dpo_iterations": 60, "dpo_lr": 5e-4, "dpo_batch": 8,
-    "dpo_eval_every": 6,
+    "dpo_betas": "0.01,0.03,0.1,0.3,1", "dpo_iterations": 48, "dpo_lr": 5e-4, "dpo_batch": 8,
+    "dpo_eval_every": 8,
 }  # fmt: skip
 # the sizes the prepare stage used: an arm runs on a prepared study only if these agree (the arms' own sizes,
 # iterations and learning rates, may differ from the preparation's and are stored with each arm)
@@ -83,7 +83,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "dpo_eval_every": 1},
     "gpu": {**_CPU, "batch": 64, "response_len": 48, "prompt_len": 64, "per_prompt": 16, "heldout": 64,
             "bon_k": 64, "pairs_strong": 16000, "turn_iterations": 200, "ctrl_iterations": 96,
-            "grpo_iterations": 200, "minibatches": 4, "epochs": 2},
+            "grpo_iterations": 200, "minibatches": 4, "epochs": 2, "dpo_iterations": 100, "dpo_batch": 32,
+            "dpo_eval_every": 10},
 }  # fmt: skip
 CTRL = (  # Ziegler's rule with a one-batch horizon; the PI of round three; the band rule (x2 / /2 past 1.5x)
     ("proportional", {"horizon": 16.0, "clip": 0.2}),

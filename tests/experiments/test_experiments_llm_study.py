@@ -186,3 +186,21 @@ def test_dpo_claims_find_the_peak_and_its_kl_per_beta():
     assert "peak at step 2, 2" in rows[0]["measured"] and "KL at the peak 4.00" in rows[0]["measured"]
     assert rows[1]["verdict"] == "**not shown**; peak KL not compared (no peak)"
     assert rep.dpo_claims(ev, runs, None)[0][0]["verdict"].endswith("no PPO turn arm to compare")
+
+
+def test_the_plan_counts_a_dpo_step_as_two_responses_of_policy_update_and_reference_forward(capsys):
+    from experiments.llm_turn import N_PARAMS as N
+
+    P = llm_study.PRESETS["cpu"]
+    tok, members = P["prompt_len"] + P["response_len"], 15
+    train = members * P["dpo_iterations"] * P["dpo_batch"] * tok * 2 * (6 * N + 2 * N)
+    per_response = (2 * N + 2 * 2 * N + 2 * 2 * N + 2 * 2 * 270e6) * tok  # rollout, KL, proxies, judge
+    evals = (1 + members * (P["dpo_iterations"] // P["dpo_eval_every"])) * P["heldout"] * per_response
+    assert llm_study.plan(P, {"dpo": members})["pflop"]["dpo"] == round((train + evals) / 1e15, 2) > 0
+    assert llm_study.main(["--dry-run", "--stage", "dpo", "--model-path", str(GGUF)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (
+        out["arms"]["dpo"][:2] == ["DPO beta=0.01 seed 0", "DPO beta=0.01 seed 1"]
+        and len(out["arms"]["dpo"]) == 15
+    )
+    assert out["plan"]["pflop"]["dpo"] == round((train + evals) / 1e15, 2) and set(out["arms"]) == {"dpo"}
