@@ -1,7 +1,7 @@
 """The turn on a real LM, round four (issue 47): a gold that reads the prompt, two proxies checked apart on
 the evaluation pool, every held-out response stored, controllers with room, GRPO beside PPO.
 
-``python experiments/llm_study.py --stage prepare|turn|ctrl|grpo|all [--preset cpu|pilot|tiny|gpu]
+``python experiments/llm_study.py --stage prepare|turn|ctrl|grpo|dpo|all [--preset cpu|pilot|tiny|gpu]
 [--results DIR] [--out DIR] [--dry-run]``
 
 The design (the library does the work: :mod:`klrl.eval`, :mod:`klrl.rewards`, :mod:`klrl.analysis.overopt`):
@@ -27,7 +27,10 @@ The design (the library does the work: :mod:`klrl.eval`, :mod:`klrl.rewards`, :m
      started 10x high and 10x low from ``ctrl_settle``, beside fixed ``ctrl_settle``, at ``ctrl_lr``;
    * ``grpo``: group-relative advantages, the KL in the loss (k3 per token, ``kl.loss_coef`` 0.04 and
      0.001), against PPO's per-token shaping in the turn arm (the same proxy, gold, lr and prompts) at
-     matched KL.
+     matched KL;
+   * ``dpo`` (:func:`run_dpo`): no proxy, no sampling: sigmoid DPO at each of ``dpo_betas`` x ``seeds``, one
+     :func:`klrl.dpo` program, on exactly the strong proxy's clean pairs (rebuilt from the stored pool), its
+     checkpoints every ``dpo_eval_every`` iterations evaluated as the PPO arms'.
 3. ``llm_study_report.py`` turns the stored files into ``claims.md``, ``claims.json`` and the figure
    (``--replay DIR``: from DIR's files alone).
 
@@ -59,6 +62,8 @@ _CPU: dict[str, Any] = {
     "ctrl_settle": 0.1, "ctrl_target": 6.0, "ctrl_iterations": 48, "ctrl_lr": 3e-4,
     "grpo_coefs": "0.04,0.001", "grpo_iterations": 100, "group_size": 4,
     "eval_every": 4, "eval_n": 1, "minibatches": 2, "epochs": 1, "advantage": "rloo",
+    "dpo_betas": "0.01,0.03,0.1,0.3,1", "dpo_iterations": 48, "dpo_lr": 5e-4, "dpo_batch": 8,
+    "dpo_eval_every": 8,
 }  # fmt: skip
 # the sizes the prepare stage used: an arm runs on a prepared study only if these agree (the arms' own sizes,
 # iterations and learning rates, may differ from the preparation's and are stored with each arm)
@@ -69,15 +74,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # a few iterations of each arm, one seed: the timing and the KL's step, to size the cpu preset
     "pilot": {**_CPU, "per_prompt": 2, "heldout": 16, "bon_k": 4, "pairs_strong": 400, "pairs_weak": 100,
               "seeds": "0", "turn_iterations": 4, "ctrl_iterations": 4, "grpo_iterations": 4,
-              "eval_every": 2},
+              "eval_every": 2, "dpo_iterations": 4, "dpo_eval_every": 2},
     # the smallest study, on the tiny test GGUF (tests/experiments/test_experiments_llm_study.py)
     "tiny": {**_CPU, "batch": 4, "response_len": 6, "prompt_len": 12, "per_prompt": 2, "heldout": 4,
              "bon_k": 4, "pairs_strong": 20, "pairs_weak": 8, "seeds": "0", "rm_epochs": 1,
              "turn_iterations": 2, "ctrl_iterations": 2, "grpo_iterations": 2, "eval_every": 1,
-             "minibatches": 1, "group_size": 2},
+             "minibatches": 1, "group_size": 2, "dpo_betas": "0.1,1", "dpo_iterations": 2, "dpo_batch": 4,
+             "dpo_eval_every": 1},
     "gpu": {**_CPU, "batch": 64, "response_len": 48, "prompt_len": 64, "per_prompt": 16, "heldout": 64,
             "bon_k": 64, "pairs_strong": 16000, "turn_iterations": 200, "ctrl_iterations": 96,
-            "grpo_iterations": 200, "minibatches": 4, "epochs": 2},
+            "grpo_iterations": 200, "minibatches": 4, "epochs": 2, "dpo_iterations": 100, "dpo_batch": 32,
+            "dpo_eval_every": 10},
 }  # fmt: skip
 CTRL = (  # Ziegler's rule with a one-batch horizon; the PI of round three; the band rule (x2 / /2 past 1.5x)
     ("proportional", {"horizon": 16.0, "clip": 0.2}),
@@ -155,25 +162,6 @@ def dump(path: Path, rows: Any) -> None:  # (read back by llm_study_report.load)
 
 
 # ---- prepare: pools, judge, gold, proxies, best-of-n -------------------------------------------------------
-def reference_rows(task: Any, pool: Any, n: int, P: dict[str, Any], seed: int) -> list[dict[str, Any]]:
-    """``n`` reference responses to each prompt of ``pool`` (temperature 1), with their judge-free fields."""
-    from klrl.eval.sample import decode, sample, token_ids
-
-    idx, resp, mask = sample(task.policy, task.policy_params, task.tokenizer, pool, n, P["response_len"], 1.0,
-                             seed, 64)  # fmt: skip
-    texts, _, _ = decode(task.tokenizer, resp, mask)
-    return [{"prompt_idx": int(i), "sample": m % n, "completion": t, "ids": ids}
-            for m, (i, t, ids) in enumerate(zip(idx, texts, token_ids(resp, mask), strict=True))]  # fmt: skip
-
-
-def judge_rows(judge: Any, prompts: list[Any], rows: list[dict[str, Any]]) -> None:
-    """Adds the judge's ``judge_nll`` per token (the text alone, NaN if empty) and ``relevance`` (PMI)."""
-    rel = judge.relevance([r["completion"] for r in rows], prompts, [r["prompt_idx"] for r in rows])
-    n = rel["tokens"]
-    for r, a, b, k in zip(rows, rel["nll_text"], rel["pmi"], n, strict=True):
-        r["judge_nll"], r["relevance"] = (float(a / k), float(b)) if k else (float("nan"), float("nan"))
-
-
 def pairs(
     rows: list[dict[str, Any]], prompts: list[Any], n_pairs: int, noise: float, seed: int
 ) -> list[dict]:
@@ -215,29 +203,14 @@ def train_proxy(task: Any, feats: np.ndarray, train: list[dict], held: list[dict
     return score, rec
 
 
-def best_of_n(rows: list[dict], tags: list[str], k: int) -> dict[str, Any]:
-    """Per proxy, n = 1, 2, 4, ..., k and prompt: the unbiased best-of-n estimate of the gold and the proxy of
-    the proxy's pick (:func:`klrl.analysis.overopt.bon_expectation`), at ``KL_bon(n)``; per prompt, so a
-    bootstrap resamples prompts."""
-    from klrl.analysis.overopt import bon_expectation, kl_bon
-
-    by: dict[int, list[dict]] = {}
-    for r in rows:
-        by.setdefault(r["prompt_idx"], []).append(r)
-    groups = [g[:k] for g in by.values() if len(g) >= k]
-    ns = sorted({2**e for e in range(int(np.log2(k)) + 1)} | {k})
-    out: dict[str, Any] = {
-        "n": ns,
-        "kl": kl_bon(np.array(ns)).tolist(),
-        "prompts": [g[0]["prompt_idx"] for g in groups],
-    }
-    for tag in tags:
-        sel = np.array([[r[f"proxy_{tag}"] for r in g] for g in groups])
-        for key in ("gold", f"proxy_{tag}"):
-            val = np.array([[r[key] for r in g] for g in groups])
-            out[f"{tag}/{key}"] = np.stack(
-                [bon_expectation(sel, val, n) for n in ns]
-            ).tolist()  # [n, prompts]
+def proxy_pairs(train: list[dict], prompts: list[Any], P: dict, seed: int) -> dict[str, list[dict]]:
+    """The proxies' pairs from the training pool: ``strong`` (clean) and ``weak`` (noisy) from the first 80%
+    of its prompts, ``val`` (clean, at most 2000) from the rest; the DPO arm trains on ``strong``."""
+    cut = int(0.8 * len(prompts))
+    fit = [r["prompt_idx"] < cut for r in train]
+    out = {"val": [p for p in pairs(train, prompts, 10**9, 0.0, seed + 3) if not fit[p["rows"][0]]][:2000]}
+    for tag, n, noise in (("strong", P["pairs_strong"], 0.0), ("weak", P["pairs_weak"], P["weak_noise"])):
+        out[tag] = [p for p in pairs(train, prompts, 10**9, noise, seed + 1) if fit[p["rows"][0]]][:n]
     return out
 
 
@@ -247,17 +220,16 @@ def fit_proxies(task: Any, base: Any, splits: Any, train: list, held: list, P: d
     from klrl.rewards.model import RewardModel
     from klrl.rewards.train import last_hidden
 
-    prompts, cut = splits.train.prompts, int(0.8 * len(splits.train))
+    prompts = splits.train.prompts
     rm = lambda score: RewardModel(task.policy, task.policy_params, score, task.tokenizer, base.data,
                                    base.sampling)  # fmt: skip
     tok, mask = rm(None).encode([prompts[r["prompt_idx"]] for r in train], [r["completion"] for r in train])
     feats = np.asarray(last_hidden(task.policy, task.policy_params, tok, mask))  # once per response
-    fit = [r["prompt_idx"] < cut for r in train]
-    val = [p for p in pairs(train, prompts, 10**9, 0.0, seed + 3) if not fit[p["rows"][0]]][:2000]
+    sets = proxy_pairs(train, prompts, P, seed)
     proxies, records = {}, {}
-    for tag, n, noise in (("strong", P["pairs_strong"], 0.0), ("weak", P["pairs_weak"], P["weak_noise"])):
-        tr = [p for p in pairs(train, prompts, 10**9, noise, seed + 1) if fit[p["rows"][0]]][:n]
-        score, records[tag] = train_proxy(task, feats, tr, val, P, seed)
+    for tag in ("strong", "weak"):
+        tr = sets[tag]
+        score, records[tag] = train_proxy(task, feats, tr, sets["val"], P, seed)
         proxies[tag] = rm(score)
         print(f"proxy {tag}: {len(tr)} pairs, held-out accuracy {records[tag]['heldout_accuracy']:.3f}")
     for tag, model in proxies.items():
@@ -271,11 +243,13 @@ def fit_proxies(task: Any, base: Any, splits: Any, train: list, held: list, P: d
 
 def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, Any]:
     """Stage 1 (module docstring): every file it writes is per response or per pair."""
+    from experiments.llm_study_report import best_of_n
     from experiments.llm_turn import default_judge
     from klrl.analysis.overopt import accuracy_difference, pair_accuracy
     from klrl.api import build_task
     from klrl.data.prompts import load_prompts
     from klrl.eval import gold
+    from klrl.eval.heldout import judge_rows, reference_rows
     from klrl.eval.score import Judge
     from klrl.rewards.pairs import text_format
     from klrl.rewards.train import save_reward_model
@@ -285,8 +259,9 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
     splits = load_prompts(base.data, task.tokenizer)  # the task's own split: the same prompts, same order
     judge = Judge.load(ns.judge or default_judge())
     t0, timing = time.time(), {}
-    train = reference_rows(task, splits.train, P["per_prompt"], P, ns.seed)
-    held = reference_rows(task, splits.eval, P["bon_k"], P, ns.seed + 7)
+    sample = lambda pool, n, seed: reference_rows(task.policy, task.policy_params, task.tokenizer, pool, n,
+                                                  P["response_len"], seed)  # fmt: skip
+    train, held = sample(splits.train, P["per_prompt"], ns.seed), sample(splits.eval, P["bon_k"], ns.seed + 7)
     timing["sample_s"] = round(time.time() - t0, 1)
     judge_rows(judge, splits.train.prompts, train)
     judge_rows(judge, splits.eval.prompts, held)
@@ -308,7 +283,8 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
     dump(res / "pool_train.jsonl.gz", train)
     dump(res / "pool_heldout.jsonl.gz", held)
     dump(res / "bon.json.gz", best_of_n(held, list(proxies), P["bon_k"]))
-    study = {"preset": ns.preset, "sizes": P, "free": free, "judge": judge.path, "judge_format": judge.format,
+    study = {"preset": ns.preset, "sizes": P, "seed": ns.seed, "free": free, "judge": judge.path,
+             "judge_format": judge.format,
              "coefs": {"rep": gold.REP_COEF, "nll": gold.NLL_COEF, "rel": gold.REL_COEF},
              "prompts": {"train": list(splits.train.prompts), "heldout": list(splits.eval.prompts)},
              "proxies": records, "separation": sep, "reward_path": str(rm_dir),
@@ -324,47 +300,27 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
 EVAL_SEED = 99_991  # every evaluation draws with this key: common random numbers across policies
 
 
-def evaluate_arm(
-    name: str, base: Any, sweep_dir: Path, members: list[Any], study: dict, P: dict
-) -> list[dict]:
-    """Every member at step 0 (the base) and at each checkpoint: ``eval_n`` responses to each held-out
-    prompt, every response stored with its KL, judge, gold parts and both proxies
-    (:func:`klrl.eval.heldout.evaluate`)."""
-    from klrl.data.prompts import load_prompts
-    from klrl.eval.heldout import evaluate, summary
-    from klrl.eval.policy import checkpoint_steps, policy_at
+def evaluate_arm(name: str, base: Any, dirs: list[Path], study: dict, P: dict) -> list[dict]:
+    """Every member (``dirs``: the run directories of a PPO or a DPO sweep's members, in order) at step 0 (the
+    base) and at each checkpoint: ``eval_n`` responses to each held-out prompt, every response stored with
+    its KL, judge, gold parts and both proxies (:func:`klrl.eval.heldout.evaluate_runs`)."""
+    from klrl.eval.heldout import evaluate_runs
     from klrl.eval.score import Judge
     from klrl.rewards.model import RewardModel
 
-    src0 = policy_at(sweep_dir / members_dirs(sweep_dir)[0], checkpoint_steps(sweep_dir)[0])
-    ref = (src0.model, src0.ref_params)
-    pool = load_prompts(base.data, src0.tok).eval
-    judge = Judge.load(study["judge"])
-    head = lambda r: np.asarray(r["score"], np.float32)
-    rms = {t: RewardModel(src0.model, src0.ref_params, head(r), src0.tok, base.data, base.sampling).score
-           for t, r in study["proxies"].items()}  # fmt: skip
-    kw = {"max_new": P["response_len"], "proxies": rms, "seed": EVAL_SEED, "n": P["eval_n"]}
-    rows = [
-        {"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, study["free"], **kw)
-    ]
-    for step in checkpoint_steps(sweep_dir):
-        for j, d in enumerate(members_dirs(sweep_dir)):
-            src = policy_at(sweep_dir / d, step)
-            recs = evaluate((src.model, src.params), ref, src.tok, pool, judge, study["free"], **kw)
-            rows += [{"member": j, "step": step, **r} for r in recs]
-            s = summary(recs)
-            print(f"{name} eval step {step} member {j}: kl {s['kl']:.2f} gold {s['gold']:.3f} "
-                  f"duplicates {s['duplicates']:.2f}", flush=True)  # fmt: skip
-    return rows
-
-
-def members_dirs(sweep_dir: Path) -> list[str]:
-    return json.loads((sweep_dir / "sweep.json").read_text())["members"]
+    fmt, head = (base.data, base.sampling), lambda r: np.asarray(r["score"], np.float32)
+    rms = lambda src: {t: RewardModel(src.model, src.ref_params, head(r), src.tok, *fmt).score
+                       for t, r in study["proxies"].items()}  # fmt: skip
+    msg = "{} eval step {} member {}: kl {kl:.2f} gold {gold:.3f} duplicates {duplicates:.2f}"
+    log = lambda j, step, s: print(msg.format(name, step, j, **s), flush=True)
+    return evaluate_runs(dirs, Judge.load(study["judge"]), study["free"], base.data, proxies=rms, log=log,
+                         max_new=P["response_len"], n=P["eval_n"], seed=EVAL_SEED)  # fmt: skip
 
 
 def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str, Any]:
     """One arm: its sweep, its held-out evaluations, its metrics and training samples, stored in ``res``."""
     import klrl
+    from klrl.io.readers import read_sweep_members
 
     base = base_config(ns, P, study["reward_path"])
     members = arms(base, P)[name]
@@ -380,7 +336,7 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
     results = list(klrl.sweep(members, out_dir=Path(ns.out) / f"llm_study-{name}", on_step=on_step))
     t1 = time.time()
     sweep_dir = results[0].dir.parent
-    evals = evaluate_arm(name, base, sweep_dir, members, study, P)
+    evals = evaluate_arm(name, base, [sweep_dir / d for d in read_sweep_members(sweep_dir)], study, P)
     runs = [{"label": label(c), "seed": c.train.seed, "config": c.to_dict(),
              "metrics": {k: np.asarray(v, float).tolist() for k, v in r.metrics.items()}}
             for c, r in zip(members, results, strict=True)]  # fmt: skip
@@ -395,17 +351,64 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
             "load_avg_1min_end": os.getloadavg()[0], "sweep_dir": str(sweep_dir)}  # fmt: skip
 
 
+def run_dpo(ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str, Any]:
+    """The DPO arm: sigmoid DPO at each beta of ``dpo_betas`` x ``seeds``, one :func:`klrl.dpo` program,
+    LoRA r8 on the same base, on the strong proxy's own pairs (rebuilt from the stored training pool: the same
+    :func:`proxy_pairs`, seed and filter), its held-out pairs the proxies' ``val``; every checkpoint of every
+    member evaluated as the PPO arms' (:func:`evaluate_arm`)."""
+    import klrl
+    from experiments.llm_study_report import load
+    from klrl.models.pretrained import from_pretrained
+    from klrl.rewards.pairs import encode_as_ppo
+
+    base = base_config(ns, P)
+    train, seed = load(res / "pool_train.jsonl.gz"), study.get("seed", ns.seed)  # (the preparation's seed)
+    sets = proxy_pairs(train, study["prompts"]["train"], P, seed)
+    if len(sets["strong"]) != study["proxies"]["strong"]["pairs"]:
+        raise SystemExit(f"error: {len(sets['strong'])} pairs rebuilt, the strong proxy had "
+                         f"{study['proxies']['strong']['pairs']}: give the preparation's --seed")  # fmt: skip
+    recs = lambda ps: [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in ps]
+    held = encode_as_ppo(recs(sets["val"]), from_pretrained(ns.model_path)[2], base.data, base.sampling)
+    every, seeds = P["dpo_eval_every"], [int(x) for x in str(P["seeds"]).split(",")]
+    cfg = klrl.DPOConfig(
+        lr=P["dpo_lr"],
+        batch_size=P["dpo_batch"],
+        iterations=P["dpo_iterations"],
+        eval_every=every,
+        checkpoint_every=every,
+        eval_prompts=min(16, len(held)),
+    )
+    names = (Path(ns.out) / ("llm_study-dpo" + (f"-{i}" if i else "")) for i in range(10**6))
+    out = next(p for p in names if not p.exists())  # a new run directory (klrl.dpo refuses a used one)
+    t0 = time.time()
+    r = klrl.dpo(recs(sets["strong"]), model_path=ns.model_path, cfg=cfg, betas=_floats(P["dpo_betas"]),
+                 seeds=seeds, lora=base.lora, data=base.data, sampling=base.sampling, heldout=held,
+                 run_dir=out, log=lambda line: print(f"dpo {line}", flush=True))  # fmt: skip
+    t1 = time.time()
+    evals = evaluate_arm("dpo", base, [m.dir for m in r.members], study, P)
+    doc = json.loads((out / "config.json").read_text())
+    runs = [{"label": f"DPO beta={m.beta:g}", "seed": m.seed, "beta": m.beta, "config": doc,
+             "metrics": m.rows} for m in r.members]  # fmt: skip
+    dump(res / "dpo_eval.jsonl.gz", evals)
+    dump(res / "dpo_runs.json.gz", {"runs": runs})
+    return {"train_s": round(t1 - t0, 1), "eval_s": round(time.time() - t1, 1), "members": len(runs),
+            "pairs": len(sets["strong"]), "heldout_pairs": len(held), "run_dir": str(out),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}  # fmt: skip
+
+
 # ---- the plan ---------------------------------------------------------------------------------------------
 def plan(P: dict[str, Any], members: dict[str, int]) -> dict[str, Any]:
     """FLOPs and time of each stage: ``2 N`` per token for a forward (rollout, scoring by policy, reference
     and proxy, the evaluations' sampling, exact KL and proxies), ``6 N epochs`` for the update, the judge's
-    two forwards at 270 M parameters; at the CPU rates measured (:data:`experiments.llm_turn.CPU_GFLOPS`)
-    and at an assumed 100 TFLOP/s for one GPU (not measured)."""
+    two forwards at 270 M parameters; a DPO step ``2`` responses x (the policy's forward and backward
+    ``6 N`` + the reference's forward ``2 N``) per token and pair; at the CPU rates measured
+    (:data:`experiments.llm_turn.CPU_GFLOPS`) and at an assumed 100 TFLOP/s for one GPU (not measured)."""
     from experiments.llm_turn import CPU_GFLOPS, N_PARAMS
 
     N, J, tok = N_PARAMS, 270e6, P["prompt_len"] + P["response_len"]
     it = {"rollout": 2 * N, "scoring": 3 * 2 * N, "update": 6 * N * P["epochs"]}
     per_it = {k: P["batch"] * tok * f for k, f in it.items()}
+    per_dpo = {"scoring": P["dpo_batch"] * tok * 2 * 2 * N, "update": P["dpo_batch"] * tok * 2 * 6 * N}
     per_resp = {
         "rollout": 2 * N * tok,
         "scoring": (2 * 2 * N + 2 * 2 * N + 2 * 2 * J) * tok,
@@ -415,10 +418,10 @@ def plan(P: dict[str, Any], members: dict[str, int]) -> dict[str, Any]:
     flop["prepare"] = pool * sum(per_resp.values())
     sec["prepare"] = pool * sum(v / CPU_GFLOPS[k] for k, v in per_resp.items()) / 1e9
     for arm, n in members.items():
-        its = P[f"{arm}_iterations"]
-        evals = (1 + n * (its // P["eval_every"])) * P["heldout"]
-        flop[arm] = n * its * sum(per_it.values()) + evals * sum(per_resp.values())
-        sec[arm] = (n * its * sum(v / CPU_GFLOPS[k] for k, v in per_it.items())
+        its, step = P[f"{arm}_iterations"], per_dpo if arm == "dpo" else per_it
+        evals = (1 + n * (its // P.get(f"{arm}_eval_every", P["eval_every"]))) * P["heldout"]
+        flop[arm] = n * its * sum(step.values()) + evals * sum(per_resp.values())
+        sec[arm] = (n * its * sum(v / CPU_GFLOPS[k] for k, v in step.items())
                     + evals * sum(v / CPU_GFLOPS[k] for k, v in per_resp.items())) / 1e9  # fmt: skip
     return {"members": members, "pflop": {k: round(v / 1e15, 2) for k, v in flop.items()},
             "cpu_min_estimated": {k: round(v / 60, 1) for k, v in sec.items()},
@@ -432,7 +435,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     from experiments.llm_beta import default_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stage", default="all", help="prepare, turn, ctrl, grpo, or all (comma-separated)")
+    p.add_argument("--stage", default="all", help="prepare, turn, ctrl, grpo, dpo, or all (comma-separated)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--out", default="runs", help="the sweeps' run directories and the proxy (not committed)")
     p.add_argument("--results", default=str(HERE / "results" / "llm_study"), help="the stored results")
@@ -458,12 +461,18 @@ def main(argv: list[str] | None = None) -> int:
         if k not in P:
             raise SystemExit(f"error: --set {k}: not a preset key ({', '.join(sorted(P))})")
         P[k] = v if isinstance(P[k], str) else type(P[k])(v)
-    stages = ["prepare", "turn", "ctrl", "grpo"] if ns.stage == "all" else ns.stage.split(",")
+    stages = ["prepare", "turn", "ctrl", "grpo", "dpo"] if ns.stage == "all" else ns.stage.split(",")
     if ns.dry_run:
-        a = {k: v for k, v in arms(base_config(ns, P), P).items() if k in stages}
-        print(json.dumps({"sizes": P, "plan": plan(P, {k: len(v) for k, v in a.items()}),
-                          "arms": {k: [label(m) + f" seed {m.train.seed}" for m in v] for k, v in a.items()}},
-                         indent=1))  # fmt: skip
+        a = {
+            k: [label(m) + f" seed {m.train.seed}" for m in v] for k, v in arms(base_config(ns, P), P).items()
+        }
+        a["dpo"] = [
+            f"DPO beta={b:g} seed {s}" for b in _floats(P["dpo_betas"]) for s in str(P["seeds"]).split(",")
+        ]
+        a = {k: v for k, v in a.items() if k in stages}
+        print(
+            json.dumps({"sizes": P, "plan": plan(P, {k: len(v) for k, v in a.items()}), "arms": a}, indent=1)
+        )
         return 0
     res = Path(ns.results)
     res.mkdir(parents=True, exist_ok=True)
@@ -472,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in [s for s in stages if s != "prepare"]:
         if bad := [k for k in PREPARE_KEYS if study["sizes"].get(k) != P[k]]:
             raise SystemExit(f"error: {res} was prepared with other {', '.join(bad)}; give the same --set")
-        study["timing"][name] = {**run_arm(name, ns, P, study, res), "command": command, "sizes": P}
+        arm = run_dpo(ns, P, study, res) if name == "dpo" else run_arm(name, ns, P, study, res)
+        study["timing"][name] = {**arm, "command": command, "sizes": P}
         (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
     return finish(res)
 

@@ -35,6 +35,33 @@ def load(path: Path) -> Any:
     )
 
 
+# ---- best-of-n (stored by the prepare stage) ---------------------------------------------------------
+def best_of_n(rows: list[dict], tags: list[str], k: int) -> dict[str, Any]:
+    """Per proxy, n = 1, 2, 4, ..., k and prompt: the unbiased best-of-n estimate of the gold and the proxy of
+    the proxy's pick (:func:`klrl.analysis.overopt.bon_expectation`), at ``KL_bon(n)``; per prompt, so a
+    bootstrap resamples prompts."""
+    from klrl.analysis.overopt import bon_expectation, kl_bon
+
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["prompt_idx"], []).append(r)
+    groups = [g[:k] for g in by.values() if len(g) >= k]
+    ns = sorted({2**e for e in range(int(np.log2(k)) + 1)} | {k})
+    out: dict[str, Any] = {
+        "n": ns,
+        "kl": kl_bon(np.array(ns)).tolist(),
+        "prompts": [g[0]["prompt_idx"] for g in groups],
+    }
+    for tag in tags:
+        sel = np.array([[r[f"proxy_{tag}"] for r in g] for g in groups])
+        for key in ("gold", f"proxy_{tag}"):
+            val = np.array([[r[key] for r in g] for g in groups])
+            out[f"{tag}/{key}"] = np.stack(
+                [bon_expectation(sel, val, n) for n in ns]
+            ).tolist()  # [n, prompts]
+    return out
+
+
 # ---- curves from the stored evaluations ---------------------------------------------------------------
 def table(evals: list[dict], key: str) -> tuple[list[int], list[int], np.ndarray]:
     """``(members, steps, values [members, steps, prompts])`` of ``key``, the mean over each prompt's samples
@@ -67,6 +94,15 @@ def gao_turn(kl: np.ndarray, gain: np.ndarray, form: str) -> float:
         return float("nan")
     a, b = (fit_bon if form == "bon" else fit_gao)(d[ok], r[ok])
     return float(turn(a, b, form)) ** 2
+
+
+def seed_interval(x: np.ndarray) -> tuple[float, float, float]:
+    """``(mean, lo, hi)`` of ``x`` over seeds: the t-interval (:func:`klrl.analysis.aggregate.t_interval`,
+    which returns the mean and the half-width), the mean three times for one seed."""
+    from klrl.analysis.aggregate import t_interval
+
+    m, half, _ = (float(v) for v in t_interval(x))
+    return (m, m - half, m + half) if len(x) > 1 else (m, m, m)
 
 
 def boot(values: np.ndarray, stat: Any, seed: int = 0) -> dict[str, float]:
@@ -119,6 +155,25 @@ def bon_claims(bon: dict, tags: list[str]) -> tuple[list[dict], dict]:
     return out, fits
 
 
+def falls(gold: np.ndarray) -> tuple[list[float], list[bool]]:
+    """Per member of ``gold [members, steps, prompts]``: the fall of the prompts' mean gold from its peak to
+    the last step, and whether it exceeds 2 SE of the per-prompt falls (paired: common random numbers)."""
+    mg, out, shown = np.nanmean(gold, -1), [], []
+    for j in range(len(gold)):
+        p = int(np.nanargmax(mg[j]))
+        diff = gold[j, p] - gold[j, -1]
+        se = np.nanstd(diff) / np.sqrt(max(1, np.isfinite(diff).sum()))
+        out.append(mg[j, p] - mg[j, -1])
+        shown.append(bool(out[-1] > 2 * se))
+    return out, shown
+
+
+def peak_kl(gold: np.ndarray, kl: np.ndarray) -> np.ndarray:
+    """Per member: the prompts' mean KL at the step where the prompts' mean gold peaks."""
+    p = np.nanargmax(np.nanmean(gold, -1), 1)
+    return np.nanmean(kl, -1)[np.arange(len(p)), p]
+
+
 def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
     """Per seed the gold's peak against its end (beyond 2 SE of the per-prompt fall), the KL reached, and the
     RL form's turn fitted to every seed's points with a prompt-bootstrap interval."""
@@ -126,14 +181,7 @@ def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
     _, _, kl = table(evals, "kl")
     _, _, proxy = table(evals, "proxy_strong")
     mg, mk = np.nanmean(gold, -1), np.nanmean(kl, -1)  # [members, steps]
-    falls, shown = [], []
-    for j in range(len(members)):
-        p = int(np.nanargmax(mg[j]))
-        # the SE of the fall itself: prompt by prompt, peak minus end (common random numbers: paired)
-        diff = gold[j, p] - gold[j, -1]
-        se = np.nanstd(diff) / np.sqrt(max(1, np.isfinite(diff).sum()))
-        falls.append(mg[j, p] - mg[j, -1])
-        shown.append(bool(falls[-1] > 2 * se))
+    fall, shown = falls(gold)
     kstar = boot(
         np.concatenate([gold, kl], 0),
         lambda v: gao_turn(
@@ -145,7 +193,7 @@ def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
     out = [
         {
             "claim": "the small-beta arm: the gold falls from its peak by more than 2 SE (paired, prompts)",
-            "measured": f"falls {', '.join(f'{x:+.3f}' for x in falls)} at KL "
+            "measured": f"falls {', '.join(f'{x:+.3f}' for x in fall)} at KL "
             f"{', '.join(f'{x:.1f}' for x in mk[:, -1])}",
             "verdict": f"**shown on {sum(shown)} of {len(shown)} seeds**" if any(shown) else "**not shown**",
         },
@@ -157,14 +205,71 @@ def turn_claims(evals: list[dict]) -> tuple[list[dict], dict]:
         },
     ]
     curves = {"kl": mk.tolist(), "gold": mg.tolist(), "proxy": np.nanmean(proxy, -1).tolist()}
-    return out, {**curves, "turn_kl": kstar, "steps": steps}
+    peak = boot(
+        np.concatenate([gold, kl], 0), lambda v: np.mean(peak_kl(v[: len(members)], v[len(members) :]))
+    )
+    return out, {**curves, "turn_kl": kstar, "steps": steps, "peak_kl": peak}
+
+
+def dpo_claims(evals: list[dict], runs: list[dict], turn: dict | None) -> tuple[list[dict], dict]:
+    """Per beta: on how many seeds the gold peaks and falls (:func:`falls`, as the turn arm), and the KL at
+    the gold's peak (:func:`peak_kl`), its mean over seeds with a t-interval over seeds and a prompt
+    bootstrap (the argmax recomputed in each resample), against the PPO turn arm's peak KL (the same
+    statistic) and its RL-form turn when that arm was run. A seed "peaks and falls" when its fall is shown
+    and its peak is past the base (step 0); without one, the peak KL is the last checkpoint's or the base's
+    and is not compared."""
+    from klrl.analysis.aggregate import t_interval
+
+    members, steps, gold = table(evals, "gold")
+    _, _, kl = table(evals, "kl")
+    _, _, proxy = table(evals, "proxy_strong")
+    fall, shown = falls(gold)
+    top = np.nanargmax(np.nanmean(gold, -1), 1)  # the peak's step index per member
+    ppo = (turn or {}).get("peak_kl")
+    out, by = [], {}
+    for j, r in enumerate(runs):
+        by.setdefault(r["beta"], []).append(j)
+    f = lambda d: f"{d['value']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]"
+    for beta, js in by.items():
+        pk = peak_kl(gold[js], kl[js])
+        m, half, _ = (float(x) for x in t_interval(pk))
+        spread = f"+- {half:.2f} (seeds)" if np.isfinite(half) else "(one seed)"
+        b = boot(
+            np.concatenate([gold[js], kl[js]], 0), lambda v: np.mean(peak_kl(v[: len(js)], v[len(js) :]))
+        )
+        n = sum(shown[j] and top[j] > 0 for j in js)
+        vs = "no PPO turn arm to compare" if n else "not compared (no peak)"
+        if ppo and n:
+            lower, higher = b["hi"] < ppo["lo"], b["lo"] > ppo["hi"]
+            vs = (
+                "**below** PPO's"
+                if lower
+                else "**above** PPO's"
+                if higher
+                else "**not separated** from PPO's"
+            )
+            vs += f" (PPO's peak KL {f(ppo)}, RL-form turn {turn['turn_kl']['value']:.1f})"
+        out.append(
+            {
+                "claim": f"DPO beta={beta:g}: the gold peaks and falls against KL (paired, prompts, per "
+                "seed); the KL at its peak",
+                "measured": f"falls {', '.join(f'{fall[j]:+.3f}' for j in js)} at KL "
+                f"{', '.join(f'{np.nanmean(kl[j, -1]):.1f}' for j in js)}; KL at the peak {m:.2f} "
+                f"{spread}, prompt bootstrap {f(b)}; peak at step "
+                f"{', '.join(str(steps[top[j]]) for j in js)}",
+                "verdict": (f"**peaks and falls on {n} of {len(js)} seeds**" if n else "**not shown**")
+                + f"; peak KL {vs}",
+            }
+        )
+    curves = {"kl": np.nanmean(kl, -1).tolist(), "gold": np.nanmean(gold, -1).tolist(), "steps": steps,
+              "proxy": np.nanmean(proxy, -1).tolist(), "beta": [r["beta"] for r in runs]}  # fmt: skip
+    return out, curves
 
 
 def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
     """Tracking over the second half of the evaluations: the held-out exact KL's mean over prompts against
     the target (``KL / target - 1`` and the share of evaluations within +-25%), per controller and start,
     t-intervals over seeds, beside the fixed beta it should settle at."""
-    from klrl.analysis.aggregate import t_interval
 
     members, steps, kl = table(evals, "kl")
     mk = np.nanmean(kl, -1)[:, len(steps) // 2 :]
@@ -176,7 +281,7 @@ def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
         target = runs[js[0]]["config"]["ctrl"]["target"]
         err = mk[js].mean(1) / target - 1
         within = (np.abs(mk[js] / target - 1) <= 0.25).mean(1)
-        m, lo, hi = (float(x) for x in t_interval(err)) if len(js) > 1 else (float(err[0]),) * 3
+        m, lo, hi = seed_interval(err)
         ok = len(js) > 1 and -0.25 <= lo and hi <= 0.25
         out.append(
             {
@@ -192,7 +297,6 @@ def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
 def grpo_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
     """GRPO with the KL in the loss: the held-out KL at the last evaluation and its rise over the second
     half (nats per evaluation), per coefficient over seeds."""
-    from klrl.analysis.aggregate import t_interval
 
     members, steps, kl = table(evals, "kl")
     mk = np.nanmean(kl, -1)
@@ -207,7 +311,7 @@ def grpo_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
             if len(steps) - half > 1
             else np.zeros(len(js))
         )
-        m, lo, hi = (float(x) for x in t_interval(slope)) if len(js) > 1 else (float(slope[0]),) * 3
+        m, lo, hi = seed_interval(slope)
         out.append(
             {
                 "claim": f"{lab}: the KL keeps rising (runs away) by iteration {steps[-1]}",
@@ -257,9 +361,10 @@ def _fitted(
     ax.plot(x, x * (a - b * (x if form == "bon" else np.log(x))), ":", color=color, lw=1.2, label=label)
 
 
-def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None) -> str:
+def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None, dpo: dict | None = None) -> str:
     """Two panels against sqrt(KL): the gold's gain and the optimised proxy's gain over the reference, for
-    best-of-n (each proxy's picks by that proxy), PPO and GRPO (each member, the strong proxy); Gao et
+    best-of-n (each proxy's picks by that proxy), PPO, GRPO and DPO (each member, the strong proxy: for DPO
+    the proxy trained on DPO's own pairs; DPO's members coloured by beta, one label per beta); Gao et
     al.'s best-of-n and RL forms fitted (dotted: best-of-n per proxy, PPO pooled over members) and the PPO
     turn's KL with its prompt-bootstrap interval."""
     import matplotlib
@@ -278,6 +383,11 @@ def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None) -> str:
         for name, cur, style in (("PPO ", turn, "s-"), ("", grpo, "^-")):
             for lab, k, g in zip(cur["labels"], cur["kl"], cur.get(key, []), strict=False) if cur else []:
                 ax.plot(np.sqrt(k), np.asarray(g) - g[0], style, ms=3, alpha=0.7, label=f"{name}{lab}")
+        betas = sorted(set(dpo["beta"])) if dpo else []
+        for j, (b, k, g) in enumerate(zip(dpo["beta"], dpo["kl"], dpo[key], strict=True) if dpo else []):
+            first = dpo["beta"].index(b) == j
+            ax.plot(np.sqrt(k), np.asarray(g) - g[0], "v-", ms=3, alpha=0.6, label=f"DPO beta={b:g}" if first
+                    else None, color=plt.cm.plasma(betas.index(b) / max(1, len(betas))))  # fmt: skip
         if turn and key == "gold":
             d, g = np.sqrt(np.asarray(turn["kl"])), np.asarray(turn["gold"])
             _fitted(ax, d.ravel(), (g - g[:, :1]).ravel(), "rl", "k", "RL form fitted to PPO (all seeds)")
@@ -305,11 +415,11 @@ def finish(res: Path) -> int:
     claims += bon_rows
     arms = {
         a: load(res / f"{a}_eval.jsonl.gz")
-        for a in ("turn", "ctrl", "grpo")
+        for a in ("turn", "ctrl", "grpo", "dpo")
         if (res / f"{a}_eval.jsonl.gz").is_file()
     }
     runs = {a: load(res / f"{a}_runs.json.gz")["runs"] for a in arms}
-    turn = grpo = None
+    turn = grpo = dpo = None
     labels = {a: [f"{r['label']} seed {r['seed']}" for r in runs[a]] for a in arms}
     if "turn" in arms:
         rows, turn = turn_claims(arms["turn"])
@@ -328,15 +438,18 @@ def finish(res: Path) -> int:
             "proxy": np.nanmean(gp, -1).tolist(),
             "labels": labels["grpo"],
         }
+    if "dpo" in arms:
+        rows, dpo = dpo_claims(arms["dpo"], runs["dpo"], turn)
+        claims += rows
     claims += duplicate_claims(arms)
-    missing = [a for a in ("turn", "ctrl", "grpo") if a not in arms]
-    name = figure(res, bon, turn, grpo)
+    missing = [a for a in ("turn", "ctrl", "grpo", "dpo") if a not in arms]
+    name = figure(res, bon, turn, grpo, dpo)
     lines = ["| claim | measured | verdict |", "|---|---|---|"]
     lines += [f"| {c['claim']} | {c['measured']} | {c['verdict']} |" for c in claims]
     lines += [f"| {a} arm | - | not run |" for a in missing]
     (res / "claims.md").write_text("\n".join(lines) + f"\n\n![]({name})\n")
     (res / "claims.json").write_text(
-        json.dumps({"claims": claims, "bon": bon, "turn": turn}, indent=1, default=float) + "\n"
+        json.dumps({"claims": claims, "bon": bon, "turn": turn, "dpo": dpo}, indent=1, default=float) + "\n"
     )
     print("\n".join(lines))
     return 0

@@ -6,7 +6,9 @@ returns one record per response with everything a claim is computed from: the te
 exact KL to the reference (:func:`klrl.eval.score.exact_kl`), the judge's NLL per token of the text alone
 and its relevance (:meth:`klrl.eval.score.Judge.relevance`), the gold and its parts
 (:func:`klrl.eval.gold.gold_parts`) and each proxy's score. :func:`summary` gives the means and the
-diversity of one evaluation (:mod:`klrl.eval.diversity`).
+diversity of one evaluation (:mod:`klrl.eval.diversity`). :func:`evaluate_runs` evaluates every checkpoint
+of the members of a sweep (PPO or DPO) so; :func:`reference_rows` and :func:`judge_rows` are a pool of the
+reference's own responses with their judge numbers.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from klrl.data.prompts import PromptPool
+from klrl.config import DataConfig
+from klrl.data.prompts import PromptPool, load_prompts
 from klrl.eval import diversity, gold
+from klrl.eval.policy import Source, checkpoint_steps, policy_at
 from klrl.eval.sample import decode, sample, token_ids
 from klrl.eval.score import Judge, exact_kl
 
@@ -76,3 +80,57 @@ def summary(records: list[dict[str, Any]], threshold: float = 0.7) -> dict[str, 
     out["duplicates"] = diversity.duplicate_share(texts, prompts, threshold)
     out["n"] = len(records)
     return out
+
+
+def evaluate_runs(
+    dirs: list[Any],
+    judge: Judge,
+    free: dict[str, float],
+    data: DataConfig,
+    *,
+    max_new: int,
+    proxies: Callable[[Source], dict[str, Proxy]] | None = None,
+    n: int = 1,
+    seed: int = 0,
+    log: Callable[[int, int, dict[str, float]], Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Every run of ``dirs`` (the members of one sweep, PPO or DPO: :func:`klrl.eval.policy.policy_at`) at
+    each complete checkpoint of the first, step-major, after the reference once (``member`` -1, step 0): the
+    records of :func:`evaluate` on the held-out prompts of ``data`` (:func:`klrl.data.prompts.load_prompts`)
+    with ``member`` (the index in ``dirs``) and ``step``. ``proxies(src)``: the proxies, built once from the
+    first checkpoint's :class:`~klrl.eval.policy.Source` (its base); ``log(member, step, summary)``."""
+    steps = checkpoint_steps(dirs[0])
+    src0 = policy_at(dirs[0], steps[0])
+    ref = (src0.model, src0.ref_params)
+    pool = load_prompts(data, src0.tok).eval
+    kw = {"max_new": max_new, "proxies": proxies(src0) if proxies else None, "seed": seed, "n": n}
+    rows = [{"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, free, **kw)]
+    for step in steps:
+        for j, d in enumerate(dirs):
+            src = policy_at(d, step)
+            recs = evaluate((src.model, src.params), ref, src.tok, pool, judge, free, **kw)
+            rows += [{"member": j, "step": step, **r} for r in recs]
+            if log is not None:
+                log(j, step, summary(recs))
+    return rows
+
+
+def reference_rows(
+    model: Any, params: Any, tok: Any, pool: PromptPool, n: int, max_new: int, seed: int
+) -> list[dict]:
+    """``n`` responses (temperature 1) of ``(model, params)`` to each prompt of ``pool``: ``prompt_idx``,
+    ``sample`` (0..n-1), ``completion`` (the text) and ``ids`` (its tokens)."""
+    idx, resp, mask = sample(model, params, tok, pool, n, max_new, 1.0, seed, 64)
+    texts, _, _ = decode(tok, resp, mask)
+    return [
+        {"prompt_idx": int(i), "sample": m % n, "completion": t, "ids": ids}
+        for m, (i, t, ids) in enumerate(zip(idx, texts, token_ids(resp, mask), strict=True))
+    ]
+
+
+def judge_rows(judge: Judge, prompts: list[Any], rows: list[dict[str, Any]]) -> None:
+    """Adds the judge's ``judge_nll`` per token (the text alone; NaN if empty) and ``relevance`` (PMI,
+    :meth:`klrl.eval.score.Judge.relevance`) to each of ``rows`` (``prompt_idx`` into ``prompts``)."""
+    rel = judge.relevance([r["completion"] for r in rows], prompts, [r["prompt_idx"] for r in rows])
+    for r, a, b, k in zip(rows, rel["nll_text"], rel["pmi"], rel["tokens"], strict=True):
+        r["judge_nll"], r["relevance"] = (float(a / k), float(b)) if k else (float("nan"), float("nan"))

@@ -7,6 +7,9 @@ run at a step), read from
   ``model.path`` (the base the run started from), its prompt format the run's ``data`` section
   (``chat_template``, ``prompt_len``, ``truncate``, ``field``) and ``sampling.use_eos``;
 * **a checkpoint directory** ``RUN/checkpoints/N``: that run at step ``N``;
+* **a DPO run** (:mod:`klrl.loop.dpo`; or a member ``SWEEP/dpo.beta=B,dpo.seed=S`` of a DPO sweep) at a
+  step, through :func:`policy_at` and :func:`checkpoint_steps`: its adapters (the state's ``params``)
+  merged into ``model.path`` as above; its prompt format its ``config.json``'s ``data`` and ``sampling``;
 * **an export** (``klrl export``'s HF directory), **an HF model directory**, **a ``.gguf``** or **a Hub
   name** in the local Hugging Face cache: the model as it is; PPO's defaults for the prompt format;
   the reference is ``--ref`` (an export's ``adapter/adapter_config.json`` names its base: that one by
@@ -59,9 +62,11 @@ def checkpoint_of(run_dir: Path) -> tuple[Path, int | None]:
     return run_dir, None
 
 
-def policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any, int]:
+def policy_params(root: Path, member: int | None, step: int | None, dpo: bool = False) -> tuple[Any, int]:
     """The policy's parameters (host arrays) at ``step`` (default: the latest complete one: a step
-    directory holding no finished save is skipped, :func:`klrl.io.checkpoint.is_finished`), and that step."""
+    directory holding no finished save is skipped, :func:`klrl.io.checkpoint.is_finished`), and that step.
+    ``dpo``: a DPO run's state (:class:`klrl.step.dpo.DPOState`: ``params`` the policy's own, always
+    stacked by member) rather than PPO's (``params/policy``)."""
 
     mgr = ckpt.manager(root, read_only=True)
     try:
@@ -83,7 +88,7 @@ def policy_params(root: Path, member: int | None, step: int | None) -> tuple[Any
     finally:
         mgr.close()
     try:
-        policy = state["params"]["policy"]
+        policy = state["params"] if dpo else state["params"]["policy"]
     except (KeyError, TypeError):
         raise PolicyError(f"checkpoint {step} in {root} holds no policy parameters (params/policy)") from None
     if member is not None:
@@ -155,7 +160,47 @@ def _base(path: str, dtype: Any) -> tuple[Any, Any, Any]:
     return from_pretrained(path, dtype=dtype)
 
 
+def dpo_run_of(run_dir: Path) -> tuple[Path, int, dict] | None:
+    """``(root, member index, config.json)`` when ``run_dir`` is a DPO run (member 0) or a member of a
+    DPO sweep (:mod:`klrl.loop.dpo`: ``config.json`` with a ``dpo`` section at the root), else None."""
+    root, j = run_dir, 0
+    if not (run_dir / "config.json").is_file() and (run_dir.parent / "sweep.json").is_file():
+        try:
+            names = read_sweep_members(run_dir.parent)
+        except RunDirError:
+            return None
+        if run_dir.name not in names:
+            return None
+        root, j = run_dir.parent, names.index(run_dir.name)
+    try:
+        doc = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (root, j, doc) if isinstance(doc, dict) and isinstance(doc.get("dpo"), dict) else None
+
+
+def _from_dpo_run(root: Path, member: int, doc: dict, step: int | None, run_dir: Path) -> Source:
+    """A DPO run's policy at ``step``: its adapters merged into ``model.path`` (the reference)."""
+    try:
+        sections = {k: doc.get(k, {}) for k in ("model", "lora", "data", "sampling")}
+        cfg = RunConfig.from_dict({"task": {"name": "text"}, **sections})
+        check_model_paths(cfg)
+        params, step = policy_params(root, member, step, dpo=True)
+        model, base, tok = _base(str(cfg.model.path), compute_dtype(cfg))
+        what = "DPO policy"
+        if cfg.lora.rank > 0:
+            lm = lora_of(cfg, model, params)
+            params = lora.merged_kernels(base, params, lm.scale)
+            what = f"DPO policy (LoRA rank {lm.rank} merged into {cfg.model.path})"
+    except (CheckpointError, ConfigError, CheckpointFormatError, PolicyError) as e:
+        raise SourceError(str(e)) from None
+    line = f"{run_dir}: the {what} at iteration {step}; reference {cfg.model.path}"
+    return Source(model, params, tok, cfg.data, cfg.sampling, cfg.model.path, line, ref_params=base)
+
+
 def _from_run(run_dir: Path, step: int | None) -> Source:
+    if (dpo := dpo_run_of(run_dir)) is not None:
+        return _from_dpo_run(*dpo, step, run_dir)
     try:
         cfg: RunConfig = read_run(run_dir)[0]
         if not cfg.model.path:
@@ -242,15 +287,21 @@ def load_reference(src: Source) -> tuple[Any, Any]:
 
 
 def policy_at(run_dir: str | Path, step: int | None = None) -> Source:
-    """The policy of a run (or a sweep member ``SWEEP/MEMBER``) at checkpoint ``step`` (None: the latest
-    complete one), LoRA adapters merged into the base; the base is read once per process."""
+    """The policy of a run (or a sweep member ``SWEEP/MEMBER``; a PPO or a DPO run) at checkpoint ``step``
+    (None: the latest complete one), LoRA adapters merged into the base; the base is read once per process."""
     return _from_run(Path(run_dir), step)
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
     """The complete checkpoints of a run, a sweep or a sweep member, in order (digests not yet checked:
     :func:`policy_at` checks the one it reads)."""
-    root, _ = checkpoint_of(Path(run_dir)) if not (Path(run_dir) / "sweep.json").is_file() else (run_dir, 0)
+    dpo = dpo_run_of(Path(run_dir)) if not (Path(run_dir) / "sweep.json").is_file() else None
+    if dpo is not None:
+        root = dpo[0]
+    elif (Path(run_dir) / "sweep.json").is_file():
+        root = Path(run_dir)
+    else:
+        root = checkpoint_of(Path(run_dir))[0]
     mgr = ckpt.manager(Path(root), read_only=True)
     try:
         return list(ckpt.steps(mgr))

@@ -65,3 +65,45 @@ def test_a_members_policy_at_its_last_step_is_the_policy_it_saved(lora_sweep):
 def test_a_missing_step_is_one_error(lora_sweep):
     with pytest.raises(SourceError, match="--step: no checkpoint 7"):
         policy_at(lora_sweep[0].dir, 7)
+
+
+@pytest.fixture(scope="module")
+def dpo_sweep(tmp_path_factory):
+    import klrl
+    from klrl.config import DataConfig, LoRAConfig, SamplingConfig
+
+    out = tmp_path_factory.mktemp("dpo-sweep") / "run"
+    words = "ab cd ef gh ij kl".split()
+    recs = [{"prompt": words[i % 6], "chosen": f"yes {words[(i + 1) % 6]}", "rejected": words[(i + 2) % 6]}
+            for i in range(20)]  # fmt: skip
+    cfg = klrl.DPOConfig(
+        lr=1e-2, batch_size=4, iterations=2, eval_every=0, checkpoint_every=1, eval_prompts=0
+    )
+    text = {"data": DataConfig(chat_template=False, prompt_len=4), "sampling": SamplingConfig(response_len=4)}
+    klrl.dpo(recs, model_path=GGUF, cfg=cfg, betas=[0.1, 1.0], lora=LoRAConfig(rank=4), run_dir=out, **text)
+    return out
+
+
+def test_a_dpo_members_policy_at_its_last_step_is_the_policy_it_exported(dpo_sweep):
+    members = sorted(p for p in dpo_sweep.iterdir() if p.name.startswith("dpo.beta="))
+    assert checkpoint_steps(dpo_sweep) == [1, 2] == checkpoint_steps(members[0])
+    last = []
+    for d in members:
+        src = policy_at(d, 2)
+        assert "DPO policy (LoRA rank 4 merged" in src.what and src.data.prompt_len == 4
+        _, saved, _ = from_pretrained(d / "policy")  # the driver's own merge and export
+        for a, b in zip(jax.tree.leaves(src.params), jax.tree.leaves(saved), strict=True):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6)
+        last.append(src.params)
+    differ = lambda x, y: any(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max()) > 0
+        for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)
+    )
+    assert differ(last[0], last[1])  # two members, two policies: the comparison is not vacuous
+    assert differ(policy_at(members[0], 1).params, last[0])  # step 1 is not step 2
+    assert not differ(policy_at(members[0], 1).ref_params, src.ref_params)  # the same base
+
+
+def test_a_dpo_runs_missing_step_is_one_error(dpo_sweep):
+    with pytest.raises(SourceError, match="--step: no checkpoint 7"):
+        policy_at(dpo_sweep / "dpo.beta=1,dpo.seed=0", 7)
