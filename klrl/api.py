@@ -37,8 +37,7 @@ from klrl.loop.dpo import DPOResult, member_name
 from klrl.loop.dpo import drive as drive_dpo
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.models import lora as lora_lib
-from klrl.models.hf import CheckpointFormatError
-from klrl.models.pretrained import from_pretrained
+from klrl.models.pretrained import text_model
 from klrl.rewards.pairs import Pairs, check_pairs, encode_as_ppo, heldout_prompts, read_pairs, split
 from klrl.step.dpo import DPOProgram, Heldout, PairData
 from klrl.tasks.base import Task
@@ -257,12 +256,9 @@ def dpo(
 def _dpo_model(model_path: str) -> tuple[Any, Any, Any]:
     """``(family, params, tokenizer)`` read from ``model_path`` (checked there by the preflight)."""
     try:
-        family, base, tok = from_pretrained(model_path)
-    except (CheckpointFormatError, OSError, ValueError) as e:
+        return text_model(model_path)
+    except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
-    if tok is None:
-        raise ConfigError(f"model.path: {model_path}: no tokenizer (an HF directory needs tokenizer.json)")
-    return family, base, tok
 
 
 def _dpo_adapters(family, base, lora: LoRAConfig):

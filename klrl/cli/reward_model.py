@@ -55,8 +55,7 @@ from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
 from klrl.models import lora as lora_lib
 from klrl.models.catalog import resolve_model_path
-from klrl.models.hf import CheckpointFormatError
-from klrl.models.pretrained import from_pretrained
+from klrl.models.pretrained import text_model
 from klrl.rewards.pairs import PairsError, encode_as_ppo, format_line, read_pairs, split, text_format
 from klrl.rewards.train import TrainSettings, heldout_warning, save_reward_model, train
 
@@ -133,11 +132,9 @@ def _check(ns: argparse.Namespace) -> None:
 
 def _load(ns: argparse.Namespace):
     try:
-        model, base, tok = from_pretrained(ns.model_path)
-    except (CheckpointFormatError, OSError, ValueError) as e:
+        model, base, tok = text_model(ns.model_path)
+    except ValueError as e:
         fail(f"--model.path: {e}")
-    if tok is None:
-        fail(f"--model.path: {ns.model_path}: no tokenizer (an HF directory needs tokenizer.json)")
     lora = None
     if ns.lora_rank > 0:
         try:
