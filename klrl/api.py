@@ -101,8 +101,9 @@ def run(
     (the state is checkpointed) or the quality rollback hit ``train.max_rollbacks``.
     Bad input raises :class:`ConfigError` or :class:`klrl.io.checkpoint.CheckpointError`.
     """
-    return _go([cfg], False, task, run_dir, write, log, resume, report, on_step, hooks, checked, metrics, 1,
-               models)  # fmt: skip
+    return _go(
+        [cfg], False, task, run_dir, write, log, resume, report, on_step, hooks, checked, metrics, 1, models
+    )
 
 
 def sweep(
@@ -155,8 +156,9 @@ def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, ho
     on these members (the command line does, before it joins a distributed run)."""
     with reliability.RunGuard(log) as guard:
         given = task is not None
-        members, plan = _checked(members, stacked, given, write, resume, out_dir, guard, sweep_devices,
-                                 checked)  # fmt: skip
+        members, plan = _checked(
+            members, stacked, given, write, resume, out_dir, guard, sweep_devices, checked
+        )
         spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
         prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
                                   check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
@@ -237,8 +239,11 @@ def dpo(
     members = [(b, s) for b in betas for s in seeds]
     sections = {"dpo": cfg, "lora": lora, "data": data, "sampling": sampling}
     doc = {k: dataclasses.asdict(v) for k, v in sections.items()}
-    doc |= {"model": {"path": str(model_path or "")}, "members": [list(m) for m in members],
-            "pairs": {"train": len(train_pairs), "heldout": len(held_pairs)}}  # fmt: skip
+    doc |= {
+        "model": {"path": str(model_path or "")},
+        "members": [list(m) for m in members],
+        "pairs": {"train": len(train_pairs), "heldout": len(held_pairs)},
+    }
     if log is not None:
         how = f"LoRA rank {lora.rank}" if adapters else "full fine-tuning"
         n_prompts = 0 if held.prompts is None else len(held.prompts)

@@ -329,12 +329,16 @@ def check_task(cfg: RunConfig, task: Any) -> None:
     or the :class:`~klrl.config.TaskShape` of :func:`klrl.tasks.base.builtin_task_shape` before it is
     built)."""
     s, v = cfg.sampling, int(task.vocab_size)
-    _check(s.top_k <= v, "sampling.top_k",
-           f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip
+    _check(
+        s.top_k <= v, "sampling.top_k", f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}"
+    )
     total = int(task.prompt_len) + s.response_len
-    _check(total <= int(task.max_len), "sampling.response_len",
-           f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
-           f"max_len {task.max_len}")  # fmt: skip
+    _check(
+        total <= int(task.max_len),
+        "sampling.response_len",
+        f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
+        f"max_len {task.max_len}",
+    )
 
 
 def _check_prompts(task: Task) -> None:

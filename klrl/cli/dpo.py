@@ -107,8 +107,10 @@ def run(ns: argparse.Namespace):
         fail(str(e))
     except PairsError as e:
         fail(f"pairs: {e}")
-    print(f"wrote {result.dir} ({len(result)} member(s); each member's policy/ is an HF directory"
-          + (", policy/adapter a PEFT adapter)" if kw["lora"].rank else ")"))  # fmt: skip
+    print(
+        f"wrote {result.dir} ({len(result)} member(s); each member's policy/ is an HF directory"
+        + (", policy/adapter a PEFT adapter)" if kw["lora"].rank else ")")
+    )
     return result
 
 

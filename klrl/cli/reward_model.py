@@ -73,8 +73,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         what = "unknown flag" if name.startswith("-") else "unexpected argument"
         fail(f"klrl reward-model: {name}: {what}" + (f"; did you mean {near}?" if near else ""))
     if ns.max_len is not None:
-        fail("--max-len: replaced by PPO's lengths: --data.prompt_len (prompt tokens) and "
-             "--sampling.response_len (response tokens), the fields the PPO run reads")  # fmt: skip
+        fail(
+            "--max-len: replaced by PPO's lengths: --data.prompt_len (prompt tokens) and "
+            "--sampling.response_len (response tokens), the fields the PPO run reads"
+        )
     used = [t.split("=", 1)[0] for t in argv if t.startswith("--")]
     ns.deprecated = [f for f in dict.fromkeys(used) if f in DEPRECATED]
     return ns
@@ -176,8 +178,10 @@ def run(ns: argparse.Namespace) -> dict:
         if lora
         else "full fine-tuning"
     )
-    print(f"{len(records)} pairs ({len(tr)} training, {len(ev)} held out; {pairs.truncated} cut to "
-          f"data.prompt_len / sampling.response_len); {how} of {ns.model_path}")  # fmt: skip
+    print(
+        f"{len(records)} pairs ({len(tr)} training, {len(ev)} held out; {pairs.truncated} cut to "
+        f"data.prompt_len / sampling.response_len); {how} of {ns.model_path}"
+    )
     trunk, score, history = train(model, base, pairs.take(tr), pairs.take(ev), s, lora, print, ns.head_only)
     save_reward_model(model, trunk, score, tok, ns.out)
     last = history[-1]
@@ -194,8 +198,10 @@ def run(ns: argparse.Namespace) -> dict:
         "seconds": round(time.time() - t0, 2),
     }
     (Path(ns.out) / RESULT).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"held-out accuracy {last['eval_accuracy']:.3f}; wrote {ns.out} (--model.reward_path {ns.out}; "
-          f"Python: klrl.load_reward_model({str(ns.out)!r}).score(prompts, responses))")  # fmt: skip
+    print(
+        f"held-out accuracy {last['eval_accuracy']:.3f}; wrote {ns.out} (--model.reward_path {ns.out}; "
+        f"Python: klrl.load_reward_model({str(ns.out)!r}).score(prompts, responses))"
+    )
     warning = heldout_warning(last["eval_accuracy"], len(ev))
     if warning:
         print(warning, file=sys.stderr)

@@ -311,8 +311,9 @@ def _finish(loop: Loop) -> tuple[list[RunResult], str | None]:
     info = {"train_s": time.time() - loop.t0, "task": loop.prog.task_info, "start_iteration": loop.start,
             "iteration": loop.i, "stopped": loop.stopped, "rollbacks": loop.rollbacks,
             "checkpoint": loop.checkpoint}  # fmt: skip
-    out = results(loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, loop.writers,
-                  max(loop.i - 1, 0))  # fmt: skip
+    out = results(
+        loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, loop.writers, max(loop.i - 1, 0)
+    )
     if loop.stop is not None and loop.stop.raises is not None:
         err = loop.stop.raises(loop.stop_line)
         err.result = out

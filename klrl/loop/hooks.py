@@ -538,11 +538,13 @@ class KLSignNote(Hook):
             d = loop.dirs[j]
             who = f"{d.name if d is not None else f'member {j:02d}'}: " if loop.stacked else ""
             b = loop.configs[j].train.batch_size
-            self.log(f"note: iteration {row.it}: {who}the penalised KL estimate {self.key} has batch mean "
-                     f"{est:.3g} nats/seq while the exact KL is {exact:.3g}: {self.estimator} is unbiased "
-                     f"but noisy per sample and at batch {b} its mean can be negative; a larger "
-                     "train.batch_size averages it out, k3 is never negative (docs/kl-control.md, "
-                     "Estimators)")  # fmt: skip
+            self.log(
+                f"note: iteration {row.it}: {who}the penalised KL estimate {self.key} has batch mean "
+                f"{est:.3g} nats/seq while the exact KL is {exact:.3g}: {self.estimator} is unbiased "
+                f"but noisy per sample and at batch {b} its mean can be negative; a larger "
+                "train.batch_size averages it out, k3 is never negative (docs/kl-control.md, "
+                "Estimators)"
+            )
             self.done = True
             return
 
@@ -683,8 +685,11 @@ class HeldOut(Hook):
         err = reward_error(self.check) if self.evaluated(loop) else None
         if err is None:
             return None
-        return Stop(lambda lp: f"{err} (held-out evaluation); last good state: {lp.saved}", save=True,
-                    raises=RewardFunctionError)  # fmt: skip
+        return Stop(
+            lambda lp: f"{err} (held-out evaluation); last good state: {lp.saved}",
+            save=True,
+            raises=RewardFunctionError,
+        )
 
     def on_metrics(self, loop: Loop, it: int, metrics: dict[str, Any]) -> None:
         metrics.update(self.take(it))

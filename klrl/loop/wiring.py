@@ -99,8 +99,9 @@ def _checkpoints(
             )
         )
     last_saved = loop.start if resume is not None else -1
-    return Checkpoints(mgr, tc.checkpoint_every, tc.iterations, frozen.without(prog, restore_to),
-                       lambda: None, last_saved)  # fmt: skip
+    return Checkpoints(
+        mgr, tc.checkpoint_every, tc.iterations, frozen.without(prog, restore_to), lambda: None, last_saved
+    )
 
 
 def _rollback(
