@@ -70,8 +70,8 @@ def hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliability
     ckpts.tell(loop)
     loop.t0 = time.time()
     loop.lrs = learning_rates(loop.state, len(loop.configs))  # (read before the first step donates the state)
+    sink = MetricsSink.open(loop, alias_map(tc.metric_aliases), on_step)  # (before the samples: its writers)
     samples = Samples.of(loop)
-    sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
     out: list[Hook] = [Signals(guard.signals if guard is not None else None, log), RewardFailure(prog),
                        HeldOut(prog), samples]  # fmt: skip
     if metrics:
