@@ -27,7 +27,7 @@ import numpy as np
 
 from klrl import distributed
 from klrl.analysis.results import SUMMARY_KEYS, RunResult, Sweep, columns, load_run, load_sweep
-from klrl.checks import check_program, preflight
+from klrl.checks import check_program, preflight, preflight_dpo
 from klrl.config import ConfigError, DataConfig, LoRAConfig, RunConfig, SamplingConfig
 from klrl.config.dpo import DPOConfig
 from klrl.io.resume import prepare as prepare_resume
@@ -37,9 +37,7 @@ from klrl.loop.dpo import DPOResult, member_name
 from klrl.loop.dpo import drive as drive_dpo
 from klrl.loop.driver import ROLLED_BACK, drive
 from klrl.models import lora as lora_lib
-from klrl.models.catalog import resolve_model_path
-from klrl.models.hf import CheckpointFormatError
-from klrl.models.pretrained import from_pretrained
+from klrl.models.pretrained import text_model
 from klrl.rewards.pairs import Pairs, check_pairs, encode_as_ppo, heldout_prompts, read_pairs, split
 from klrl.step.dpo import DPOProgram, Heldout, PairData
 from klrl.tasks.base import Task
@@ -103,8 +101,9 @@ def run(
     (the state is checkpointed) or the quality rollback hit ``train.max_rollbacks``.
     Bad input raises :class:`ConfigError` or :class:`klrl.io.checkpoint.CheckpointError`.
     """
-    return _go([cfg], False, task, run_dir, write, log, resume, report, on_step, hooks, checked, metrics, 1,
-               models)  # fmt: skip
+    return _go(
+        [cfg], False, task, run_dir, write, log, resume, report, on_step, hooks, checked, metrics, 1, models
+    )
 
 
 def sweep(
@@ -157,8 +156,9 @@ def _go(members, stacked, task, out_dir, write, log, resume, report, on_step, ho
     on these members (the command line does, before it joins a distributed run)."""
     with reliability.RunGuard(log) as guard:
         given = task is not None
-        members, plan = _checked(members, stacked, given, write, resume, out_dir, guard, sweep_devices,
-                                 checked)  # fmt: skip
+        members, plan = _checked(
+            members, stacked, given, write, resume, out_dir, guard, sweep_devices, checked
+        )
         spec_hooks, spec_metrics = user.from_config(members[0])  # train.hooks, train.metric_fns
         prog, task = make_program(members, task, stacked=stacked, write=write, resume=plan, log=log,
                                   check=check_program, sweep_devices=sweep_devices, **models)  # fmt: skip
@@ -225,80 +225,66 @@ def dpo(
     raises :class:`ConfigError` or :class:`klrl.rewards.pairs.PairsError` (one line each).
     """
     cfg, lora = cfg or DPOConfig(), lora or LoRAConfig()
-    data = data or DataConfig()
-    sampling = sampling or SamplingConfig()
+    data, sampling = data or DataConfig(), sampling or SamplingConfig()
     betas = [float(b) for b in (betas if betas is not None else [cfg.beta])]
     seeds = [int(s) for s in (seeds if seeds is not None else [cfg.seed])]
-    for b in betas:
-        DPOConfig(**{**dataclasses.asdict(cfg), "beta": b})  # each beta checked as dpo.beta
-    if not betas or not seeds:
-        raise ConfigError("dpo: betas and seeds must not be empty")
-    members = [(b, s) for b in betas for s in seeds]
-    if model is None:
-        if model_path is None:
-            raise ConfigError("model.path: required (or model=(family, params, tokenizer))")
-        model_path = resolve_model_path(str(model_path))
-        if not Path(model_path).exists():
-            raise ConfigError(f"model.path: {model_path}: no such file or directory")
-        try:
-            family, base, tok = from_pretrained(model_path)
-        except (CheckpointFormatError, OSError, ValueError) as e:
-            raise ConfigError(f"model.path: {e}") from None
-        if tok is None:
-            raise ConfigError(
-                f"model.path: {model_path}: no tokenizer (an HF directory needs tokenizer.json)"
-            )
-    else:
-        family, base, tok = model
+    model_path = preflight_dpo(pairs, cfg=cfg, betas=betas, seeds=seeds, model_path=model_path,
+                               model_given=model is not None, run_dir=run_dir, resume=resume)  # fmt: skip
+    family, base, tok = model if model is not None else _dpo_model(model_path)
     train_pairs, held_pairs = _dpo_pairs(pairs, heldout, tok, data, sampling, cfg)
     if cfg.batch_size > len(train_pairs):
         raise ConfigError(f"dpo.batch_size: {cfg.batch_size} exceeds the {len(train_pairs)} training pairs")
-    adapters = None
-    if lora.rank > 0:
-        try:
-            adapters = lora_lib.LoRA(family, lora.rank, lora.alpha, lora_lib.parse_targets(lora.targets))
-            lora_lib.check(adapters, base, "lora.rank")
-        except ValueError as e:
-            raise ConfigError(str(e).replace("model.lora.", "lora.")) from None
-    if resume and run_dir is None:
-        raise ConfigError("resume: needs run_dir (the run directory to continue)")
-    prompts, pmask = heldout_prompts(held_pairs, cfg.eval_prompts, tok.pad_id)
-    as_jnp = lambda x: None if x is None else jnp.asarray(x)
-    scored = held_pairs.take(np.arange(min(len(held_pairs), cfg.eval_prompts)))
-    held = Heldout(PairData.of(scored) if len(scored) else None, as_jnp(prompts), as_jnp(pmask))
-    doc = {
-        "dpo": dataclasses.asdict(cfg),
-        "lora": dataclasses.asdict(lora),
-        "data": dataclasses.asdict(data),
-        "sampling": dataclasses.asdict(sampling),
+    adapters = _dpo_adapters(family, base, lora)
+    held = _dpo_heldout(held_pairs, cfg, tok)
+    members = [(b, s) for b in betas for s in seeds]
+    sections = {"dpo": cfg, "lora": lora, "data": data, "sampling": sampling}
+    doc = {k: dataclasses.asdict(v) for k, v in sections.items()}
+    doc |= {
         "model": {"path": str(model_path or "")},
         "members": [list(m) for m in members],
         "pairs": {"train": len(train_pairs), "heldout": len(held_pairs)},
     }
-    doc = json.loads(json.dumps(doc, default=str))
     if log is not None:
         how = f"LoRA rank {lora.rank}" if adapters else "full fine-tuning"
-        n_prompts = 0 if prompts is None else len(prompts)
+        n_prompts = 0 if held.prompts is None else len(held.prompts)
         log(
             f"{cfg.loss} on {len(train_pairs)} pairs ({len(held_pairs)} held out, {n_prompts} "
             f"held-out prompts for the exact KL); {how}; {len(members)} member(s): "
             + ", ".join(member_name(b, s) for b, s in members)
         )
-    return drive_dpo(
-        DPOProgram(family, adapters, cfg),
-        base,
-        tok,
-        PairData.of(train_pairs),
-        held,
-        members,
-        sampling,
-        run_dir=run_dir,
-        resume=resume,
-        config_doc=doc,
-        model_path=model_path,
-        log=log,
-        on_step=on_step,
-    )
+    program = DPOProgram(family, adapters, cfg)
+    return drive_dpo(program, base, tok, PairData.of(train_pairs), held, members, sampling, run_dir=run_dir,
+                     resume=resume, config_doc=json.loads(json.dumps(doc, default=str)),
+                     model_path=model_path, log=log, on_step=on_step)  # fmt: skip
+
+
+def _dpo_model(model_path: str) -> tuple[Any, Any, Any]:
+    """``(family, params, tokenizer)`` read from ``model_path`` (checked there by the preflight)."""
+    try:
+        return text_model(model_path)
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e}") from None
+
+
+def _dpo_adapters(family, base, lora: LoRAConfig):
+    """The LoRA adapters ``lora`` asks for on ``base`` (None: ``lora.rank`` 0, the whole model trains)."""
+    if lora.rank <= 0:
+        return None
+    try:
+        adapters = lora_lib.LoRA(family, lora.rank, lora.alpha, lora_lib.parse_targets(lora.targets))
+        lora_lib.check(adapters, base, "lora.rank")
+    except ValueError as e:
+        raise ConfigError(str(e).replace("model.lora.", "lora.")) from None
+    return adapters
+
+
+def _dpo_heldout(held_pairs: Pairs, cfg: DPOConfig, tok) -> Heldout:
+    """The held-out pairs scored at each evaluation and the prompts of the exact KL
+    (``cfg.eval_prompts`` of each)."""
+    prompts, pmask = heldout_prompts(held_pairs, cfg.eval_prompts, tok.pad_id)
+    as_jnp = lambda x: None if x is None else jnp.asarray(x)
+    scored = held_pairs.take(np.arange(min(len(held_pairs), cfg.eval_prompts)))
+    return Heldout(PairData.of(scored) if len(scored) else None, as_jnp(prompts), as_jnp(pmask))
 
 
 def _dpo_pairs(pairs, heldout, tok, data, sampling, cfg) -> tuple[Pairs, Pairs]:

@@ -19,7 +19,8 @@
 included) and every ``klrl`` command that trains call it once, before anything is built: the paths the
 run opens and writes (:mod:`klrl.io.paths`), the model paths resolved, 1, 2 on the shape of a built-in
 task (:func:`klrl.tasks.base.builtin_task_shape`), the reward functions loaded, and a single run's device
-count. The API then runs :func:`check_program` (2 and 3; the device split before the parts, whose reward
+count (:func:`preflight_dpo`: the same for :func:`klrl.api.dpo` and ``klrl dpo``). The API then runs
+:func:`check_program` (2 and 3; the device split before the parts, whose reward
 is traced on one device's share of the batch) on the task it built; nothing below them checks again
 (``make_train`` trusts its input). The command line runs :func:`preflight` itself (before it joins a
 distributed run, which checks its device count once joined; ``klrl ... --check`` runs it, then
@@ -43,12 +44,13 @@ import numpy as np
 
 from klrl.algo.advantages import needs_critic
 from klrl.config import ConfigError, RunConfig
+from klrl.config.dpo import DPOConfig
 from klrl.config.relevance import check_relevance
 from klrl.config.sweep import check_members
-from klrl.io.paths import check_run_dir_writable, check_special_fields, check_writable_dir
+from klrl.io.paths import check_dpo_paths, check_run_dir_writable, check_special_fields, check_writable_dir
 from klrl.loop.user import from_config as user_hooks
 from klrl.models.base import CausalLM
-from klrl.models.catalog import MODEL_FIELDS, resolve_model_paths
+from klrl.models.catalog import MODEL_FIELDS, resolve_model_path, resolve_model_paths
 from klrl.models.gpt import GPT
 from klrl.models.hf import CheckpointFormatError
 from klrl.models.pretrained import pretrained_header
@@ -68,7 +70,7 @@ __all__ = [
     "check_config", "check_device_count", "check_devices", "check_parts", "check_program", "check_reward",
     "check_export", "check_lora_widths", "check_model_fields", "check_reward_fns", "check_run_paths",
     "check_task", "check_text_reward", "check_text_task",
-    "preflight", "text_reward",
+    "preflight", "preflight_dpo", "text_reward",
 ]  # fmt: skip
 MODES = ("run", "sweep")  # preflight's modes: one run, or a sweep's stacked members
 BUILTIN_TASKS = (*OWN_MODEL_TASKS, "text")  # the tasks whose shape is known unbuilt (builtin_task_shape)
@@ -175,6 +177,38 @@ def preflight(
     if devices and not stacked:
         check_device_count(resolved[0])
     return resolved
+
+
+def preflight_dpo(
+    pairs: Any,
+    *,
+    cfg: DPOConfig,
+    betas: list[float],
+    seeds: list[int],
+    model_path: Any = None,
+    model_given: bool = False,
+    run_dir: Any = None,
+    resume: bool = False,
+) -> Any:
+    """:func:`preflight` for a DPO run (:func:`klrl.api.dpo` and ``klrl dpo`` alike, before any model or
+    pairs are read): the paths (:func:`klrl.io.paths.check_dpo_paths`: ``pairs`` no named pipe,
+    ``run_dir`` new and writable or, with ``resume``, a DPO run directory that can be written), each of
+    ``betas`` a valid ``dpo.beta``, ``betas`` and ``seeds`` not empty, and unless the caller brings the
+    model (``model_given``) ``model_path`` given and, resolved (a ``klrl models`` or Hub name), there.
+    Returns ``model_path`` resolved. A failure is a :class:`ConfigError` naming the field."""
+    check_dpo_paths(pairs, run_dir, resume)
+    for b in betas:
+        DPOConfig(**{**dataclasses.asdict(cfg), "beta": b})  # each beta checked as dpo.beta
+    if not betas or not seeds:
+        raise ConfigError("dpo: betas and seeds must not be empty")
+    if model_given:
+        return model_path
+    if model_path is None:
+        raise ConfigError("model.path: required (or model=(family, params, tokenizer))")
+    model_path = resolve_model_path(str(model_path))
+    if not Path(model_path).exists():
+        raise ConfigError(f"model.path: {model_path}: no such file or directory")
+    return model_path
 
 
 def check_run_paths(cfg: RunConfig, *, resume: Any = None, run_dir: Any = None) -> None:
@@ -295,12 +329,16 @@ def check_task(cfg: RunConfig, task: Any) -> None:
     or the :class:`~klrl.config.TaskShape` of :func:`klrl.tasks.base.builtin_task_shape` before it is
     built)."""
     s, v = cfg.sampling, int(task.vocab_size)
-    _check(s.top_k <= v, "sampling.top_k",
-           f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}")  # fmt: skip
+    _check(
+        s.top_k <= v, "sampling.top_k", f"must be <= the task's vocabulary size {v} (0 = off), got {s.top_k}"
+    )
     total = int(task.prompt_len) + s.response_len
-    _check(total <= int(task.max_len), "sampling.response_len",
-           f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
-           f"max_len {task.max_len}")  # fmt: skip
+    _check(
+        total <= int(task.max_len),
+        "sampling.response_len",
+        f"prompt ({task.prompt_len}) + response ({s.response_len}) tokens exceed the task's "
+        f"max_len {task.max_len}",
+    )
 
 
 def _check_prompts(task: Task) -> None:

@@ -144,8 +144,10 @@ def build_parser(
     return p
 
 
-GPT_HELP = ("the testbed tasks' policy; ignored with --model.path, whose config.json or GGUF header fixes "
-            "the architecture")  # fmt: skip
+GPT_HELP = (
+    "the testbed tasks' policy; ignored with --model.path, whose config.json or GGUF header fixes "
+    "the architecture"
+)
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[str]:

@@ -95,13 +95,19 @@ FLAG_DEFAULTS = (("config", None), ("resume", None), ("report", None), ("sweep",
 def distributed_args(p: argparse.ArgumentParser) -> None:
     """``--quiet``, ``--check`` and the ``--distributed`` flags (every command that trains)."""
     p.add_argument("--quiet", action="store_true", help="print only the summary (= --train.quiet true)")
-    p.add_argument("--check", action="store_true",
-                   help="run every check the run makes before it compiles (klrl.checks.preflight and "
-                        "check_text_task: no weight is read), print one line and exit: 0 if they pass, 2 "
-                        "and the run's error otherwise; nothing is built or written")  # fmt: skip
-    p.add_argument("--distributed", action="store_true",
-                   help="join a multi-process run (jax.distributed) before anything else; "
-                        "auto-detected on Cloud TPU, Slurm, ...")  # fmt: skip
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run every check the run makes before it compiles (klrl.checks.preflight and "
+        "check_text_task: no weight is read), print one line and exit: 0 if they pass, 2 "
+        "and the run's error otherwise; nothing is built or written",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run (jax.distributed) before anything else; "
+        "auto-detected on Cloud TPU, Slurm, ...",
+    )
     p.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                    help="--distributed: process 0's address ($KLRL_COORDINATOR)")  # fmt: skip
     p.add_argument("--num-processes", metavar="N", type=int, default=None,
@@ -137,8 +143,10 @@ def check_report_alone(ns: argparse.Namespace) -> None:
     """A report trains nothing: no other flag."""
     others = given_flags(ns)
     if others:
-        fail(f"--report: cannot be combined with {others[0]} (a report trains nothing and reads the "
-             "run's own config)")  # fmt: skip
+        fail(
+            f"--report: cannot be combined with {others[0]} (a report trains nothing and reads the "
+            "run's own config)"
+        )
 
 
 # ---- the configs of a command ----------------------------------------------------------------------
@@ -258,8 +266,9 @@ def _check_distributed(ns: argparse.Namespace) -> bool:
     return bool(want)
 
 
-def _check_inputs(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None,
-                  distributed: bool) -> list[RunConfig]:  # fmt: skip
+def _check_inputs(
+    mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None, distributed: bool
+) -> list[RunConfig]:
     """:func:`klrl.checks.preflight`, the one check of every door (the paths a run writes, the model paths
     and fields, the built-in task's vocabulary and lengths, the reward functions, a single run's device
     count unless ``--distributed``, which checks it once joined: :func:`_join`; a Hub name resolved is one
@@ -294,9 +303,11 @@ def _join(ns: argparse.Namespace, run_alone: bool, cfg: RunConfig) -> None:
         initialize(ns.coordinator, ns.num_processes, ns.process_id, timeout_s=timeout)
     except ValueError as e:
         if "coordinator_address" in str(e):  # JAX's words when nothing was given or detected
-            e = ValueError("no coordinator given and no cluster detected (Cloud TPU, Slurm, Open MPI, "
-                           "Kubernetes): pass --coordinator HOST:PORT --num-processes N --process-id I "
-                           "(or $KLRL_COORDINATOR, $KLRL_NUM_PROCESSES, $KLRL_PROCESS_ID)")  # fmt: skip
+            e = ValueError(
+                "no coordinator given and no cluster detected (Cloud TPU, Slurm, Open MPI, "
+                "Kubernetes): pass --coordinator HOST:PORT --num-processes N --process-id I "
+                "(or $KLRL_COORDINATOR, $KLRL_NUM_PROCESSES, $KLRL_PROCESS_ID)"
+            )
         fail(f"--distributed: {e}")
     if run_alone:
         try:
@@ -357,8 +368,9 @@ def _check_as_the_run(members: list[RunConfig]) -> None:
     guarded(lambda: check_text_task(members[0]))
 
 
-def _launch(mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None,
-            axes: Any) -> int:  # fmt: skip
+def _launch(
+    mode: str, ns: argparse.Namespace, cfg: RunConfig, members: list[RunConfig] | None, axes: Any
+) -> int:
     """The run or sweep of checked configs (:mod:`klrl.cli.launch`), with a report at its end."""
     from klrl.analysis.report import maybe_write_report
 
@@ -380,8 +392,9 @@ def run_one(cfg: RunConfig, resume: str | None, report: Any = None) -> int:
     return launch.run_one(cfg, resume, report)
 
 
-def run_sweep(members: list[RunConfig], axes: Any, sweep_devices: int, resume: str | None,
-              report: Any = None) -> int:  # fmt: skip
+def run_sweep(
+    members: list[RunConfig], axes: Any, sweep_devices: int, resume: str | None, report: Any = None
+) -> int:
     """:func:`klrl.cli.launch.run_sweep` (imported when a sweep starts)."""
     from klrl.cli import launch
 
@@ -427,8 +440,11 @@ def models_main(argv: list[str]) -> int:
     """``klrl models``: the pretrained models klrl can see (:func:`klrl.models.catalog.find_models`),
     one entry each (name, family, parameters, where it was found; its path on the next line), and
     where it looked. Reads file headers only, offline."""
-    p = build_parser("klrl models: the pretrained models klrl can see on this machine (offline)",
-                     prog="klrl models", fields=False)  # fmt: skip
+    p = build_parser(
+        "klrl models: the pretrained models klrl can see on this machine (offline)",
+        prog="klrl models",
+        fields=False,
+    )
     if argv and argv[0] not in ("-h", "--help"):
         fail(f"{argv[0]}: klrl models takes no flags or arguments")
     p.parse_args(argv)  # --help

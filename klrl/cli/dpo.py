@@ -15,7 +15,8 @@ tokenised in PPO's text format (``--config``'s or PPO's default ``data``/``sampl
 over them). Every ``(beta, seed)`` of ``--dpo.betas x --dpo.seeds`` is a member of one compiled program.
 ``DIR`` gets the run directory of :mod:`klrl.loop.dpo` (metrics, checkpoints, each member's ``policy/``).
 ``--resume DIR`` continues it from its latest checkpoint with its ``config.json`` (only
-``--dpo.iterations`` may change; the pairs file must be the same). Bad input is one line, exit status 2.
+``--dpo.iterations`` may change; the pairs file must be the same). Bad input is one line, exit
+status 2: a field's error names the field, as :func:`klrl.dpo` does.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
-from klrl.cli.args import check_new_path, check_special, fail, load_config_file
+from klrl.cli.args import fail, load_config_file
 from klrl.cli.flags import PPO_FIELDS, dpo_parser
 from klrl.config import ConfigError, DataConfig, LoRAConfig, SamplingConfig
 from klrl.config.dpo import DPOConfig
+from klrl.io.paths import dpo_config_file
 
 
 def _floats(text: str | None, flag: str, kind: type) -> list | None:
@@ -51,11 +52,8 @@ def settings(ns: argparse.Namespace) -> dict:
     """The keyword arguments of :func:`klrl.dpo` from the flags (and ``--config`` or the resumed run's
     ``config.json``)."""
     saved = {}
-    if ns.resume:
-        f = Path(ns.resume) / "config.json"
-        if not f.is_file():
-            fail(f"--resume: {ns.resume}: no config.json (not a DPO run directory)")
-        saved = json.loads(f.read_text())
+    if ns.resume:  # (a ConfigError: no config.json there)
+        saved = json.loads(dpo_config_file(ns.resume).read_text())
         given = [
             k for k, v in vars(ns).items() if v is not None and k.startswith(("dpo_", "data_", "sampling_"))
         ]
@@ -91,28 +89,28 @@ def settings(ns: argparse.Namespace) -> dict:
 
 
 def run(ns: argparse.Namespace):
-    """Check the flags, train, print one line per evaluation and the run directory."""
-    for flag, path in (("--pairs", ns.pairs), ("--out", ns.out), ("--resume", ns.resume)):
-        check_special(path, flag)
+    """Check the flags, train, print one line per evaluation and the run directory. The paths, the betas
+    and the model are checked by :func:`klrl.checks.preflight_dpo` inside :func:`klrl.api.dpo`: its
+    error is the line (the same through either door)."""
     if bool(ns.out) == bool(ns.resume):
         fail("--out: give --out DIR (a new run) or --resume DIR (continue one), not both, not neither")
-    if ns.out:  # nothing there; a name too long, a loop, read-only, a full disk: one line, nothing made
-        check_new_path(ns.out, "--out", directory=True)
     try:
         kw = settings(ns)
     except ConfigError as e:
-        fail(f"--{e}")
+        fail(str(e))
     from klrl.api import dpo  # after the flags: jax is imported here
     from klrl.rewards.pairs import PairsError
 
     try:
         result = dpo(ns.pairs, run_dir=ns.out or ns.resume, resume=bool(ns.resume), log=print, **kw)
     except ConfigError as e:
-        fail(str(e) if str(e).startswith(("run_dir", "resume", "pairs")) else f"--{e}")
+        fail(str(e))
     except PairsError as e:
-        fail(f"--pairs: {e}")
-    print(f"wrote {result.dir} ({len(result)} member(s); each member's policy/ is an HF directory"
-          + (", policy/adapter a PEFT adapter)" if kw["lora"].rank else ")"))  # fmt: skip
+        fail(f"pairs: {e}")
+    print(
+        f"wrote {result.dir} ({len(result)} member(s); each member's policy/ is an HF directory"
+        + (", policy/adapter a PEFT adapter)" if kw["lora"].rank else ")")
+    )
     return result
 
 

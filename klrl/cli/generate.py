@@ -143,8 +143,9 @@ def prompt_pool(ns: argparse.Namespace, src: Source) -> tuple[PromptPool, DataCo
 
 def sample(src: Source, pool: PromptPool, n: int, max_new: int, temperature: float, seed: int, batch: int):
     """:func:`klrl.eval.sample.sample` of ``src``'s policy with its ``sampling.use_eos``."""
-    return sample_pool(src.model, src.params, src.tok, pool, n, max_new, temperature, seed, batch,
-                       src.sampling.use_eos)  # fmt: skip
+    return sample_pool(
+        src.model, src.params, src.tok, pool, n, max_new, temperature, seed, batch, src.sampling.use_eos
+    )
 
 
 def load_judge(ns: argparse.Namespace) -> Judge:
@@ -235,8 +236,10 @@ def _write(rows: list[dict], out: str | None) -> None:
 def generate_main(argv: list[str]) -> int:
     """``klrl generate SOURCE ...`` (module docstring)."""
     ns, src, pool, _ = _setup("generate", argv)
-    print(f"{src.what}; {len(pool)} prompts x {ns.n}, at most {ns.max_new_tokens} new tokens, "
-          f"temperature {ns.temperature:g}, seed {ns.seed}")  # fmt: skip
+    print(
+        f"{src.what}; {len(pool)} prompts x {ns.n}, at most {ns.max_new_tokens} new tokens, "
+        f"temperature {ns.temperature:g}, seed {ns.seed}"
+    )
     idx, resp, mask = sample(src, pool, ns.n, ns.max_new_tokens, ns.temperature, ns.seed, ns.batch_size)
     rows = _rows(pool, idx, ns.n, *decode(src.tok, resp, mask))
     if ns.ids:

@@ -40,11 +40,14 @@ def _legacy_args(p: argparse.ArgumentParser) -> None:
                    help="write report.md (summary, diagnosis, plots) for this run or sweep directory "
                         "and exit; trains nothing (takes no other flag)")  # fmt: skip
     sweep_args(p)
-    p.add_argument("--study", action="store_true",
-                   help="the default beta study (what running with no arguments does): fixed kl.beta "
-                        "0.01, 0.1, 1 and one proportional controller; other flags apply to every member, "
-                        "a flag the study sets per member (kl.beta, ctrl.*) or no member reads is an "
-                        "error")  # fmt: skip
+    p.add_argument(
+        "--study",
+        action="store_true",
+        help="the default beta study (what running with no arguments does): fixed kl.beta "
+        "0.01, 0.1, 1 and one proportional controller; other flags apply to every member, "
+        "a flag the study sets per member (kl.beta, ctrl.*) or no member reads is an "
+        "error",
+    )
     distributed_args(p)
 
 

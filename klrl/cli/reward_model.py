@@ -55,8 +55,7 @@ from klrl.config import ConfigError, DataConfig, SamplingConfig
 from klrl.config.schema import closest
 from klrl.models import lora as lora_lib
 from klrl.models.catalog import resolve_model_path
-from klrl.models.hf import CheckpointFormatError
-from klrl.models.pretrained import from_pretrained
+from klrl.models.pretrained import text_model
 from klrl.rewards.pairs import PairsError, encode_as_ppo, format_line, read_pairs, split, text_format
 from klrl.rewards.train import TrainSettings, heldout_warning, save_reward_model, train
 
@@ -74,8 +73,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         what = "unknown flag" if name.startswith("-") else "unexpected argument"
         fail(f"klrl reward-model: {name}: {what}" + (f"; did you mean {near}?" if near else ""))
     if ns.max_len is not None:
-        fail("--max-len: replaced by PPO's lengths: --data.prompt_len (prompt tokens) and "
-             "--sampling.response_len (response tokens), the fields the PPO run reads")  # fmt: skip
+        fail(
+            "--max-len: replaced by PPO's lengths: --data.prompt_len (prompt tokens) and "
+            "--sampling.response_len (response tokens), the fields the PPO run reads"
+        )
     used = [t.split("=", 1)[0] for t in argv if t.startswith("--")]
     ns.deprecated = [f for f in dict.fromkeys(used) if f in DEPRECATED]
     return ns
@@ -133,11 +134,9 @@ def _check(ns: argparse.Namespace) -> None:
 
 def _load(ns: argparse.Namespace):
     try:
-        model, base, tok = from_pretrained(ns.model_path)
-    except (CheckpointFormatError, OSError, ValueError) as e:
+        model, base, tok = text_model(ns.model_path)
+    except ValueError as e:
         fail(f"--model.path: {e}")
-    if tok is None:
-        fail(f"--model.path: {ns.model_path}: no tokenizer (an HF directory needs tokenizer.json)")
     lora = None
     if ns.lora_rank > 0:
         try:
@@ -179,8 +178,10 @@ def run(ns: argparse.Namespace) -> dict:
         if lora
         else "full fine-tuning"
     )
-    print(f"{len(records)} pairs ({len(tr)} training, {len(ev)} held out; {pairs.truncated} cut to "
-          f"data.prompt_len / sampling.response_len); {how} of {ns.model_path}")  # fmt: skip
+    print(
+        f"{len(records)} pairs ({len(tr)} training, {len(ev)} held out; {pairs.truncated} cut to "
+        f"data.prompt_len / sampling.response_len); {how} of {ns.model_path}"
+    )
     trunk, score, history = train(model, base, pairs.take(tr), pairs.take(ev), s, lora, print, ns.head_only)
     save_reward_model(model, trunk, score, tok, ns.out)
     last = history[-1]
@@ -197,8 +198,10 @@ def run(ns: argparse.Namespace) -> dict:
         "seconds": round(time.time() - t0, 2),
     }
     (Path(ns.out) / RESULT).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"held-out accuracy {last['eval_accuracy']:.3f}; wrote {ns.out} (--model.reward_path {ns.out}; "
-          f"Python: klrl.load_reward_model({str(ns.out)!r}).score(prompts, responses))")  # fmt: skip
+    print(
+        f"held-out accuracy {last['eval_accuracy']:.3f}; wrote {ns.out} (--model.reward_path {ns.out}; "
+        f"Python: klrl.load_reward_model({str(ns.out)!r}).score(prompts, responses))"
+    )
     warning = heldout_warning(last["eval_accuracy"], len(ev))
     if warning:
         print(warning, file=sys.stderr)

@@ -39,7 +39,7 @@ from klrl.models import lora, peft
 from klrl.models.catalog import resolve_model_path
 from klrl.models.heads import detach
 from klrl.models.hf import CheckpointFormatError
-from klrl.models.pretrained import from_pretrained
+from klrl.models.pretrained import from_pretrained, text_model
 from klrl.tasks.text import check_model_paths, compute_dtype
 
 
@@ -255,11 +255,9 @@ def load_source(source: str, step: int | None = None, ref: str | None = None) ->
         if cfg.is_file() and '"klrl-gpt"' in cfg.read_text():
             raise SourceError(f"{path}: an export of klrl's GPT testbed: its tokens are not text")
         try:
-            model, params, tok = from_pretrained(path)
-        except (CheckpointFormatError, OSError, ValueError) as e:
+            model, params, tok = text_model(path)
+        except ValueError as e:
             raise SourceError(f"SOURCE: {e}") from None
-        if tok is None:
-            raise SourceError(f"SOURCE: {path}: no tokenizer (an HF directory needs tokenizer.json)")
         base = _export_base(path)
         line = f"{path}: the model" + (f"; reference {base} (its adapter's base)" if base else "")
         src = Source(model, params, tok, DataConfig(), SamplingConfig(), base, line)

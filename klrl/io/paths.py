@@ -135,3 +135,28 @@ def check_run_dir_writable(run_dir: str | os.PathLike, what: str) -> None:
         f = d / name
         if f.exists() and not os.access(f, os.W_OK):
             _fail(f"{what}: {f} is not writable (read-only or no permission)")
+
+
+# ---- a DPO run (klrl.dpo and ``klrl dpo``) -------------------------------------------------------------
+def dpo_config_file(run_dir: str | os.PathLike) -> Path:
+    """The ``config.json`` of the DPO run directory ``run_dir`` that a resume continues."""
+    f = Path(run_dir) / "config.json"
+    if not f.is_file():
+        _fail(f"resume: {run_dir}: no config.json (not a DPO run directory)")
+    return f
+
+
+def check_dpo_paths(pairs: object, run_dir: str | os.PathLike | None, resume: bool) -> None:
+    """The paths of a DPO run: ``pairs`` (when a path) is no named pipe, socket or device; ``run_dir``
+    (None: in memory) is new (nothing there, or an empty directory) and writable, or with ``resume`` a
+    DPO run directory (:func:`dpo_config_file`) that can be written."""
+    if isinstance(pairs, str | os.PathLike):
+        check_special(pairs, "pairs")
+    check_special(run_dir, "run_dir")
+    if resume and run_dir is None:
+        _fail("resume: needs run_dir (the run directory to continue)")
+    if resume:
+        dpo_config_file(run_dir)
+        check_run_dir_writable(run_dir, "run_dir")
+    elif run_dir is not None:
+        check_new_path(run_dir, "run_dir", directory=True)

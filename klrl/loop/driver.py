@@ -39,7 +39,7 @@ import jax
 from klrl import distributed
 from klrl.io import checkpoint as ckpt
 from klrl.io.logging import new_run_dir
-from klrl.io.results import RunResult, varying_fields
+from klrl.io.results import RunResult
 from klrl.io.resume import Resume
 from klrl.io.resume import restore as restore_resume
 from klrl.loop import frozen, reliability, wiring
@@ -131,7 +131,7 @@ def _new(prog: Program, write: bool, out_dir: str | Path | None, guard: reliabil
     """A new run: its directory and files (process 0 writes; every process saves checkpoints, which
     orbax coordinates, into process 0's directory) and the initial state."""
     cfgs, main = prog.configs, distributed.is_main()  # several processes: only process 0 writes
-    root, writers = None, []
+    root = None
     if write and main:
         fresh = out_dir is None or not Path(out_dir).exists()
         root = Path(out_dir) if out_dir is not None else new_run_dir(cfgs[0])
@@ -139,8 +139,7 @@ def _new(prog: Program, write: bool, out_dir: str | Path | None, guard: reliabil
         try:
             if guard is not None:
                 guard.hold(root)  # one writer per run directory, before anything is written into it
-            swept = varying_fields(cfgs) if prog.stacked else []
-            writers = create_dirs(root, cfgs, prog.stacked, swept, prog.task_info)
+            create_dirs(root, cfgs, prog.stacked, prog.task_info)
         except OSError:  # (a full disk from the start) no directory without its config is left behind
             if fresh:
                 shutil.rmtree(root, ignore_errors=True)
@@ -149,7 +148,7 @@ def _new(prog: Program, write: bool, out_dir: str | Path | None, guard: reliabil
         root = distributed.agree_path(root)
     state = prog.init()
     dirs = member_dirs(root, cfgs, prog.stacked) if root is not None else [None] * len(cfgs)
-    return Loop(prog, root, dirs, writers, state, [[] for _ in cfgs], start=0, main=main)
+    return Loop(prog, root, dirs, [], state, [[] for _ in cfgs], start=0, main=main)
 
 
 def _resumed(prog: Program, resume: Resume, restore_to: Any, log: Callable[[str], None]) -> Loop:
@@ -163,14 +162,15 @@ def _resumed(prog: Program, resume: Resume, restore_to: Any, log: Callable[[str]
     state, meta = restore_resume(resume, restore_to, prog.init)
     state = frozen.restored(prog, state, meta, f"checkpoint {resume.step} in {resume.dir}")
     state = prog.place(state)  # host values (the same on every process), or already on prog.shardings
-    swept = varying_fields(cfgs) if prog.stacked else []
     aliases = set(alias_map(tc.metric_aliases).values())
     n_lines = int(meta["metrics_lines"])
-    rows, writers, msg = cut_to_checkpoint(resume, n_lines, cfgs, dirs, swept, aliases, main)
-    if main and not tc.quiet:
-        log(f"{resume.dir}: {msg}")
+    rows, msgs = cut_to_checkpoint(resume, n_lines, cfgs, dirs, aliases, main)
+    if msgs and not tc.quiet:
+        log(f"{resume.dir}: {msgs[0]}")
     rollbacks = int(meta.get("rollbacks", 0))
-    return Loop(prog, resume.dir, dirs, writers, state, rows, len(rows[0]), rollbacks, main)
+    loop = Loop(prog, resume.dir, dirs, [], state, rows, len(rows[0]), rollbacks, main)
+    loop.opening = [Note(j, resume.step, "resume", m) for j, m in enumerate(msgs)]
+    return loop
 
 
 def _iteration(loop: Loop, hooks: list[Hook], ready: ReadyTimes) -> bool:
@@ -307,12 +307,12 @@ def _act(request: Stop | Restore, loop: Loop, hooks: list[Hook]) -> bool:
 
 
 def _finish(loop: Loop) -> tuple[list[RunResult], str | None]:
-    """The results (process 0 closes the writers and writes the summaries); a stop that raises raises."""
+    """The results (process 0 writes the summaries); a stop that raises raises."""
     info = {"train_s": time.time() - loop.t0, "task": loop.prog.task_info, "start_iteration": loop.start,
             "iteration": loop.i, "stopped": loop.stopped, "rollbacks": loop.rollbacks,
             "checkpoint": loop.checkpoint}  # fmt: skip
-    out = results(loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, loop.writers,
-                  max(loop.i - 1, 0))  # fmt: skip
+    write = loop.main and loop.root is not None
+    out = results(loop.configs, loop.dirs, loop.rows, loop.state, loop.stacked, info, write)
     if loop.stop is not None and loop.stop.raises is not None:
         err = loop.stop.raises(loop.stop_line)
         err.result = out

@@ -17,10 +17,8 @@ import jax
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
 from klrl.io import readers
-from klrl.io.logging import MetricsWriter, hparams_of
 from klrl.io.results import RunResult, columns, member_names, sweep_axes
 from klrl.io.resume import Resume, complete_lines, replace_file
-from klrl.loop.metrics import final_metrics
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 SAMPLES_ROLLED_BACK = "samples.rolled_back.jsonl"
@@ -38,14 +36,12 @@ def member_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, existing: bool
     return [root / n for n in names]
 
 
-def create_dirs(
-    root: Path, cfgs: list[RunConfig], stacked: bool, swept: list[str], task_info: dict[str, Any]
-) -> list[MetricsWriter]:
+def create_dirs(root: Path, cfgs: list[RunConfig], stacked: bool, task_info: dict[str, Any]) -> None:
     """A new run's (or sweep's) files: ``task.json``, ``config.json`` per member, ``sweep.json`` (a
-    sweep), then one metrics writer per member, returned (process 0 only). Each JSON file is written
-    atomically and the directory's marker (``config.json`` of a run, ``sweep.json`` of a sweep) after
-    the others, so a directory a resume recognises holds them all whole, whenever the process was
-    killed (a missing ``metrics.jsonl`` is an empty one)."""
+    sweep; process 0 only; the metrics files are the sink's, :class:`klrl.loop.hooks.MetricsSink`).
+    Each JSON file is written atomically and the directory's marker (``config.json`` of a run,
+    ``sweep.json`` of a sweep) after the others, so a directory a resume recognises holds them all
+    whole, whenever the process was killed (a missing ``metrics.jsonl`` is an empty one)."""
     dirs = member_dirs(root, cfgs, stacked)
     for d in dirs:
         d.mkdir(exist_ok=True)
@@ -55,7 +51,6 @@ def create_dirs(
     if stacked:
         index = {"members": [d.name for d in dirs], "axes": sweep_axes(cfgs)}
         replace_file(root / "sweep.json", json.dumps(index, indent=1, default=str).encode())
-    return [MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)) for j, d in enumerate(dirs)]
 
 
 def cut_to_checkpoint(
@@ -63,17 +58,15 @@ def cut_to_checkpoint(
     n_lines: int,
     cfgs: list[RunConfig],
     dirs: list[Path],
-    swept: list[str],
     alias_names: set[str],
     main: bool,
-) -> tuple[list[list[dict[str, Any]]], list[MetricsWriter], str]:
+) -> tuple[list[list[dict[str, Any]]], list[str]]:
     """A valid resume's files cut back to its checkpoint (``n_lines`` metrics rows), atomically:
     metrics and samples of the iterations after it dropped, ``config.json`` rewritten (process 0);
-    returns every member's rows (aliases left out), the writers (process 0) and the first member's
-    resume message (process 0; empty on the others)."""
+    returns every member's rows (aliases left out) and each member's resume message (process 0; none
+    on the others: the sink writes them to the event files, the first is the log's)."""
     rows: list[list[dict[str, Any]]] = []
-    writers: list[MetricsWriter] = []
-    msg = ""
+    msgs: list[str] = []
     for j, d in enumerate(dirs):
         lines = complete_lines(d / "metrics.jsonl")
         kept_rows = [json.loads(line) for line in lines[:n_lines]]
@@ -90,7 +83,6 @@ def cut_to_checkpoint(
                     if json.loads(x).get("iteration", 0) < n_lines
                 ]
                 replace_file(d / "samples.jsonl", b"".join(kept))
-            writers.append(MetricsWriter(d, hparams=hparams_of(cfgs[j], swept)))
             dropped = len(lines) - n_lines
             m = f"resumed from checkpoint {resume.step} ({dropped} metrics lines after it dropped)"
             if resume.fresh and dropped:  # killed before its first checkpoint was committed
@@ -99,9 +91,8 @@ def cut_to_checkpoint(
                     "metrics lines dropped, recomputed)"
                 )
             m += resume.note()  # step directories skipped (no finished save in them)
-            writers[-1].event(resume.step, "resume", m)
-            msg = msg or m  # the first member's, for the log
-    return rows, writers, msg
+            msgs.append(m)
+    return rows, msgs
 
 
 def rollback_bases(meta: dict[str, Any], metric: str, traces: list[list[float]]) -> list[float | None]:
@@ -140,17 +131,15 @@ def results(
     state: Any,
     stacked: bool,
     info: dict[str, Any],
-    writers: list[MetricsWriter],
-    last_step: int,
+    write: bool,
 ) -> list[RunResult]:
-    """One :class:`RunResult` per member (its slice of a stacked state); process 0 closes the writers
-    with the final metrics and writes each member's ``summary.json``."""
+    """One :class:`RunResult` per member (its slice of a stacked state); with ``write`` (process 0 of a
+    run that writes) each member's ``summary.json``."""
     out = []
     for j, c in enumerate(cfgs):
         member_state = jax.tree.map(lambda x, j=j: x[j], state) if stacked else state
         r = RunResult(c, dirs[j], columns(rows[j]), member_state, dict(info))
-        if writers:  # process 0 only
-            writers[j].close(final_metrics(r.metrics, cfgs[j].diag.window), step=last_step)
+        if write:
             (dirs[j] / "summary.json").write_text(json.dumps(r.summary(), indent=1))
         out.append(r)
     return out

@@ -30,7 +30,8 @@ file                           owner
                                :func:`klrl.loop.files.cut_to_checkpoint`)
 ``task.json``                  :func:`klrl.loop.files.create_dirs`
 ``sweep.json``                 :func:`klrl.loop.files.create_dirs` (a sweep's directory)
-``metrics.jsonl``              :class:`MetricsSink` (its writers, :class:`klrl.io.logging.MetricsWriter`)
+``metrics.jsonl``              :class:`MetricsSink` (its writers, :class:`klrl.io.logging.MetricsWriter`,
+                               opened by :meth:`MetricsSink.open`, closed by its ``on_stop``)
 ``metrics.rolled_back.jsonl``  :class:`MetricsSink` (its ``truncate``)
 ``timing.jsonl``               :class:`MetricsSink`
 ``events.jsonl``               :class:`MetricsSink` (the :class:`Note` s of the other hooks)
@@ -46,9 +47,10 @@ file                           owner
 ``.klrl.lock``                 :class:`klrl.io.lock.RunLock` (:class:`klrl.loop.reliability.RunGuard`'s)
 =============================  =========================================================================
 
-The metrics files are opened by :mod:`klrl.loop.files` for the sink (a new run's, or a resume's cut
-back to its checkpoint before the loop starts) and closed by :func:`klrl.loop.files.results` with the
-HParams dashboard's final values; between the two only the sink writes them.
+The sink opens its writers itself (:meth:`MetricsSink.open`, when the hooks are made; a resume's files
+were cut back to its checkpoint before, :func:`klrl.loop.files.cut_to_checkpoint`, whose messages are the
+loop's opening notes) and closes them in its ``on_stop`` with the HParams dashboard's final values; in
+between only the sink writes them.
 
 The hooks:
 
@@ -99,10 +101,11 @@ import numpy as np
 from klrl import distributed
 from klrl.config import RunConfig
 from klrl.io import checkpoint as ckpt
-from klrl.io.logging import MetricsWriter, Progress
+from klrl.io.logging import MetricsWriter, Progress, hparams_of
+from klrl.io.results import columns, varying_fields
 from klrl.loop import fault, frozen, reliability
 from klrl.loop.files import move_rolled_back
-from klrl.loop.metrics import latest, timings, with_aliases
+from klrl.loop.metrics import final_metrics, latest, timings, with_aliases
 from klrl.loop.program import Program
 from klrl.loop.stops import (
     base_message,
@@ -139,6 +142,7 @@ class Loop:
     saved: str = "none yet"  # where the last good state is, for the stop lines (Checkpoints keeps it)
     checkpoint: int | None = None  # the newest checkpoint's step (None: none)
     t0: float = field(default_factory=time.time)
+    opening: list[Note] = field(default_factory=list)  # the event files' first lines (a resume's)
 
     def __post_init__(self) -> None:
         if self.i < 0:
@@ -440,6 +444,28 @@ class MetricsSink(Hook):
         self.aliases, self.callback = aliases, callback
         self.last: float | None = None  # when the previous row's step was ready
 
+    @classmethod
+    def open(cls, loop: Loop, aliases: dict[str, str], callback: Callable[..., Any] | None) -> MetricsSink:
+        """The sink of ``loop`` with its writers open (``loop.writers``: one per member, on process 0 of
+        a run that writes; appending to a resume's files, cut back to its checkpoint), the loop's
+        opening notes (a resume's) written first."""
+        sink = cls(aliases, callback)
+        if loop.main and loop.root is not None:
+            swept = varying_fields(loop.configs) if loop.stacked else []
+            pairs = zip(loop.dirs, loop.configs, strict=True)
+            loop.writers = [MetricsWriter(d, hparams=hparams_of(c, swept)) for d, c in pairs]
+            for note in loop.opening:
+                sink.on_note(loop, note)
+        return sink
+
+    def on_stop(self, loop: Loop) -> None:
+        """Close the writers, with the HParams dashboard's final values at the last step
+        (:func:`klrl.loop.metrics.final_metrics` of each member's rows)."""
+        for j, w in enumerate(loop.writers):
+            w.close(
+                final_metrics(columns(loop.rows[j]), loop.configs[j].diag.window), step=max(loop.i - 1, 0)
+            )
+
     def truncate(self, loop: Loop, step: int) -> None:
         """A rollback to ``step``: the rows after it move to ``metrics.rolled_back.jsonl``
         (:func:`klrl.loop.files.move_rolled_back`); the next row follows a restore: not timed."""
@@ -538,11 +564,13 @@ class KLSignNote(Hook):
             d = loop.dirs[j]
             who = f"{d.name if d is not None else f'member {j:02d}'}: " if loop.stacked else ""
             b = loop.configs[j].train.batch_size
-            self.log(f"note: iteration {row.it}: {who}the penalised KL estimate {self.key} has batch mean "
-                     f"{est:.3g} nats/seq while the exact KL is {exact:.3g}: {self.estimator} is unbiased "
-                     f"but noisy per sample and at batch {b} its mean can be negative; a larger "
-                     "train.batch_size averages it out, k3 is never negative (docs/kl-control.md, "
-                     "Estimators)")  # fmt: skip
+            self.log(
+                f"note: iteration {row.it}: {who}the penalised KL estimate {self.key} has batch mean "
+                f"{est:.3g} nats/seq while the exact KL is {exact:.3g}: {self.estimator} is unbiased "
+                f"but noisy per sample and at batch {b} its mean can be negative; a larger "
+                "train.batch_size averages it out, k3 is never negative (docs/kl-control.md, "
+                "Estimators)"
+            )
             self.done = True
             return
 
@@ -683,8 +711,11 @@ class HeldOut(Hook):
         err = reward_error(self.check) if self.evaluated(loop) else None
         if err is None:
             return None
-        return Stop(lambda lp: f"{err} (held-out evaluation); last good state: {lp.saved}", save=True,
-                    raises=RewardFunctionError)  # fmt: skip
+        return Stop(
+            lambda lp: f"{err} (held-out evaluation); last good state: {lp.saved}",
+            save=True,
+            raises=RewardFunctionError,
+        )
 
     def on_metrics(self, loop: Loop, it: int, metrics: dict[str, Any]) -> None:
         metrics.update(self.take(it))

@@ -70,8 +70,8 @@ def hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliability
     ckpts.tell(loop)
     loop.t0 = time.time()
     loop.lrs = learning_rates(loop.state, len(loop.configs))  # (read before the first step donates the state)
+    sink = MetricsSink.open(loop, alias_map(tc.metric_aliases), on_step)  # (before the samples: its writers)
     samples = Samples.of(loop)
-    sink = MetricsSink(alias_map(tc.metric_aliases), on_step)
     out: list[Hook] = [Signals(guard.signals if guard is not None else None, log), RewardFailure(prog),
                        HeldOut(prog), samples]  # fmt: skip
     if metrics:
@@ -99,8 +99,9 @@ def _checkpoints(
             )
         )
     last_saved = loop.start if resume is not None else -1
-    return Checkpoints(mgr, tc.checkpoint_every, tc.iterations, frozen.without(prog, restore_to),
-                       lambda: None, last_saved)  # fmt: skip
+    return Checkpoints(
+        mgr, tc.checkpoint_every, tc.iterations, frozen.without(prog, restore_to), lambda: None, last_saved
+    )
 
 
 def _rollback(

@@ -84,6 +84,19 @@ def from_pretrained(path: str | Path, *, dtype=jnp.float32, tokenizer: bool = Tr
     return model, params, (tok if tokenizer else None)
 
 
+def text_model(path: str | Path):
+    """:func:`from_pretrained` for a command that reads and writes text: ``(model, params, tokenizer)``;
+    a checkpoint that cannot be read, or one without a tokenizer, is a :class:`ValueError` whose message
+    names the path and the cause (the caller prefixes its field)."""
+    try:
+        model, params, tok = from_pretrained(path)
+    except (CheckpointFormatError, OSError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    if tok is None:
+        raise ValueError(f"{path}: no tokenizer (an HF directory needs tokenizer.json)")
+    return model, params, tok
+
+
 def save_pretrained(model, params, tokenizer: HFTokenizer | None, out_dir: str | Path) -> Path:
     """Write an HF directory: ``config.json``, ``model.safetensors`` (float32),
     ``generation_config.json`` (the stop ids as ``eos_token_id``) and the tokenizer files."""

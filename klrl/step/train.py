@@ -341,20 +341,10 @@ def make_train(
     mesh = mesh_from_config(cfg.train) if mesh is None else mesh
     task = task if reward is None else dataclasses.replace(task, reward=reward)
     policy = task.policy if policy is None else policy
-    models = build_models(cfg, policy)
-    if value is not None:
-        if not models.value:
-            raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
-        models = models._replace(value=value, value_head=ValueHead(value.hidden_size))
     policy_params = task.policy_params if policy_params is None else policy_params
-    models, adapters, ref_init = frozen_base(cfg, models, policy_params)  # (LoRA; model.ref_quant)
+    models, adapters, ref_init = _models(cfg, policy, policy_params, value)
     n_dev = mesh.shape[DATA]
-    share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
-    if share % k:  # (one device: RunConfig checked that k divides the minibatch)
-        raise ConfigError(
-            f"ppo.grad_accum: must divide each device's share of a minibatch ({share} rows "
-            f"on each of {n_dev} devices; {share} % {k} != 0)"
-        )
+    _check_grad_accum(cfg, n_dev)
     ctx = Context(
         cfg=cfg,
         task=task,
@@ -371,14 +361,37 @@ def make_train(
         ref_init=ref_init,
         fold_rollout=fold_rollout,
     )
+    return _train(ctx, mesh, policy)
+
+
+def _models(cfg: RunConfig, policy: CausalLM, policy_params: Any, value: CausalLM | None):
+    """``(models, policy adapters, reference init)``: :func:`build_models` with the caller's separate
+    ``value`` trunk (if any), then the frozen base of LoRA or ``model.ref_quant``
+    (:func:`frozen_base`)."""
+    models = build_models(cfg, policy)
+    if value is not None:
+        if not models.value:
+            raise ConfigError("value: a separate value model needs model.value_model=separate and a critic")
+        models = models._replace(value=value, value_head=ValueHead(value.hidden_size))
+    return frozen_base(cfg, models, policy_params)
+
+
+def _check_grad_accum(cfg: RunConfig, n_dev: int) -> None:
+    """``ppo.grad_accum`` divides each of the ``n_dev`` data devices' share of a minibatch (one device:
+    :class:`RunConfig` checked that it divides the minibatch)."""
+    share, k = cfg.train.batch_size // cfg.ppo.minibatches // n_dev, cfg.ppo.grad_accum
+    if share % k:
+        raise ConfigError(
+            f"ppo.grad_accum: must divide each device's share of a minibatch ({share} rows "
+            f"on each of {n_dev} devices; {share} % {k} != 0)"
+        )
+
+
+def _train(ctx: Context, mesh: Any, policy: CausalLM) -> Train:
+    """The :class:`Train` of ``ctx`` on ``mesh``: its init, placement, sharded step, phases and loss."""
     one = partial(step_fn, ctx)
-    phases = Phases(
-        partial(rollout_phase, ctx),
-        partial(score_phase, ctx),
-        partial(advantage_phase, ctx),
-        partial(update_phase, ctx),
-        partial(control_phase, ctx),
-    )
+    fns = (rollout_phase, score_phase, advantage_phase, update_phase, control_phase)
+    phases = Phases(*(partial(f, ctx) for f in fns))
     shardings = state_shardings(ctx, mesh)
     return Train(
         init=partial(init_state, ctx, mesh),
@@ -387,7 +400,7 @@ def make_train(
         shard_step=one,
         loss=partial(ppo_loss, ctx),
         policy=policy,
-        value_model=models.value,
+        value_model=ctx.models.value,
         mesh=mesh,
         phases=phases,
         context=ctx,

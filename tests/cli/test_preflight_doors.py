@@ -1,6 +1,8 @@
 """One preflight for every door (issue 50, item 2): the same bad config refused by ``klrl train`` (and
 ``klrl sweep``) and by :func:`klrl.run` (and :func:`klrl.sweep`) with the same one line, before anything
-is built. The cases are the checks that only the command line made before (the paths a run writes, a
+is built. ``klrl dpo`` and
+:func:`klrl.dpo` likewise (:func:`klrl.checks.preflight_dpo`; stopped where the DPO driver would start).
+The cases are the checks that only the command line made before (the paths a run writes, a
 named pipe given as a file, the reward functions, the device count) and some it shared (model fields, a
 built-in task's lengths, the user's hooks, the rollback on its own). A run that got past the checks is
 stopped where the program would be built (:func:`klrl.loop.build.make_program`, patched to raise
@@ -17,7 +19,7 @@ import klrl
 import klrl.api
 from klrl.cli.args import build_parser, config_from_args, parse
 from klrl.cli.commands import main as klrl_main
-from klrl.config import ConfigError
+from klrl.config import ConfigError, DataConfig, SamplingConfig
 
 
 class Reached(Exception):
@@ -130,3 +132,61 @@ def test_write_false_checks_no_output_path(tmp_path):
     cfg = _config(["--train.out_dir", str(tmp_path / "file"), "--train.iterations", "1"])
     assert _api(lambda: klrl.run(cfg, write=False)) == "reached"
     assert _api(lambda: klrl.run(cfg)).startswith("train.out_dir: ")
+
+
+# ---- DPO: ``klrl dpo`` and klrl.dpo through klrl.checks.preflight_dpo ----------------------------------
+DPO_CASES = [  # (klrl.dpo's arguments over a valid call, a word of the expected line)
+    ({"pairs": "FIFO"}, "pairs: "),  # a named pipe would block the read forever
+    ({"run_dir": "FILE"}, "run_dir: "),  # a file where the run directory goes
+    ({"run_dir": "FILE/c"}, "run_dir: "),
+    ({"run_dir": "TMP"}, "run_dir: "),  # not empty: nothing is overwritten
+    ({"run_dir": "FIFO"}, "run_dir: "),
+    ({"run_dir": "EMPTY", "resume": True}, "resume: "),  # no config.json there
+    ({"model_path": "none.gguf"}, "model.path: "),
+    ({"betas": [0.1, 0.0]}, "dpo.beta: must be > 0"),
+]
+DPO_FLAGS = {"pairs": "--pairs", "model_path": "--model.path", "betas": "--dpo.betas"}
+
+
+def _dpo_call(tmp_path, given: dict) -> tuple[list[str], dict]:
+    """``(klrl dpo's argv, klrl.dpo's keyword arguments)`` for ``given`` over a valid call."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a b", "chosen": "c", "rejected": "d"}\n' * 40)
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    names = ["FILE", "FILE/c", "TMP", "FIFO"]
+    subs = {**dict(zip(names, _subs(tmp_path, names), strict=True)), "EMPTY": str(tmp_path / "empty")}
+    kw = {"pairs": str(pairs), "model_path": str(GGUF), "run_dir": str(tmp_path / "new"), "resume": False}
+    kw |= {k: subs.get(v, v) if isinstance(v, str) else v for k, v in given.items()}
+    argv = ["dpo", "--data.prompt_len", "16", "--sampling.response_len", "4"]
+    for k, flag in DPO_FLAGS.items():
+        if k in kw:
+            argv += [flag, ",".join(map(str, kw[k])) if k == "betas" else kw[k]]
+    argv += ["--resume" if kw["resume"] else "--out", kw["run_dir"]]
+    if kw["resume"]:  # a resume's settings are the run's: only the pairs are given
+        argv = ["dpo", "--pairs", kw["pairs"], "--resume", kw["run_dir"]]
+    return argv, kw
+
+
+@pytest.mark.parametrize("given,word", DPO_CASES, ids=[str(g) for g, _ in DPO_CASES])
+def test_dpo_the_same_line_through_the_cli_and_the_api(given, word, tmp_path, capsys, monkeypatch):
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(klrl.api, "drive_dpo", reached)
+    argv, kw = _dpo_call(tmp_path, given)
+    cli = _cli(capsys, argv)
+    data, sampling = DataConfig(prompt_len=16), SamplingConfig(response_len=4)
+    api = _api(lambda: klrl.dpo(data=data, sampling=sampling, **kw))
+    assert word in cli, (cli, word)
+    assert cli == api, ("cli:", cli, "api:", api)
+
+
+def test_dpo_a_valid_call_passes_both_doors(tmp_path, capsys, monkeypatch):
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(klrl.api, "drive_dpo", reached)
+    argv, kw = _dpo_call(tmp_path, {})
+    assert _cli(capsys, argv) == "reached"
+    data, sampling = DataConfig(prompt_len=16), SamplingConfig(response_len=4)
+    assert _api(lambda: klrl.dpo(data=data, sampling=sampling, **kw)) == "reached"

@@ -157,10 +157,10 @@ def test_export_loads_in_peft_with_klrl_logits(sweep):
 
 def test_bad_input_is_one_line(capsys, pairs_file, tmp_path):
     base = ["dpo", "--model.path", str(GGUF), "--pairs", str(pairs_file)]
-    assert "--dpo.beta: must be > 0" in one_line_error(
+    assert "error: dpo.beta: must be > 0" in one_line_error(
         capsys, klrl_main, [*base, "--out", str(tmp_path / "a"), "--dpo.beta", "0"]
     )
-    assert "--dpo.loss" in one_line_error(
+    assert "error: dpo.loss" in one_line_error(
         capsys, klrl_main, [*base, "--out", str(tmp_path / "a"), "--dpo.loss", "kto"]
     )
     assert "--out" in one_line_error(capsys, klrl_main, base)
@@ -180,14 +180,14 @@ def test_bad_input_is_one_line(capsys, pairs_file, tmp_path):
             str(tmp_path / "b"),
         ],
     )
-    assert "--model.path" in err and "no such file" in err
+    assert "error: model.path: " in err and "no such file" in err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert "--pairs" in one_line_error(
+    assert "error: pairs: " in one_line_error(
         capsys,
         klrl_main,
         ["dpo", "--model.path", str(GGUF), "--pairs", str(empty), "--out", str(tmp_path / "c")],
     )
-    assert "--resume" in one_line_error(
+    assert "error: resume: " in one_line_error(
         capsys, klrl_main, ["dpo", "--pairs", str(pairs_file), "--resume", str(tmp_path)]
     )

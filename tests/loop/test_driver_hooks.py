@@ -170,3 +170,17 @@ def test_the_driver_calls_on_row_every_n_rows(tiny_cfg, tiny_task):
 def test_a_hook_answering_something_else_is_a_type_error(tiny_cfg, tiny_task):
     with pytest.raises(TypeError, match="a hook returned int, not a Note, Stop or Restore"):
         klrl.run(tiny_cfg, task=tiny_task, write=False, hooks=[klrl.hook(lambda loop, row: 3)])
+
+
+def test_the_metrics_sink_opens_and_closes_its_own_writers(tiny_cfg, tiny_task, tmp_path):
+    """``metrics.jsonl``'s owner is the sink from end to end: :meth:`MetricsSink.open` makes the loop's
+    writers (one per member, into its directory) when the hooks are made, its ``on_stop`` closes them;
+    klrl.loop.files makes none and closes none."""
+    assert "MetricsWriter" not in (ROOT / "klrl" / "loop" / "files.py").read_text()
+    cfg = tiny_cfg.replace(train={"iterations": 2, "out_dir": str(tmp_path), "name": "r"})
+    seen = []
+    r = klrl.run(cfg, task=tiny_task, hooks=[klrl.hook(lambda loop, row: seen.append(list(loop.writers)))])
+    assert len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 1
+    w = seen[0][0]
+    assert Path(w.run_dir) == r.dir and w._f.closed
+    assert [x["iteration"] for x in _rows(r.dir)] == [0, 1]

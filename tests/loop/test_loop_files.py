@@ -27,11 +27,10 @@ def test_cut_to_checkpoint_drops_rows_after_it(tmp_path):
     _rows(tmp_path, 5, extra=b'{"iteration": 5, "x"')  # a torn last line
     cfg = RunConfig()
     resume = Resume(dir=tmp_path, step=3, meta={})
-    rows, writers, msg = cut_to_checkpoint(resume, 3, [cfg], [tmp_path], [], {"alias/x"}, main=True)
-    for w in writers:
-        w.close({}, step=0)
+    rows, msgs = cut_to_checkpoint(resume, 3, [cfg], [tmp_path], {"alias/x"}, main=True)
     assert rows == [[{"iteration": i, "x": float(i)} for i in range(3)]]
-    assert msg == "resumed from checkpoint 3 (2 metrics lines after it dropped)"
+    assert msgs == ["resumed from checkpoint 3 (2 metrics lines after it dropped)"]
+    assert not (tmp_path / "events.jsonl").exists()  # (the sink writes the message, once its files open)
     assert [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         0,
         1,
@@ -49,8 +48,8 @@ def test_cut_on_another_process_writes_nothing(tmp_path):
     _rows(tmp_path, 4)
     before = (tmp_path / "metrics.jsonl").read_bytes()
     resume = Resume(dir=tmp_path, step=2, meta={})
-    rows, writers, msg = cut_to_checkpoint(resume, 2, [RunConfig()], [tmp_path], [], set(), main=False)
-    assert len(rows[0]) == 2 and writers == [] and msg == ""
+    rows, msgs = cut_to_checkpoint(resume, 2, [RunConfig()], [tmp_path], set(), main=False)
+    assert len(rows[0]) == 2 and msgs == []
     assert (tmp_path / "metrics.jsonl").read_bytes() == before and not (tmp_path / "config.json").exists()
 
 
