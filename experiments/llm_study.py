@@ -380,12 +380,14 @@ def run_dpo(ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str
         checkpoint_every=every,
         eval_prompts=min(16, len(held)),
     )
-    names = (Path(ns.out) / ("llm_study-dpo" + (f"-{i}" if i else "")) for i in range(10**6))
-    out = next(p for p in names if not p.exists())  # a new run directory (klrl.dpo refuses a used one)
+    names = [Path(ns.out) / ("llm_study-dpo" + (f"-{i}" if i else "")) for i in range(1000)]
+    used = [p for p in names if p.exists()]
+    # a new run directory (klrl.dpo refuses a used one), or with --resume-dpo the newest, continued
+    out = used[-1] if ns.resume_dpo and used else next(p for p in names if not p.exists())
     t0 = time.time()
     r = klrl.dpo(recs(sets["strong"]), model_path=ns.model_path, cfg=cfg, betas=_floats(P["dpo_betas"]),
                  seeds=seeds, lora=base.lora, data=base.data, sampling=base.sampling, heldout=held,
-                 run_dir=out, log=lambda line: print(f"dpo {line}", flush=True))  # fmt: skip
+                 run_dir=out, resume=out in used, log=lambda x: print(f"dpo {x}", flush=True))  # fmt: skip
     t1 = time.time()
     evals = evaluate_arm("dpo", base, [m.dir for m in r.members], study, P)
     doc = json.loads((out / "config.json").read_text())
@@ -447,6 +449,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the pools' samples, the pairs and their labels")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a preset's sizes")
     p.add_argument("--dry-run", action="store_true", help="print the arms' members and sizes, run nothing")
+    p.add_argument("--resume-dpo", action="store_true",
+                   help="continue the newest dpo run in --out (a finished one: only evaluated)")  # fmt: skip
     p.add_argument("--replay", metavar="DIR", default="", help="rebuild the claims and figure from DIR alone")
     return p.parse_args(argv)
 
