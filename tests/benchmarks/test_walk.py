@@ -37,7 +37,9 @@ def test_the_walk_enters_the_api_once_and_goes_down_without_coming_back(tiny_cfg
     assert layers == sorted(layers, reverse=True), s["stack_at_step"]
     assert s["stack_at_step"][-1] == "klrl.step.train:step_fn"
     # where the step is made: cli -> api -> loop.build -> step, in order too
-    assert [f.split(":")[0] for f in s["stack_at_make"]][-3:] == [
+    mods = [f.split(":")[0] for f in s["stack_at_make"]]
+    mods = [m for i, m in enumerate(mods) if i == 0 or m != mods[i - 1]]  # (a module's frames in a row: once)
+    assert mods[-3:] == [
         "klrl.loop.build",
         "klrl.step.train",
         "klrl.step.parallel",
