@@ -20,7 +20,7 @@ to a checkpoint: the driver asks every hook to ``truncate`` to that step). The d
 request of a row (or before a step); what it does is the same whichever hook asked.
 
 Every file of a run directory (a single run's, or a sweep member's) has one owner, the only code that
-writes it (``tests/loop/test_run_files.py`` runs a tiny run and checks each file it writes against this
+writes it (``tests/loop/test_driver_hooks.py`` runs a tiny run and checks each file it writes against this
 table; ``*`` is any name):
 
 =============================  =========================================================================
