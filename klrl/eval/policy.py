@@ -179,6 +179,17 @@ def dpo_run_of(run_dir: Path) -> tuple[Path, int, dict] | None:
     return (root, j, doc) if isinstance(doc, dict) and isinstance(doc.get("dpo"), dict) else None
 
 
+def _merged(cfg: RunConfig, params: Any, what: str) -> tuple[Any, Any, Any, Any, str]:
+    """``(model, params, base, tokenizer, what)``: the saved ``params`` on ``cfg``'s base, LoRA adapters
+    merged into it (``what`` says so)."""
+    model, base, tok = _base(str(cfg.model.path), compute_dtype(cfg))
+    if cfg.lora.rank > 0:
+        lm = lora_of(cfg, model, params)
+        params = lora.merged_kernels(base, params, lm.scale)
+        what = f"{what} (LoRA rank {lm.rank} merged into {cfg.model.path})"
+    return model, params, base, tok, what
+
+
 def _from_dpo_run(root: Path, member: int, doc: dict, step: int | None, run_dir: Path) -> Source:
     """A DPO run's policy at ``step``: its adapters merged into ``model.path`` (the reference)."""
     try:
@@ -186,12 +197,7 @@ def _from_dpo_run(root: Path, member: int, doc: dict, step: int | None, run_dir:
         cfg = RunConfig.from_dict({"task": {"name": "text"}, **sections})
         check_model_paths(cfg)
         params, step = policy_params(root, member, step, dpo=True)
-        model, base, tok = _base(str(cfg.model.path), compute_dtype(cfg))
-        what = "DPO policy"
-        if cfg.lora.rank > 0:
-            lm = lora_of(cfg, model, params)
-            params = lora.merged_kernels(base, params, lm.scale)
-            what = f"DPO policy (LoRA rank {lm.rank} merged into {cfg.model.path})"
+        model, params, base, tok, what = _merged(cfg, params, "DPO policy")
     except (CheckpointError, ConfigError, CheckpointFormatError, PolicyError) as e:
         raise SourceError(str(e)) from None
     line = f"{run_dir}: the {what} at iteration {step}; reference {cfg.model.path}"
@@ -211,12 +217,7 @@ def _from_run(run_dir: Path, step: int | None) -> Source:
         check_model_paths(cfg)
         root, member = checkpoint_of(run_dir)
         params, step = policy_params(root, member, step)
-        model, base, tok = _base(str(cfg.model.path), compute_dtype(cfg))
-        what = "policy"
-        if cfg.lora.rank > 0:
-            lm = lora_of(cfg, model, params)
-            params = lora.merged_kernels(base, params, lm.scale)
-            what = f"policy (LoRA rank {lm.rank} merged into {cfg.model.path})"
+        model, params, base, tok, what = _merged(cfg, params, "policy")
     except (RunDirError, CheckpointError, ConfigError, CheckpointFormatError, PolicyError) as e:
         raise SourceError(str(e)) from None
     line = f"{run_dir}: the {what} at iteration {step}; reference {cfg.model.path}"
