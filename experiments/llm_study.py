@@ -302,10 +302,11 @@ def prepare(ns: argparse.Namespace, P: dict[str, Any], res: Path) -> dict[str, A
 EVAL_SEED = 99_991  # every evaluation draws with this key: common random numbers across policies
 
 
-def evaluate_arm(name: str, base: Any, dirs: list[Path], study: dict, P: dict) -> list[dict]:
+def evaluate_arm(name: str, base: Any, dirs: list[Path], study: dict, P: dict, **only: Any) -> list[dict]:
     """Every member (``dirs``: the run directories of a PPO or a DPO sweep's members, in order) at step 0 (the
     base) and at each checkpoint: ``eval_n`` responses to each held-out prompt, every response stored with
-    its KL, judge, gold parts and both proxies (:func:`klrl.eval.heldout.evaluate_runs`)."""
+    its KL, judge, gold parts and both proxies (:func:`klrl.eval.heldout.evaluate_runs`; ``only``: its
+    ``skip`` and ``reference``, for a continued arm)."""
     from klrl.eval.heldout import evaluate_runs
     from klrl.eval.score import Judge
     from klrl.rewards.model import RewardModel
@@ -316,12 +317,15 @@ def evaluate_arm(name: str, base: Any, dirs: list[Path], study: dict, P: dict) -
     msg = "{} eval step {} member {}: kl {kl:.2f} gold {gold:.3f} duplicates {duplicates:.2f}"
     log = lambda j, step, s: print(msg.format(name, step, j, **s), flush=True)
     return evaluate_runs(dirs, Judge.load(study["judge"]), study["free"], base.data, proxies=rms, log=log,
-                         max_new=P["response_len"], n=P["eval_n"], seed=EVAL_SEED)  # fmt: skip
+                         max_new=P["response_len"], n=P["eval_n"], seed=EVAL_SEED, **only)  # fmt: skip
 
 
 def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str, Any]:
-    """One arm: its sweep, its held-out evaluations, its metrics and training samples, stored in ``res``."""
+    """One arm: its sweep, its held-out evaluations, its metrics and training samples, stored in ``res``.
+    ``--extend``: the arm's sweep in ``--out`` continued to this preset's iterations (bit for bit as one
+    longer run), only its new checkpoints evaluated and added to the stored ones."""
     import klrl
+    from experiments.llm_study_report import load
     from klrl.io.readers import read_sweep_members
 
     base = base_config(ns, P, study["reward_path"])
@@ -334,11 +338,14 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
             flush=True,
         ),
     )
-    t0 = time.time()
-    results = list(klrl.sweep(members, out_dir=Path(ns.out) / f"llm_study-{name}", on_step=on_step))
+    t0, out = time.time(), Path(ns.out) / f"llm_study-{name}"
+    old = load(res / f"{name}_eval.jsonl.gz") if ns.extend else []
+    resume = out if ns.extend else None
+    results = list(klrl.sweep(members, out_dir=out, resume=resume, on_step=on_step))
     t1 = time.time()
-    sweep_dir = results[0].dir.parent
-    evals = evaluate_arm(name, base, [sweep_dir / d for d in read_sweep_members(sweep_dir)], study, P)
+    sweep_dir, done = results[0].dir.parent, tuple(sorted({r["step"] for r in old if r["member"] >= 0}))
+    dirs = [sweep_dir / d for d in read_sweep_members(sweep_dir)]
+    evals = old + evaluate_arm(name, base, dirs, study, P, skip=done, reference=not old)
     runs = [{"label": label(c), "seed": c.train.seed, "config": c.to_dict(),
              "metrics": {k: np.asarray(v, float).tolist() for k, v in r.metrics.items()}}
             for c, r in zip(members, results, strict=True)]  # fmt: skip
@@ -372,6 +379,9 @@ def run_dpo(ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str
     recs = lambda ps: [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in ps]
     held = encode_as_ppo(recs(sets["val"]), from_pretrained(ns.model_path)[2], base.data, base.sampling)
     every, seeds = P["dpo_eval_every"], [int(x) for x in str(P["seeds"]).split(",")]
+    stored = load(res / "dpo_runs.json.gz")["runs"] if ns.extend else []  # --extend: these seeds added
+    if clash := sorted({m["seed"] for m in stored} & set(seeds)):
+        raise SystemExit(f"error: --extend: seeds {clash} are stored already; give new seeds")
     cfg = klrl.DPOConfig(
         lr=P["dpo_lr"],
         batch_size=P["dpo_batch"],
@@ -389,10 +399,13 @@ def run_dpo(ns: argparse.Namespace, P: dict, study: dict, res: Path) -> dict[str
                  seeds=seeds, lora=base.lora, data=base.data, sampling=base.sampling, heldout=held,
                  run_dir=out, resume=out in used, log=lambda x: print(f"dpo {x}", flush=True))  # fmt: skip
     t1 = time.time()
-    evals = evaluate_arm("dpo", base, [m.dir for m in r.members], study, P)
+    new = evaluate_arm("dpo", base, [m.dir for m in r.members], study, P, reference=not stored)
+    evals = (load(res / "dpo_eval.jsonl.gz") if stored else []) + [
+        {**x, "member": x["member"] + len(stored)} for x in new
+    ]  # the new members numbered after the stored ones
     doc = json.loads((out / "config.json").read_text())
-    runs = [{"label": f"DPO beta={m.beta:g}", "seed": m.seed, "beta": m.beta, "config": doc,
-             "metrics": m.rows} for m in r.members]  # fmt: skip
+    runs = stored + [{"label": f"DPO beta={m.beta:g}", "seed": m.seed, "beta": m.beta, "config": doc,
+                      "metrics": m.rows} for m in r.members]  # fmt: skip
     dump(res / "dpo_eval.jsonl.gz", evals)
     dump(res / "dpo_runs.json.gz", {"runs": runs})
     return {"train_s": round(t1 - t0, 1), "eval_s": round(time.time() - t1, 1), "members": len(runs),
@@ -451,6 +464,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the arms' members and sizes, run nothing")
     p.add_argument("--resume-dpo", action="store_true",
                    help="continue the newest dpo run in --out (a finished one: only evaluated)")  # fmt: skip
+    p.add_argument(
+        "--extend",
+        action="store_true",
+        help="continue the stored arm: a PPO arm's sweep to more iterations, DPO with new seeds",
+    )
     p.add_argument("--replay", metavar="DIR", default="", help="rebuild the claims and figure from DIR alone")
     return p.parse_args(argv)
 
@@ -488,7 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         if bad := [k for k in PREPARE_KEYS if study["sizes"].get(k) != P[k]]:
             raise SystemExit(f"error: {res} was prepared with other {', '.join(bad)}; give the same --set")
         arm = run_dpo(ns, P, study, res) if name == "dpo" else run_arm(name, ns, P, study, res)
-        study["timing"][name] = {**arm, "command": command, "sizes": P}
+        before = study["timing"].get(name) if ns.extend else None  # a continued arm keeps its first part's
+        study["timing"][name] = {
+            **arm,
+            "command": command,
+            "sizes": P,
+            **({"before": before} if before else {}),
+        }
         (res / "study.json").write_text(json.dumps(study, indent=1) + "\n")
     return finish(res)
 

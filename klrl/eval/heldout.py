@@ -93,19 +93,24 @@ def evaluate_runs(
     n: int = 1,
     seed: int = 0,
     log: Callable[[int, int, dict[str, float]], Any] | None = None,
+    skip: tuple[int, ...] = (),
+    reference: bool = True,
 ) -> list[dict[str, Any]]:
     """Every run of ``dirs`` (the members of one sweep, PPO or DPO: :func:`klrl.eval.policy.policy_at`) at
     each complete checkpoint of the first, step-major, after the reference once (``member`` -1, step 0): the
     records of :func:`evaluate` on the held-out prompts of ``data`` (:func:`klrl.data.prompts.load_prompts`)
     with ``member`` (the index in ``dirs``) and ``step``. ``proxies(src)``: the proxies, built once from the
-    first checkpoint's :class:`~klrl.eval.policy.Source` (its base); ``log(member, step, summary)``."""
+    first checkpoint's :class:`~klrl.eval.policy.Source` (its base); ``log(member, step, summary)``.
+    ``skip``: checkpoint steps already evaluated (a continued run's earlier ones), left out;
+    ``reference=False`` leaves out the reference's rows."""
     steps = checkpoint_steps(dirs[0])
     src0 = policy_at(dirs[0], steps[0])
     ref = (src0.model, src0.ref_params)
     pool = load_prompts(data, src0.tok).eval
     kw = {"max_new": max_new, "proxies": proxies(src0) if proxies else None, "seed": seed, "n": n}
     rows = [{"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, free, **kw)]
-    for step in steps:
+    rows = rows if reference else []
+    for step in [s for s in steps if s not in skip]:
         for j, d in enumerate(dirs):
             src = policy_at(d, step)
             recs = evaluate((src.model, src.params), ref, src.tok, pool, judge, free, **kw)

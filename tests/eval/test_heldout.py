@@ -47,3 +47,8 @@ def test_evaluate_runs_is_evaluate_at_every_checkpoint_of_every_member(tmp_path)
                       max_new=4, proxies={"len": length}, seed=5)  # fmt: skip
     got = [{k: v for k, v in x.items() if k not in ("member", "step")} for x in rows[-4:]]
     assert got == direct and any(x["kl"] > 0 for x in direct)
+    # a continued run: only the steps not evaluated yet, without the reference's rows, the same records
+    later = evaluate_runs(
+        dirs, judge, free, data, max_new=4, proxies=proxies, seed=5, skip=(1,), reference=False
+    )
+    assert later == rows[12:] and {x["step"] for x in later} == {2}

@@ -125,6 +125,26 @@ def test_the_tiny_study_stores_every_response(tmp_path):
     assert all(f"DPO beta={b:g}: the gold peaks and falls" in first["claims.md"].decode() for b in betas)
     assert llm_study.main(["--replay", str(res)]) == 0
     assert {f: (res / f).read_bytes() for f in outs} == first  # the replay is byte for byte
+    # --extend: the grpo sweep continued by one iteration (only its new checkpoint evaluated, the stored rows
+    # kept), DPO with a new seed (its members numbered after the stored ones, the reference not repeated)
+    more = P["grpo_iterations"] + 1
+    assert llm_study.main([*argv[:-1], "grpo", "--extend", "--set", f"grpo_iterations={more}"]) == 0
+    assert llm_study.main([*argv[:-1], "dpo", "--extend", "--set", "seeds=1"]) == 0
+    ev2 = _rows(res / "grpo_eval.jsonl.gz")
+    assert ev2[: len(ev)] == ev and {(r["member"], r["step"]) for r in ev2[len(ev) :]} == {
+        (j, more) for j in range(members)
+    }
+    grpo = json.loads(gzip.open(res / "grpo_runs.json.gz", "rt").read())["runs"]
+    assert all(len(r["metrics"]["kl/exact_seq_sum"]) == more for r in grpo)
+    dev2, runs2 = (
+        _rows(res / "dpo_eval.jsonl.gz"),
+        json.loads(gzip.open(res / "dpo_runs.json.gz", "rt").read()),
+    )
+    assert runs2["runs"][: len(runs)] == runs and [r["seed"] for r in runs2["runs"][len(runs) :]] == [1, 1]
+    assert dev2[: len(dev)] == dev and {r["member"] for r in dev2[len(dev) :]} == {2, 3}
+    assert "before" in json.loads((res / "study.json").read_text())["timing"]["dpo"]
+    with pytest.raises(SystemExit, match="seeds \\[1\\] are stored"):
+        llm_study.main([*argv[:-1], "dpo", "--extend", "--set", "seeds=1"])
 
 
 def test_llm_gold_replay_rebuilds_the_stored_check_byte_for_byte(tmp_path):
