@@ -164,30 +164,6 @@ def dump(path: Path, rows: Any) -> None:  # (read back by llm_study_report.load)
 
 
 # ---- prepare: pools, judge, gold, proxies, best-of-n -------------------------------------------------------
-def pairs(
-    rows: list[dict[str, Any]], prompts: list[Any], n_pairs: int, noise: float, seed: int
-) -> list[dict]:
-    """Up to ``n_pairs`` pairs of responses to the same prompt with different gold, drawn without replacement
-    from all such pairs, as TRL's ``prompt``/``chosen``/``rejected`` records: ``chosen`` the higher gold,
-    flipped with probability ``noise`` (``gold_chosen`` says whether the label agrees with the gold;
-    ``rows``: the indices of chosen and rejected in ``rows``)."""
-    rng = np.random.default_rng(seed)
-    by: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by.setdefault(r["prompt_idx"], []).append(i)
-    gold = [r["gold"] for r in rows]
-    cand = [(a, b) for g in by.values() for i, a in enumerate(g) for b in g[i + 1 :] if gold[a] != gold[b]]
-    out = []
-    for k in rng.permutation(len(cand))[:n_pairs]:
-        a, b = cand[k]
-        hi, lo = (a, b) if gold[a] > gold[b] else (b, a)
-        flip = bool(rng.random() < noise)
-        c, r = (lo, hi) if flip else (hi, lo)
-        out.append({"prompt": prompts[rows[a]["prompt_idx"]], "chosen": rows[c]["completion"],
-                    "rejected": rows[r]["completion"], "gold_chosen": not flip, "rows": (c, r)})  # fmt: skip
-    return out
-
-
 def train_proxy(task: Any, feats: np.ndarray, train: list[dict], held: list[dict], P: dict, seed: int) -> Any:
     """A head-only Bradley-Terry proxy (:func:`klrl.rewards.train.train_head`) on ``train`` pairs, from
     ``feats`` (the reference's last hidden state on PPO's text of each pool response, computed once);
@@ -208,11 +184,15 @@ def train_proxy(task: Any, feats: np.ndarray, train: list[dict], held: list[dict
 def proxy_pairs(train: list[dict], prompts: list[Any], P: dict, seed: int) -> dict[str, list[dict]]:
     """The proxies' pairs from the training pool: ``strong`` (clean) and ``weak`` (noisy) from the first 80%
     of its prompts, ``val`` (clean, at most 2000) from the rest; the DPO arm trains on ``strong``."""
+    from klrl.rewards.pairs import gold_pairs
+
     cut = int(0.8 * len(prompts))
     fit = [r["prompt_idx"] < cut for r in train]
-    out = {"val": [p for p in pairs(train, prompts, 10**9, 0.0, seed + 3) if not fit[p["rows"][0]]][:2000]}
+    out = {
+        "val": [p for p in gold_pairs(train, prompts, 10**9, 0.0, seed + 3) if not fit[p["rows"][0]]][:2000]
+    }
     for tag, n, noise in (("strong", P["pairs_strong"], 0.0), ("weak", P["pairs_weak"], P["weak_noise"])):
-        out[tag] = [p for p in pairs(train, prompts, 10**9, noise, seed + 1) if fit[p["rows"][0]]][:n]
+        out[tag] = [p for p in gold_pairs(train, prompts, 10**9, noise, seed + 1) if fit[p["rows"][0]]][:n]
     return out
 
 
@@ -331,13 +311,12 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
     base = base_config(ns, P, study["reward_path"])
     members = arms(base, P)[name]
     stamps: list[float] = []
-    on_step = lambda i, m: (
-        stamps.append(time.time()),
-        print(
-            f"{name} iteration {i}: exact KL {np.round(np.asarray(m['kl/exact_seq_sum']), 2).tolist()}",
-            flush=True,
-        ),
-    )
+
+    def on_step(i: int, m: dict) -> None:
+        stamps.append(time.time())
+        kl = np.round(np.asarray(m["kl/exact_seq_sum"]), 2).tolist()
+        print(f"{name} iteration {i}: exact KL {kl}", flush=True)
+
     t0, out = time.time(), Path(ns.out) / f"llm_study-{name}"
     old = load(res / f"{name}_eval.jsonl.gz") if ns.extend else []
     resume = out if ns.extend else None
@@ -488,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = ["prepare", "turn", "ctrl", "grpo", "dpo"] if ns.stage == "all" else ns.stage.split(",")
     if ns.dry_run:
         a = {
-            k: [label(m) + f" seed {m.train.seed}" for m in v] for k, v in arms(base_config(ns, P), P).items()
+            k: [f"{label(m)} seed {m.train.seed}" for m in v] for k, v in arms(base_config(ns, P), P).items()
         }
         a["dpo"] = [
             f"DPO beta={b:g} seed {s}" for b in _floats(P["dpo_betas"]) for s in str(P["seeds"]).split(",")

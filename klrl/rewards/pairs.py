@@ -326,3 +326,29 @@ def heldout_prompts(pairs: Pairs, limit: int, pad_id: int) -> tuple[np.ndarray |
         tokens[k, width - n :] = pairs.chosen[i, :n]
         mask[k, width - n :] = 1.0
     return tokens, mask
+
+
+def gold_pairs(
+    rows: list[dict[str, Any]], prompts: list[Any], n_pairs: int, noise: float, seed: int
+) -> list[dict]:
+    """Up to ``n_pairs`` pairs of responses to the same prompt with different gold, drawn without replacement
+    from all such pairs, as TRL's ``prompt``/``chosen``/``rejected`` records: ``chosen`` the higher gold,
+    flipped with probability ``noise`` (``gold_chosen`` says whether the label agrees with the gold;
+    ``rows``: the indices of chosen and rejected in ``rows``). ``rows`` are scored responses
+    (``prompt_idx``, ``gold``, ``completion``), e.g. a study's pool; the label noise is symmetric, as the
+    noisy-label proxies of Gao et al. 2023 (arXiv:2210.10760, section 4.3)."""
+    rng = np.random.default_rng(seed)
+    by: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by.setdefault(r["prompt_idx"], []).append(i)
+    gold = [r["gold"] for r in rows]
+    cand = [(a, b) for g in by.values() for i, a in enumerate(g) for b in g[i + 1 :] if gold[a] != gold[b]]
+    out = []
+    for k in rng.permutation(len(cand))[:n_pairs]:
+        a, b = cand[k]
+        hi, lo = (a, b) if gold[a] > gold[b] else (b, a)
+        flip = bool(rng.random() < noise)
+        c, r = (lo, hi) if flip else (hi, lo)
+        out.append({"prompt": prompts[rows[a]["prompt_idx"]], "chosen": rows[c]["completion"],
+                    "rejected": rows[r]["completion"], "gold_chosen": not flip, "rows": (c, r)})  # fmt: skip
+    return out

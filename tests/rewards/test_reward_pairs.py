@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from klrl.models.pretrained import from_pretrained
-from klrl.rewards.pairs import PairsError, encode_pairs, read_pairs, split
+from klrl.rewards.pairs import PairsError, encode_pairs, gold_pairs, read_pairs, split
 
 GGUF = Path(__file__).parents[1] / "data" / "tiny_gguf" / "tiny.gguf"
 
@@ -112,3 +112,16 @@ def test_split_is_seeded_disjoint_and_never_empty():
     assert len(split(3, 0.01, 0)[1]) == 1 and len(split(3, 0.99, 0)[0]) == 1
     with pytest.raises(PairsError, match="1 pair"):
         split(1, 0.5, 0)
+
+
+def test_pairs_are_within_prompt_in_the_golds_order_and_flip_at_the_noise_rate():
+    rows = [{"prompt_idx": i // 4, "gold": float(i % 4), "completion": f"r{i}"} for i in range(400)]
+    prompts = [f"p{i}" for i in range(100)]
+    clean = gold_pairs(rows, prompts, 500, 0.0, 0)
+    assert len(clean) == 500 and len({(p["chosen"], p["rejected"]) for p in clean}) == 500
+    for p in clean:
+        c, r = int(p["chosen"][1:]), int(p["rejected"][1:])
+        assert c // 4 == r // 4 and p["prompt"] == prompts[c // 4] and c % 4 > r % 4
+    noisy = gold_pairs(rows, prompts, 600, 0.3, 1)  # all 6 pairs of each of the 100 prompts
+    rate = np.mean([not p["gold_chosen"] for p in noisy])
+    assert len(noisy) == 600 and abs(rate - 0.3) < 4 * np.sqrt(0.3 * 0.7 / 600)
