@@ -93,9 +93,10 @@ def check_config(
 ) -> None:
     """The rules of a run (one member, ``stacked=False``) or a sweep (``stacked``) that need neither
     the task nor the devices: the members (:func:`klrl.config.sweep.check_members`) and their split
-    over ``sweep_devices`` groups; a resume (``resume``: its directory) and ``train.rollback_metric``
-    need ``write``. ``task_given``: the caller brings its own task (the rules on ``task.name`` of
-    :func:`~klrl.config.relevance.check_relevance` do not apply to it)."""
+    over ``sweep_devices`` groups; a resume (``resume``: its directory) and the quality rollback
+    (``train.rollback_metric``, ``train.rollback_guards``) need ``write``. ``task_given``: the caller
+    brings its own task (the rules on ``task.name`` of :func:`~klrl.config.relevance.check_relevance`
+    do not apply to it)."""
     check_members(members)
     n = len(members)
     if n % sweep_devices:
@@ -103,8 +104,10 @@ def check_config(
     if resume is not None and not write:
         where = "sweep writes to its sweep directory" if stacked else "run writes to its run directory"
         raise ConfigError(f"resume: a resumed {where} (write=True)")
-    if members[0].train.rollback_metric and not write:
-        raise ConfigError("train.rollback_metric: the quality rollback needs checkpoints (write=True)")
+    tc = members[0].train
+    if tc.guards() and not write:
+        where = "train.rollback_metric" if tc.rollback_metric else "train.rollback_guards"
+        raise ConfigError(f"{where}: the quality rollback needs checkpoints (write=True)")
     for m in members:
         check_model_fields(m, stacked=stacked)  # (the only place they are checked)
     if resume is None:  # a resume's config is the run's own (config.json); the CLI checks the flags given

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from klrl.config.schema import ConfigError, section
@@ -65,6 +65,44 @@ def parse_mesh(spec: str) -> tuple[int, int, int]:
 
 def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, f"must be one of {', '.join(choices)} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One guard of the quality rollback: roll back when ``metric`` crosses ``ratio`` x its value at
+    iteration 0 (``ratio > 1``: rising above it is bad; ``ratio < 1``: falling below it is bad).
+    ``spec``: the guard as written in ``train.rollback_guards`` (``''``: ``train.rollback_metric`` with
+    ``train.rollback_threshold``)."""
+
+    metric: str
+    ratio: float
+    spec: str = ""
+
+
+_GUARD = re.compile(r"([^<>\s]+)\s*([<>])\s*([^<>\s]+)")
+
+
+def parse_guards(text: str) -> tuple[Guard, ...]:
+    """``train.rollback_guards``: comma-separated ``metric>ratio`` (bad when the metric rises above
+    ``ratio`` x its iteration-0 value, ``ratio > 1``) or ``metric<ratio`` (bad when it falls below,
+    ``0 < ratio < 1``), e.g. ``'eval/oracle_ppl_floored>1.5,text/distinct_2<0.7'``."""
+    out: list[Guard] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        m = _GUARD.fullmatch(item)
+        _check(m is not None, "train.rollback_guards", f"expected metric>ratio or metric<ratio, got {item!r}")
+        metric, op, num = m.groups()  # type: ignore[union-attr]
+        try:
+            ratio = float(num)
+        except ValueError:
+            ratio = math.nan
+        ok = math.isfinite(ratio) and (ratio > 1 if op == ">" else 0 < ratio < 1)
+        want = "a number > 1 after '>'" if op == ">" else "a number in (0, 1) after '<'"
+        _check(ok, "train.rollback_guards", f"{item!r}: expected {want}")
+        spec = f"{metric}{op}{num}"
+        dup = any(g.metric == metric and (g.ratio > 1) == (op == ">") for g in out)
+        _check(not dup, "train.rollback_guards", f"{spec!r}: {metric} already has a '{op}' guard")
+        out.append(Guard(metric, ratio, spec))
+    return tuple(out)
 
 
 # the fields of klrl's built-in GPT (the testbed tasks): a pretrained model.path has its own (config.json,
@@ -450,8 +488,15 @@ class TrainConfig:
         "roll back when rollback_metric crosses this ratio to its iteration-0 value "
         "(> 1: rising above it is bad; < 1: falling below it is bad)",
     )
+    rollback_guards: str = _f(
+        "",
+        "more quality-rollback guards, comma-separated metric>ratio or metric<ratio (ratio to the metric's "
+        "iteration-0 value), e.g. 'eval/oracle_ppl_floored>1.5,text/distinct_2<0.7' ('' = none)",
+    )
     rollback_factor: float = _f(2.0, "on a rollback, beta = this x max(restored beta, failing beta) (> 1)")
-    max_rollbacks: int = _f(3, "stop the run instead of rolling back more than this many times")
+    max_rollbacks: int = _f(
+        3, "stop the run instead of rolling back more than this many times (all guards together)"
+    )
     metric_aliases: str = _f(
         "", "also log metrics under another framework's names: trl, verl or '' (metrics.jsonl, TensorBoard)"
     )
@@ -512,3 +557,10 @@ class TrainConfig:
             "train.rollback_metric",
             "must not have surrounding spaces",
         )
+        parse_guards(self.rollback_guards)
+
+    def guards(self) -> tuple[Guard, ...]:
+        """The quality rollback's guards: ``rollback_metric``'s (with ``rollback_threshold``) first,
+        then ``rollback_guards``' in order (none: rollback off)."""
+        first = (Guard(self.rollback_metric, self.rollback_threshold),) if self.rollback_metric else ()
+        return first + parse_guards(self.rollback_guards)

@@ -89,9 +89,11 @@ IRRELEVANT: tuple[Rule, ...] = (
       for f in _TESTBED),
     *(Rule(f"task.{f}", lambda c: c.task.name == "text", _TEXT, on_task=True) for f in _TASK_GPT),
     Rule("train.devices", lambda c: bool(c.train.mesh), "with train.mesh={c.train.mesh} (it sets the mesh)"),
-    *(Rule(f"train.{f}", lambda c: not c.train.rollback_metric,
-           "without train.rollback_metric (rollback off)")
-      for f in ("rollback_threshold", "rollback_factor", "max_rollbacks")),
+    Rule("train.rollback_threshold", lambda c: not c.train.rollback_metric,
+         "without train.rollback_metric (its guard's ratio; train.rollback_guards name their own)"),
+    *(Rule(f"train.{f}", lambda c: not c.train.guards(),
+           "without train.rollback_metric or train.rollback_guards (rollback off)")
+      for f in ("rollback_factor", "max_rollbacks")),
     Rule("train.samples_n", lambda c: c.train.samples_every == 0, "with train.samples_every=0 (no samples)"),
     *(Rule(f"data.{f}", lambda c: c.task.name != "text", "with task.name={c.task.name} (it generates its "
            "prompts" + ("; its prompt length is task.prompt_len" if f == "prompt_len" else "")
@@ -118,7 +120,8 @@ ALWAYS_RELEVANT = frozenset({
     "task.name", "task.cache_dir",
     "train.iterations", "train.batch_size", "train.seed", "train.mesh", "train.out_dir", "train.name",
     "train.quiet", "train.checkpoint_every", "train.keep_checkpoints", "train.max_consecutive_skips",
-    "train.rollback_metric", "train.metric_aliases", "train.samples_every", "train.hooks", "train.metric_fns",
+    "train.rollback_metric", "train.rollback_guards", "train.metric_aliases",
+    "train.samples_every", "train.hooks", "train.metric_fns",
     "reward.missing_eos_penalty", "reward.standardize", "log.wandb",
     *(f"diag.{f.name}" for f in dataclasses.fields(SECTIONS["diag"]) if f.name not in _DIAG_ADAPTIVE),
 })  # fmt: skip

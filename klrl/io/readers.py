@@ -300,6 +300,7 @@ RESUME_MUTABLE = frozenset(
         "train.max_consecutive_skips",
         "train.rollback_metric",
         "train.rollback_threshold",
+        "train.rollback_guards",
         "train.rollback_factor",
         "train.max_rollbacks",
         "reward.timeout",  # how long a hung reward call is waited for, not what a call computes

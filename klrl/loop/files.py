@@ -96,13 +96,18 @@ def cut_to_checkpoint(
 
 
 def rollback_bases(meta: dict[str, Any], metric: str, traces: list[list[float]]) -> list[float | None]:
-    """Each member's rollback reference (the metric at iteration 0) as a resumed checkpoint saved it,
-    or its first row's value (a checkpoint of another metric or of an older version)."""
+    """Each member's rollback reference (the metric at iteration 0) as a resumed checkpoint saved it
+    (``rollback_base``: ``metric`` with its ``value`` or per-member ``values``, the other guarded
+    metrics' per-member values in ``others``), or its first row's value (a checkpoint that did not guard
+    ``metric``, or of an older version)."""
     saved = meta.get("rollback_base") or {}
-    values = saved.get("values", [saved.get("value")])
+    if saved.get("metric") == metric:
+        values = saved.get("values", [saved.get("value")])
+    else:
+        values = (saved.get("others") or {}).get(metric)
     bases: list[float | None] = []
     for j, trace in enumerate(traces):
-        ok = saved.get("metric") == metric and j < len(values)
+        ok = values is not None and j < len(values)
         bases.append(values[j] if ok else (trace[0] if trace else None))
     return bases
 

@@ -67,8 +67,9 @@ The hooks:
 * :class:`KLSignNote`: one note in the log when the penalised KL estimate's batch mean
   (``kl/reward_<est>_seq_sum``) is negative and the exact KL (``kl/exact_seq_sum``) positive;
 * :class:`SkipStop`: a :class:`Stop` after ``train.max_consecutive_skips`` non-finite skips in a row;
-* :class:`QualityRollback`: ``train.rollback_metric``'s trace, its reference at iteration 0 and, when
-  it crosses ``train.rollback_threshold``, a :class:`Restore` to the newest good checkpoint with beta
+* :class:`QualityRollback`: the traces of the guarded metrics (``train.rollback_metric``,
+  ``train.rollback_guards``), their references at iteration 0 and, when one crosses its guard
+  (``train.rollback_threshold``, a guard's ratio), a :class:`Restore` to the newest good checkpoint with beta
   raised (a :class:`Stop` after ``train.max_rollbacks``; :mod:`klrl.loop.reliability` decides,
   :mod:`klrl.loop.stops` words it);
 * :class:`HeldOut`: the held-out evaluation of the state before a step, its ``eval/heldout/*`` keys
@@ -593,82 +594,99 @@ class SkipStop(Hook):
 
 
 class QualityRollback(Hook):
-    """``train.rollback_metric``'s trace per member, its reference (the value at iteration 0) and the
-    rollback: back to the newest checkpoint good for every member whose metric crossed, with those
-    members' beta x ``train.rollback_factor`` (a :class:`Restore`; a :class:`Stop` after
-    ``train.max_rollbacks``); inert without a metric. ``ckpts``: the checkpoints it reads (steps, states);
-    ``initial``: a host copy of the state a rollback to step 0 restores (``init`` cannot be re-run once
-    ``step`` donated its arrays)."""
+    """The quality rollback's guards (``train.rollback_metric``'s, then ``train.rollback_guards``',
+    :meth:`klrl.config.fields.TrainConfig.guards`): each guarded metric's trace per member, its reference
+    (the value at iteration 0) and the rollback when a guard crossed: back to the newest checkpoint good
+    for every member whose metric crossed, with those members' beta x ``train.rollback_factor`` (a
+    :class:`Restore`, a note naming each guard that crossed; a :class:`Stop` after
+    ``train.max_rollbacks``, counted over all guards); inert without a guard. ``traces``, ``bases``: per
+    guarded metric, per member. ``ckpts``: the checkpoints it reads (steps, states); ``initial``: a host
+    copy of the state a rollback to step 0 restores (``init`` cannot be re-run once ``step`` donated its
+    arrays)."""
 
-    def __init__(self, tc: Any, stacked: bool, log: Callable[[str], None], traces: list[list[float]],
-                 bases: list[float | None], initial: Any = None, ckpts: Any = None):  # fmt: skip
-        self.tc, self.metric, self.stacked, self.log = tc, tc.rollback_metric, stacked, log
+    def __init__(self, tc: Any, stacked: bool, log: Callable[[str], None],
+                 traces: dict[str, list[list[float]]], bases: dict[str, list[float | None]],
+                 initial: Any = None, ckpts: Any = None):  # fmt: skip
+        self.tc, self.guards, self.stacked, self.log = tc, tc.guards(), stacked, log
         self.traces, self.bases, self.initial, self.ckpts = traces, bases, initial, ckpts
 
     def base_meta(self) -> dict[str, Any] | None:
-        """The references a checkpoint's metadata keeps (a resume reads them back)."""
-        if not self.metric:
+        """The references a checkpoint's metadata keeps (a resume reads them back,
+        :func:`klrl.loop.files.rollback_bases`): the first guarded metric's as before guards, the others'
+        per member under ``others``."""
+        if not self.guards:
             return None
-        b = [x if x is not None and math.isfinite(x) else None for x in self.bases]
-        if self.stacked:
-            return {"metric": self.metric, "values": b}
-        return {"metric": self.metric, "value": b[0]}
+        b = {m: [x if x is not None and math.isfinite(x) else None for x in v] for m, v in self.bases.items()}
+        first, *others = b
+        out = {"metric": first, **({"values": b[first]} if self.stacked else {"value": b[first][0]})}
+        return {**out, "others": {m: b[m] for m in others}} if others else out
 
     def who(self, j: int) -> str:
         return f"member {j:02d}: " if self.stacked else ""
 
     def on_row(self, loop: Loop, row: Row) -> list[Request] | None:
-        """The row's metric traced (a bad reference: a note); past the threshold, the rollback."""
-        if not self.metric:
+        """The row's guarded metrics traced (a bad reference: a note); past a guard, the rollback."""
+        if not self.guards:
             return None
         out: list[Request] = []
-        for j, mj in enumerate(row.members):
-            self.traces[j].append(mj.get(self.metric, math.nan))
-            if self.bases[j] is None:
-                self.bases[j] = self.traces[j][0]
-                msg = base_message(self.metric, self.bases[j])
-                if msg is not None:
-                    msg = self.who(j) + msg
-                    self.log(msg)
-                    out.append(Note(j, row.it, "rollback_off", msg))
+        for metric, traces in self.traces.items():
+            bases = self.bases[metric]
+            for j, mj in enumerate(row.members):
+                traces[j].append(mj.get(metric, math.nan))
+                if bases[j] is None:
+                    bases[j] = traces[j][0]
+                    msg = base_message(metric, bases[j])
+                    if msg is not None:
+                        msg = self.who(j) + msg
+                        self.log(msg)
+                        out.append(Note(j, row.it, "rollback_off", msg))
         if self.crossed():
             out.append(self.roll_back(loop, self.ckpts))
         return out
 
     def crossed(self) -> bool:
-        """Whether a member's newest metric is past the threshold."""
-        t = self.tc.rollback_threshold
-        return bool(self.metric) and any(
-            reliability.is_bad(tr[-1], b, t) for tr, b in zip(self.traces, self.bases, strict=True)
+        """Whether a member's newest value of a guarded metric is past its guard."""
+        return any(
+            reliability.is_bad(tr[-1], b, g.ratio)
+            for g in self.guards
+            for tr, b in zip(self.traces[g.metric], self.bases[g.metric], strict=True)
         )
 
+    def decisions(self, steps: list[int]) -> dict[int, list[tuple[Any, reliability.Rollback]]]:
+        """Per member, each guard that crossed with its decision (:func:`reliability.decide_rollback`)."""
+        out: dict[int, list[tuple[Any, reliability.Rollback]]] = {}
+        for g in self.guards:
+            for j, trace in enumerate(self.traces[g.metric]):
+                d = reliability.decide_rollback(trace, steps, g.ratio, self.bases[g.metric][j])
+                if d is not None:
+                    out.setdefault(j, []).append((g, d))
+        return out
+
     def roll_back(self, loop: Loop, ckpts: Checkpoints) -> Restore | Stop:
-        """The :class:`Restore` of the newest checkpoint good for every crossed member (the others replay
-        exactly), the crossed members' beta raised; the :class:`Stop` after ``train.max_rollbacks``."""
-        decs = {}
-        steps = ckpts.steps() if ckpts.mgr is not None else []
-        for j, trace in enumerate(self.traces):
-            d = reliability.decide_rollback(trace, steps, self.tc.rollback_threshold, self.bases[j])
-            if d is not None:
-                decs[j] = d
-        j0, d0 = next(iter(decs.items()))
+        """The :class:`Restore` of the newest checkpoint good for every crossed member and guard (the other
+        members replay exactly), the crossed members' beta raised, a note per guard crossed; the
+        :class:`Stop` after ``train.max_rollbacks``."""
+        decs = self.decisions(ckpts.steps() if ckpts.mgr is not None else [])
         tc = self.tc
+        j0, ((g0, d0), *_) = next(iter(decs.items()))
         if loop.rollbacks >= tc.max_rollbacks:
-            line = give_up_message(self.who(j0), self.metric, d0, tc.rollback_threshold, loop.rollbacks)
+            line = give_up_message(self.who(j0), g0.metric, d0, g0.ratio, loop.rollbacks, g0.spec)
             return Stop(line, rewind=False)
-        target = min(d.step for d in decs.values())
+        target = min(d.step for ds in decs.values() for _, d in ds)
         state, old, beta = self._restored(loop, ckpts, target, list(decs))
         notes = []
-        for j, d in decs.items():
-            msg = rollback_message(loop.rollbacks + 1, tc.max_rollbacks, self.who(j), self.metric, d,
-                                   tc.rollback_threshold, target, float(old[j]), float(beta[j]))  # fmt: skip
-            self.log(msg)
-            notes.append(Note(j, d.crossing, "rollback", msg))
+        for j, ds in decs.items():
+            for g, d in ds:
+                msg = rollback_message(loop.rollbacks + 1, tc.max_rollbacks, self.who(j), g.metric, d,
+                                       g.ratio, target, float(old[j]), float(beta[j]), g.spec)  # fmt: skip
+                self.log(msg)
+                notes.append(Note(j, d.crossing, "rollback", msg))
         return Restore(target, state, tuple(notes))
 
     def truncate(self, loop: Loop, step: int) -> None:
-        for trace in self.traces:
-            del trace[step:]
+        for traces in self.traces.values():
+            for trace in traces:
+                del trace[step:]
 
     def _restored(
         self, loop: Loop, ckpts: Checkpoints, target: int, members: list[int]

@@ -33,11 +33,21 @@ def base_message(metric: str, base: float) -> str | None:
     return f"quality rollback off: {metric} = {base} at iteration 0 is not a positive number"
 
 
-def give_up_message(who: str, metric: str, d: Rollback, threshold: float, rollbacks: int) -> str:
-    """The quality rollback's stop after ``train.max_rollbacks`` rollbacks."""
+def _crossed(who: str, metric: str, d: Rollback, guard: str) -> str:
+    """``metric``'s crossing; a guard of ``train.rollback_guards`` (``guard``) also names its reference
+    (``d.value / d.ratio``, the metric at iteration 0)."""
+    start = f"its start {d.value / d.ratio:.4g}" if guard else "its start"
+    return f"{who}{metric} = {d.value:.4g} at iteration {d.crossing} is {d.ratio:.3f}x {start}"
+
+
+def give_up_message(
+    who: str, metric: str, d: Rollback, threshold: float, rollbacks: int, guard: str = ""
+) -> str:
+    """The quality rollback's stop after ``train.max_rollbacks`` rollbacks (of all its guards together);
+    ``guard``: the guard of ``train.rollback_guards`` that crossed ('': ``train.rollback_metric``)."""
+    past = f"guard {guard} (train.rollback_guards)" if guard else f"train.rollback_threshold {threshold}"
     return (
-        f"{who}{metric} = {d.value:.4g} at iteration {d.crossing} is {d.ratio:.3f}x its "
-        f"start, past train.rollback_threshold {threshold}, after {rollbacks} rollbacks "
+        f"{_crossed(who, metric, d, guard)}, past {past}, after {rollbacks} rollbacks "
         f"(train.max_rollbacks); newest good checkpoint: {d.step}"
     )
 
@@ -52,11 +62,14 @@ def rollback_message(
     target: int,
     old: float,
     new: float,
+    guard: str = "",
 ) -> str:
-    """A rollback's line (logged and written as an event)."""
+    """A rollback's line (logged and written as an event): the guard that crossed (``guard``, as written in
+    ``train.rollback_guards``; '': ``train.rollback_metric`` with ``threshold``), its metric's value, ratio
+    and (a guard's) reference, the state restored and beta's change."""
+    why = f"guard {guard}" if guard else f"threshold {threshold}"
     return (
-        f"rollback {n}/{max_n}: {who}{metric} = {d.value:.4g} at iteration "
-        f"{d.crossing} is {d.ratio:.3f}x its start (threshold {threshold}); restored "
+        f"rollback {n}/{max_n}: {_crossed(who, metric, d, guard)} ({why}); restored "
         f"{'the initial state' if target == 0 else f'checkpoint {target}'}, "
         f"beta {old:.4g} -> {new:.4g}"
     )

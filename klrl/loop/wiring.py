@@ -45,17 +45,20 @@ __all__ = ["check", "hooks"]
 
 
 def check(prog: Program, abstract: Any) -> None:
-    """What the hooks need of the program, before anything is written: ``train.rollback_metric`` is a
-    metric of the step (``abstract``: the state's shapes; the step traced, not run)."""
-    metric = prog.configs[0].train.rollback_metric  # (with write=True: klrl.checks.preflight)
-    if not metric:
+    """What the hooks need of the program, before anything is written: each quality-rollback guard's
+    metric (``train.rollback_metric``, ``train.rollback_guards``) is a metric of the step (``abstract``:
+    the state's shapes; the step traced, not run)."""
+    guards = prog.configs[0].train.guards()  # (with write=True: klrl.checks.preflight)
+    if not guards:
         return
     names = jax.eval_shape(prog.step, abstract, prog.env)[1]
-    if metric not in names:
-        raise ConfigError(
-            f"train.rollback_metric: {metric!r} is not a metric of this run "
-            f"(e.g. {', '.join(sorted(n for n in names if n.startswith(('eval/', 'reward/'))))})"
-        )
+    for g in guards:
+        if g.metric not in names:
+            some = sorted(n for n in names if n.startswith(("eval/", "reward/", "text/")))
+            raise ConfigError(
+                f"train.{'rollback_guards' if g.spec else 'rollback_metric'}: {g.metric!r} is not a metric "
+                f"of this run (e.g. {', '.join(some)})"
+            )
 
 
 def hooks(loop: Loop, resume: Resume | None, restore_to: Any, guard: reliability.RunGuard | None,
@@ -107,14 +110,18 @@ def _checkpoints(
 def _rollback(
     loop: Loop, resume: Resume | None, log: Callable[[str], None], ckpts: Checkpoints
 ) -> QualityRollback:
-    """The quality rollback of ``loop`` (inert without ``train.rollback_metric``)."""
+    """The quality rollback of ``loop`` (inert without a guard: ``train.rollback_metric``,
+    ``train.rollback_guards``)."""
     prog, tc, n = loop.prog, loop.configs[0].train, len(loop.configs)
-    metric, traces, bases, initial = tc.rollback_metric, [], [None] * n, None
-    if metric:
+    traces: dict[str, list[list[float]]] = {}
+    bases: dict[str, list[float | None]] = {}
+    initial = None
+    if tc.guards():
         # the state a rollback to step 0 restores (a host copy: ``init`` cannot be re-run once ``step``
         # has donated the controller's parameter arrays)
         initial = ckpt.host_copy(frozen.without(prog, loop.state if resume is None else prog.init()))
-        traces = [[float(r.get(metric, math.nan)) for r in rows] for rows in loop.rows]
-        if resume is not None:  # the rollback metric at iteration 0 (the threshold's reference)
-            bases = rollback_bases(resume.meta, metric, traces)
+    for metric in dict.fromkeys(g.metric for g in tc.guards()):  # each guarded metric once, in order
+        traces[metric] = [[float(r.get(metric, math.nan)) for r in rows] for rows in loop.rows]
+        # its value at iteration 0 (the guards' reference)
+        bases[metric] = [None] * n if resume is None else rollback_bases(resume.meta, metric, traces[metric])
     return QualityRollback(tc, loop.stacked, log, traces, bases, initial, ckpts)

@@ -40,6 +40,7 @@ FREE_STRINGS = {
     "train.out_dir",
     "train.name",
     "train.rollback_metric",
+    "train.rollback_guards",  # metric>ratio or metric<ratio (tested in test_bad_rollback_guard)
     "model.path",
     "model.value_path",
     "model.adapter",
@@ -178,6 +179,19 @@ def test_bad_reward_fn(argv, words, capsys):
 @pytest.mark.parametrize("name,value", RANGES)
 def test_out_of_range(name, value, capsys):
     legacy(capsys, [f"--{name}", value], name)
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ("text/distinct_2", ("expected metric>ratio or metric<ratio, got 'text/distinct_2'",)),
+        ("eval/oracle_ppl_floored>0.5", ("'eval/oracle_ppl_floored>0.5': expected a number > 1 after '>'",)),
+        ("reward/task>1.5,text/distinct_2<1.2", ("'text/distinct_2<1.2': expected a number in (0, 1)",)),
+    ],
+)
+def test_bad_rollback_guard(value, words, capsys):
+    line = legacy(capsys, ["--train.rollback_guards", value], *words)
+    assert line.startswith("error: train.rollback_guards: "), line
 
 
 def test_warmup_beta_outside_the_bounds(capsys):

@@ -46,6 +46,9 @@ def test_check_config_members_resume_and_rollback() -> None:
     with pytest.raises(ConfigError, match=r"^train\.rollback_metric: the quality rollback needs checkpoints"):
         check_config([rollback], stacked=False, write=False)
     check_config([rollback], stacked=False, write=True)
+    guards = cfg.replace(train={"rollback_guards": "text/distinct_2<0.7"})  # guards alone: the same rule
+    with pytest.raises(ConfigError, match=r"^train\.rollback_guards: the quality rollback needs checkpoints"):
+        check_config([guards], stacked=False, write=False)
 
 
 @pytest.mark.parametrize("task", ["testbed", "wordclass", "peer"])

@@ -103,7 +103,10 @@ RULES = [
     (TrainConfig, {"batch_size": -4}, "train.batch_size"),
     (TrainConfig, {"devices": -1}, "train.devices"),
     (TrainConfig, {"log_every": 0}, "train.log_every"),
-]
+    *((TrainConfig, {"rollback_guards": g}, "train.rollback_guards")
+      for g in ("ppl", "ppl>", ">1.5", "ppl=1.5", "ppl>0.9", "ppl>1", "ppl<1.2", "ppl<0", "ppl>nan",
+                "ppl>inf", "ppl>x", "a<b<0.5", "ppl>1.5,ppl>2", "ppl>1.5,d2<0.7,d2<0.5")),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("cls,kwargs,name", RULES, ids=[f"{n}-{i}" for i, (_, _, n) in enumerate(RULES)])
@@ -112,6 +115,25 @@ def test_rule_names_field(cls, kwargs, name) -> None:
         cls(**kwargs)
     assert str(e.value).startswith(name + ":"), str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+def test_rollback_guards_parse_after_rollback_metric() -> None:
+    """train.guards(): rollback_metric's guard (with rollback_threshold) first, then rollback_guards' in
+    order, each a metric, its ratio to the metric's iteration-0 value and its spec; a bad one is one line."""
+    from klrl.config.fields import Guard
+
+    assert TrainConfig().guards() == ()
+    tc = TrainConfig(rollback_guards=" eval/oracle_ppl_floored > 1.5 ,text/distinct_2<0.7,,")
+    assert tc.guards() == (Guard("eval/oracle_ppl_floored", 1.5, "eval/oracle_ppl_floored>1.5"),
+                           Guard("text/distinct_2", 0.7, "text/distinct_2<0.7"))  # fmt: skip
+    tc = TrainConfig(rollback_metric="m", rollback_threshold=0.5, rollback_guards="m>2,x<0.9")
+    assert [(g.metric, g.ratio, g.spec) for g in tc.guards()] == [("m", 0.5, ""), ("m", 2.0, "m>2"),
+                                                                  ("x", 0.9, "x<0.9")]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(rollback_guards="text/distinct_2<1.3")
+    assert (
+        str(e.value) == "train.rollback_guards: 'text/distinct_2<1.3': expected a number in (0, 1) after '<'"
+    )
 
 
 def test_every_section_default_is_valid_and_every_field_has_help() -> None:

@@ -108,6 +108,19 @@ def test_the_known_cases():
         check_relevance([RunConfig().replace(**used)])
 
 
+def test_rollback_knobs_with_guards_alone():
+    """train.rollback_guards alone turns the rollback on: its factor and limit count, rollback_threshold
+    (train.rollback_metric's ratio) does not."""
+    guards = {"rollback_guards": "text/distinct_2<0.7"}
+    check_relevance([RunConfig().replace(train={**guards, "rollback_factor": 3.0, "max_rollbacks": 1})])
+    off = r"^train\.rollback_factor=3\.0 has no effect without train\.rollback_metric or "
+    with pytest.raises(ConfigError, match=off + r"train\.rollback_guards \(rollback off\)"):
+        check_relevance([RunConfig().replace(train={"rollback_factor": 3.0})])
+    with pytest.raises(ConfigError, match=r"^train\.rollback_threshold=1\.5 has no effect without "
+                       r"train\.rollback_metric"):  # fmt: skip
+        check_relevance([RunConfig().replace(train={**guards, "rollback_threshold": 1.5})])
+
+
 def test_a_sweep_refuses_only_what_no_member_reads_and_a_resume_only_the_flags():
     fixed = RunConfig().replace(ctrl={"kp": 0.3})
     pi = fixed.replace(ctrl={"kind": "pi"})

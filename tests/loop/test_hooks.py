@@ -298,7 +298,9 @@ def _rollback(tc: Any, stacked: bool, n: int, initial: Any = None) -> tuple[Qual
     logs: list[str] = []
     if initial is None:
         initial = _State(0, _Ctrl(np.zeros(n if stacked else (), np.float32)))
-    return QualityRollback(tc, stacked, logs.append, [[] for _ in range(n)], [None] * n, initial), logs
+    metrics = dict.fromkeys(g.metric for g in tc.guards())
+    traces, bases = {m: [[] for _ in range(n)] for m in metrics}, {m: [None] * n for m in metrics}
+    return QualityRollback(tc, stacked, logs.append, traces, bases, initial), logs
 
 
 def test_rollback_traces_its_metric_and_words_a_bad_base():
@@ -317,7 +319,7 @@ def test_rollback_traces_its_metric_and_words_a_bad_base():
     assert not h.crossed()  # 1.9 < 2 x 1; member 1's check is off
     h.ckpts = _Ckpts([])
     (restore,) = h.on_row(loop, _row(loop, 2, [{"m": 2.1}, {}]))  # crossed: a rollback to step 0
-    assert h.crossed() and h.traces[0] == [1.0, 1.9, 2.1] and math.isnan(h.traces[1][-1])
+    assert h.crossed() and h.traces["m"][0] == [1.0, 1.9, 2.1] and math.isnan(h.traces["m"][1][-1])
     assert isinstance(restore, Restore) and restore.step == 0
     assert len(logs) == 2 and logs[1].startswith("rollback 1/3: member 00: m = 2.1")  # the base set once
 
@@ -329,7 +331,7 @@ def test_rollback_base_of_a_run_and_inert_without_a_metric():
     assert h.base_meta() == {"metric": "m", "value": None}  # a non-finite base is saved as None
     off, logs = _rollback(_cfg().train, False, 1)
     off.on_row(loop, _row(loop, 1, [{"m": 5.0}]))
-    assert off.base_meta() is None and not off.crossed() and off.traces == [[]] and not logs
+    assert off.base_meta() is None and not off.crossed() and off.traces == {} and not logs
 
 
 class _Ckpts:
@@ -375,7 +377,7 @@ def test_rollback_restores_the_newest_good_checkpoint_with_beta_raised(tmp_path)
     assert logs == [want] and r.notes == (Note(0, 3, "rollback", want),)
     assert loop.rollbacks == 0 and loop.recorded == 4  # the driver does what the request says
     h.truncate(loop, 2)
-    assert h.traces == [[1.0, 1.2]]
+    assert h.traces == {"m": [[1.0, 1.2]]}
 
 
 def test_rollback_to_the_initial_state_and_the_limit(tmp_path):
@@ -392,13 +394,95 @@ def test_rollback_to_the_initial_state_and_the_limit(tmp_path):
     assert logs[-1].startswith("rollback 1/1: member 00: m = 0.4 at iteration 2 is 0.400x its start")
     h.truncate(loop, 0)
     loop.rows, loop.rollbacks = [[], []], 1  # (as the driver does it)
-    assert h.traces == [[], []]
+    assert h.traces == {"m": [[], []]}
     h.on_row(loop, _row(loop, 0, [{"m": 1.0}, {"m": 1.0}]))
     (stop,) = h.on_row(loop, _row(loop, 1, [{"m": 0.3}, {"m": 1.0}]))  # max_rollbacks reached: the stop
     assert isinstance(stop, Stop) and not stop.save and not stop.rewind and stop.raises is None
     assert stop.line == ("member 00: m = 0.3 at iteration 1 is 0.300x its start, past "
                          "train.rollback_threshold 0.5, after 1 rollbacks (train.max_rollbacks); newest good "
                          "checkpoint: 0")  # fmt: skip
+
+
+def _two_guards(rows: list[tuple[float, float]], steps: list[int], m: float = 1.0, done: int = 0,
+                **train: Any) -> Any:  # fmt: skip
+    """A single run guarded by ``ppl>1.5,d2<0.7`` (and ``train``), ``done`` rollbacks made, fed ``rows`` of
+    (ppl, d2) (metric ``m``: 1, then ``m`` in the last row); the hook, the last row's request, the log."""
+    tc = _cfg(rollback_guards="ppl>1.5, d2<0.7", **train).train
+    loop = _loop([_cfg()], state=_State(9, _Ctrl(np.float32(0.3))), rollbacks=done)
+    h, logs = _rollback(tc, False, 1)
+    h.ckpts = _Ckpts(steps, restored=_State(7, _Ctrl(np.float32(0.1))))
+    *head, last = rows
+    for it, (ppl, d2) in enumerate(head):
+        assert h.on_row(loop, _row(loop, it, [{"ppl": ppl, "d2": d2, "m": 1.0}])) == []
+    (r,) = h.on_row(loop, _row(loop, len(head), [{"ppl": last[0], "d2": last[1], "m": m}]))
+    return h, r, logs
+
+
+def test_two_guards_each_fires_alone_and_its_note_names_it():
+    # the perplexity guard: 16 > 1.5 x 10 at iteration 3 while d2 = 0.6 >= 0.7 x 0.8 = 0.56 holds;
+    # checkpoint 2 is good (14 <= 15); beta 2 x max(0.1, 0.3)
+    h, r, logs = _two_guards([(10.0, 0.8), (12.0, 0.7), (14.0, 0.6), (16.0, 0.6)], [1, 2])
+    want = ("rollback 1/3: ppl = 16 at iteration 3 is 1.600x its start 10 (guard ppl>1.5); restored "
+            "checkpoint 2, beta 0.1 -> 0.6")  # fmt: skip
+    assert isinstance(r, Restore) and r.step == 2 and float(r.state.ctrl.beta) == pytest.approx(0.6)
+    assert logs == [want] and r.notes == (Note(0, 3, "rollback", want),)
+    assert h.traces["d2"] == [[0.8, 0.7, 0.6, 0.6]]
+    assert h.base_meta() == {"metric": "ppl", "value": 10.0, "others": {"d2": [0.8]}}
+    # the diversity guard: 0.5 < 0.7 x 0.8 at iteration 2 while ppl = 12 <= 15 holds; checkpoint 1 is good
+    h, r, logs = _two_guards([(10.0, 0.8), (11.0, 0.7), (12.0, 0.5)], [1, 2])
+    want = ("rollback 1/3: d2 = 0.5 at iteration 2 is 0.625x its start 0.8 (guard d2<0.7); restored "
+            "checkpoint 1, beta 0.1 -> 0.6")  # fmt: skip
+    assert isinstance(r, Restore) and r.step == 1
+    assert logs == [want] and r.notes == (Note(0, 2, "rollback", want),)
+
+
+def test_guards_crossing_together_one_restore_a_note_each_and_one_limit():
+    # both cross at iteration 2 (16 > 15, 0.5 < 0.56): one restore (beta raised once), one line per guard
+    h, r, logs = _two_guards([(10.0, 0.8), (11.0, 0.7), (16.0, 0.5)], [1])
+    assert isinstance(r, Restore) and r.step == 1 and float(r.state.ctrl.beta) == pytest.approx(0.6)
+    assert [x.split(" (guard ")[1].split(")")[0] for x in logs] == ["ppl>1.5", "d2<0.7"]
+    assert [n.text for n in r.notes] == logs
+    # with train.rollback_metric too: its guard first, worded as before (threshold, no reference)
+    h, r, logs = _two_guards([(10.0, 0.8), (11.0, 0.7), (16.0, 0.7)], [], m=2.5, rollback_metric="m")
+    assert isinstance(r, Restore) and r.step == 0 and len(logs) == 2
+    assert logs[0] == ("rollback 1/3: m = 2.5 at iteration 2 is 2.500x its start (threshold 1.1); restored "
+                       "the initial state, beta 0 -> 0.6")  # fmt: skip
+    assert logs[1].startswith("rollback 1/3: ppl = 16 at iteration 2 is 1.600x its start 10 (guard ppl>1.5)")
+    # train.max_rollbacks counts the rollbacks of every guard: one made (by either), the second allowed...
+    h, r, logs = _two_guards([(10.0, 0.8), (11.0, 0.5)], [], done=1, max_rollbacks=2)
+    assert isinstance(r, Restore) and logs[0].startswith("rollback 2/2: d2 = 0.5")
+    # ...and past it, the stop names the guard
+    h, stop, _ = _two_guards([(10.0, 0.8), (11.0, 0.5)], [], done=2, max_rollbacks=2)
+    assert isinstance(stop, Stop) and stop.line == (
+        "d2 = 0.5 at iteration 1 is 0.625x its start 0.8, past guard d2<0.7 (train.rollback_guards), "
+        "after 2 rollbacks (train.max_rollbacks); newest good checkpoint: 0"
+    )
+
+
+def test_guards_per_member_of_a_sweep():
+    """Each member checked against each guard: member 0's perplexity and member 1's diversity cross at
+    iteration 2; one restore (the older of their targets), both betas raised, a note per member naming
+    its guard; the references per member, the second metric's under ``others``."""
+    tc = _cfg(rollback_guards="ppl>1.5,d2<0.7").train
+    initial = _State(0, _Ctrl(np.array([0.1, 0.2, 0.3], np.float32)))
+    loop = _loop([_cfg()] * 3, stacked=True, state=_State(5, _Ctrl(np.array([0.4, 0.1, 0.3], np.float32))))
+    h, logs = _rollback(tc, True, 3, initial)
+    h.ckpts = _Ckpts([1], restored=_State(1, _Ctrl(np.array([0.1, 0.2, 0.3], np.float32))))
+    rows = [[(10.0, 0.8), (20.0, 0.5), (1.0, 1.0)], [(11.0, 0.8), (21.0, 0.5), (1.0, 1.0)],
+            [(16.0, 0.8), (22.0, 0.3), (1.0, 1.0)]]  # fmt: skip
+    for it, row in enumerate(rows[:2]):
+        assert h.on_row(loop, _row(loop, it, [{"ppl": p, "d2": d} for p, d in row])) == []
+    (r,) = h.on_row(loop, _row(loop, 2, [{"ppl": p, "d2": d} for p, d in rows[2]]))
+    assert isinstance(r, Restore) and r.step == 1  # both checkpoints 1 good: 11 <= 15, 0.5 >= 0.35
+    np.testing.assert_allclose(r.state.ctrl.beta, [0.8, 0.4, 0.3])  # 2 x max(restored, failing)
+    assert [n.member for n in r.notes] == [0, 1] and logs == [n.text for n in r.notes]
+    assert logs[0].startswith(
+        "rollback 1/3: member 00: ppl = 16 at iteration 2 is 1.600x its start 10 (guard ppl>1.5)"
+    )
+    assert logs[1].startswith(
+        "rollback 1/3: member 01: d2 = 0.3 at iteration 2 is 0.600x its start 0.5 (guard d2<0.7)"
+    )
+    assert h.base_meta() == {"metric": "ppl", "values": [10.0, 20.0, 1.0], "others": {"d2": [0.8, 0.5, 1.0]}}
 
 
 def test_skip_stop_after_k_skips_saves_a_single_run():

@@ -91,3 +91,15 @@ def test_rollback_bases_saved_or_first_row():
     ]
     assert rollback_bases({"rollback_base": {"metric": "m", "value": 9.0}}, "m", traces[:1]) == [9.0]
     assert rollback_bases({}, "m", traces) == [2.0, None, 5.0]
+
+
+def test_rollback_bases_of_the_other_guarded_metrics():
+    """A checkpoint of several guards keeps the first metric's references as before and the others' per
+    member under ``others``; a metric it did not guard starts from its first row."""
+    saved = {"rollback_base": {"metric": "m", "value": 9.0, "others": {"d": [0.5], "p": [None]}}}
+    assert rollback_bases(saved, "m", [[1.0]]) == [9.0]
+    assert rollback_bases(saved, "d", [[0.7]]) == [0.5]
+    assert rollback_bases(saved, "p", [[3.0]]) == [None]  # not a number when saved
+    assert rollback_bases(saved, "q", [[4.0]]) == [4.0]
+    stacked = {"rollback_base": {"metric": "m", "values": [1.0, 2.0], "others": {"d": [0.5, 0.6]}}}
+    assert rollback_bases(stacked, "d", [[0.1], [0.2], [0.3]]) == [0.5, 0.6, 0.3]

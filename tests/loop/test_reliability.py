@@ -399,6 +399,48 @@ def test_unknown_rollback_metric_is_a_config_error(tiny_task, cache_dir, jax_cac
     assert not (tmp_path / "runs").exists()
 
 
+def test_two_guards_in_a_real_run_the_note_names_the_one_that_fired(plain_run, tiny_task, tmp_path):
+    """``train.rollback_guards`` alone (issue 47): a guard on reward/task that crosses at the iteration
+    the single-metric test above picks and one on policy/entropy that does not; the rollback is the one
+    the single metric decides, and its note names the reward guard, its value, reference and ratio."""
+    import klrl
+    from klrl.loop.reliability import RunStopped
+
+    metric = "reward/task"
+    cfg, plain, _, _ = plain_run
+    trace, n = [float(x) for x in plain.metrics[metric]], cfg.train.iterations
+    t = next(i for i in range(3, n) if trace[i] > max(trace[:i]) and max(trace[:i]) >= trace[0])
+    threshold = (max(trace[:t]) + trace[t]) / 2 / trace[0]
+    expected = decide_rollback(trace[: t + 1], list(range(2, t + 1, 2)), threshold)
+    guard = f"{metric}>{threshold!r}"
+    rb = cfg.replace(train={"rollback_guards": f"{guard}, policy/entropy<0.001", "max_rollbacks": 1,
+                            "iterations": t + 2, "checkpoint_every": 2})  # fmt: skip
+    d = tmp_path / "guards"
+    try:
+        klrl.run(rb, task=tiny_task, run_dir=d)
+    except RunStopped as e:  # crossed again after the one rollback allowed: also fine
+        assert f"past guard {guard} (train.rollback_guards), after 1 rollbacks" in str(e)
+    events = [json.loads(x) for x in lines(d / "events.jsonl")]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["iteration"] == t
+    target = "the initial state" if expected.step == 0 else f"checkpoint {expected.step}"
+    assert rollbacks[0]["message"] == (
+        f"rollback 1/1: {metric} = {trace[t]:.4g} at iteration {t} is {trace[t] / trace[0]:.3f}x its start "
+        f"{trace[0]:.4g} (guard {guard}); restored {target}, beta 0.05 -> 0.1"
+    )
+
+
+def test_unknown_guard_metric_is_a_config_error(tiny_task, cache_dir, jax_cache, tmp_path):
+    import klrl
+    from klrl.config import ConfigError
+
+    guards = "reward/task>1.5,text/distinct_2<0.7"  # the first is this run's, the second is the text task's
+    cfg = base_config(cache_dir, rollback_guards=guards, out_dir=str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=r"^train\.rollback_guards: 'text/distinct_2' is not a metric"):
+        klrl.run(cfg, task=tiny_task)
+    assert not (tmp_path / "runs").exists()
+
+
 # ---- issue 12: signals at any moment, a second Ctrl-C, one writer, a full disk -----------------------
 
 DRIVER = ROOT / "tests" / "phase_driver.py"

@@ -276,6 +276,32 @@ def test_text_run_logs_text_metrics_and_the_evaluator_lms_perplexity(tmp_path):
     np.testing.assert_array_equal(m["data/prompts_templated"], [0.0, 0.0])
 
 
+def test_the_two_guard_recipe_of_a_text_run_is_its_metrics(tmp_path):
+    """docs/reliability.md's recipe (issue 47): a guard on the judge's perplexity and one on distinct-2 name
+    metrics of a text run with an evaluator LM (refused before training otherwise: test_reliability), and
+    the checkpoint keeps both references, each the metric at iteration 0."""
+    import klrl
+    from klrl.io import checkpoint as ckpt
+
+    cfg = RunConfig.from_dict(
+        {"model": {"path": str(GGUF), "eval_path": str(GGUF)}, "task": {"name": "text"},
+         "data": {"prompt_len": 16, "limit": 8}, "sampling": {"response_len": 6},
+         "ppo": {"epochs": 1, "minibatches": 2}, "reward": {"fn": "positivity"},
+         "train": {"iterations": 2, "batch_size": 4, "quiet": True, "checkpoint_every": 1,
+                   "rollback_guards": "eval/independent_ppl>100, text/distinct_2<0.01"}}
+    )  # fmt: skip
+    m = klrl.run(cfg, run_dir=tmp_path / "r").metrics
+    mgr = ckpt.manager(tmp_path / "r", read_only=True)
+    try:
+        saved = ckpt.read_meta(mgr, 2)["rollback_base"]
+    finally:
+        mgr.close()
+    assert saved["metric"] == "eval/independent_ppl" and saved["value"] == pytest.approx(
+        m["eval/independent_ppl"][0]
+    )
+    assert saved["others"]["text/distinct_2"] == [pytest.approx(m["text/distinct_2"][0])]
+
+
 def test_model_path_on_the_default_task_selects_the_text_task():
     import argparse
 
