@@ -266,6 +266,60 @@ def dpo_claims(evals: list[dict], runs: list[dict], turn: dict | None) -> tuple[
     return out, curves
 
 
+def at_kl(kl: np.ndarray, value: np.ndarray, target: float) -> float:
+    """``value`` where the curve ``(kl[s], value[s])`` over checkpoints ``s`` (step 0 the base, KL 0) first
+    reaches ``target`` KL, linear between the two checkpoints around it (NaN: never reached)."""
+    for s in range(len(kl) - 1):
+        a, b = kl[s], kl[s + 1]
+        if min(a, b) <= target <= max(a, b) and a != b:
+            return float(value[s] + (target - a) / (b - a) * (value[s + 1] - value[s]))
+    return float("nan")
+
+
+def matched_claims(dpo_ev: list[dict], runs: list[dict], turn_ev: list[dict]) -> list[dict]:
+    """Per DPO beta: its gold at its last checkpoint against PPO's (the turn arm) at the same KL: each PPO
+    seed's prompt-mean gold at the DPO seed's prompt-mean KL (:func:`at_kl`), averaged over the PPO seeds,
+    then over the DPO seeds; the difference with a prompt bootstrap (both arms answer the same held-out
+    prompts with the same keys, so the prompts are resampled together)."""
+    from klrl.analysis.overopt import prompt_bootstrap
+
+    (_, _, dg), (_, _, dk) = table(dpo_ev, "gold"), table(dpo_ev, "kl")
+    (_, _, pg), (_, _, pk) = table(turn_ev, "gold"), table(turn_ev, "kl")
+    if {r["prompt_idx"] for r in dpo_ev} != {r["prompt_idx"] for r in turn_ev}:
+        return []
+    by: dict[float, list[int]] = {}
+    for j, r in enumerate(runs):
+        by.setdefault(r["beta"], []).append(j)
+
+    def gap(js: list[int], g: list[int]) -> tuple[float, float, float]:
+        c = np.asarray(g)
+        kd, gd = np.nanmean(dk[js][..., c], -1)[:, -1], np.nanmean(dg[js][..., c], -1)[:, -1]
+        mk, mg = np.nanmean(pk[..., c], -1), np.nanmean(pg[..., c], -1)
+        ppo = np.array([[at_kl(mk[i], mg[i], k) for i in range(len(mk))] for k in kd])
+        return float(np.mean(gd)), float(np.mean(ppo)), float(np.mean(kd))  # NaN if PPO never got there
+
+    out, prompts = [], list(range(dg.shape[-1]))
+    first = np.nanmean(pk, -1)[:, 1]  # below PPO's first checkpoints: the line from the base (KL 0)
+    lo1, hi1 = np.min(first), np.max(first)
+    below = f"; PPO's first checkpoints at KL {lo1:.1f}-{hi1:.1f} (below: linear from the base)"
+    for beta, js in by.items():
+        d, p, k = gap(js, prompts)
+        b = prompt_bootstrap(prompts, lambda g, js=js: np.subtract(*gap(js, g)[:2]), N_BOOT, 0)
+        lo, hi = b["lo"], b["hi"]
+        verdict = (
+            "**not compared** (PPO's checkpoints never at this KL)" if not np.isfinite(p)
+            else "**DPO higher**" if lo > 0 else "**PPO higher**" if hi < 0 else "**not separated**"
+        )  # fmt: skip
+        out.append({
+            "claim": f"DPO beta={beta:g} against PPO (turn arm) at matched KL: the gold at DPO's last "
+            "checkpoint minus PPO's at the same KL (prompt bootstrap)",
+            "measured": f"KL {k:.1f}: DPO {d:+.3f}, PPO {p:+.3f}; difference {d - p:+.3f} "
+            f"[{lo:+.3f}, {hi:+.3f}]" + (below if k < hi1 else ""),
+            "verdict": verdict,
+        })  # fmt: skip
+    return out
+
+
 def ctrl_claims(evals: list[dict], runs: list[dict]) -> list[dict]:
     """Tracking over the second half of the evaluations: the held-out exact KL's mean over prompts against
     the target (``KL / target - 1`` and the share of evaluations within +-25%), per controller and start,
@@ -440,7 +494,7 @@ def finish(res: Path) -> int:
         }
     if "dpo" in arms:
         rows, dpo = dpo_claims(arms["dpo"], runs["dpo"], turn)
-        claims += rows
+        claims += rows + (matched_claims(arms["dpo"], runs["dpo"], arms["turn"]) if turn else [])
     claims += duplicate_claims(arms)
     missing = [a for a in ("turn", "ctrl", "grpo", "dpo") if a not in arms]
     name = figure(res, bon, turn, grpo, dpo)

@@ -195,6 +195,27 @@ def test_dpo_claims_find_the_peak_and_its_kl_per_beta():
     assert rep.dpo_claims(ev, runs, None)[0][0]["verdict"].endswith("no PPO turn arm to compare")
 
 
+def test_dpo_against_ppo_at_matched_kl_interpolates_each_ppo_seed_at_dpos_kl():
+    from experiments import llm_study_report as rep
+
+    assert rep.at_kl(np.array([0, 2, 6]), np.array([0, 1, 3]), 4.0) == 2.0  # 1 + (4 - 2) / 4 x 2
+    assert np.isnan(rep.at_kl(np.array([0, 2, 6]), np.array([0, 1, 3]), 7.0))  # never reached
+    turn = _evals([[0, 10, 20], [0, 10, 20]], [[0, 1, 2], [0, 2, 4]], noise=0)  # PPO at KL 5: 0.5 and 1.0
+    dpo = _evals([[0, 5], [0, 5], [0, 50], [0, 50]], [[0, 2], [0, 2], [0, 3], [0, 3]], noise=0)
+    runs = [{"beta": b, "seed": s} for b in (0.1, 0.01) for s in (0, 1)]
+    rows = rep.matched_claims(dpo, runs, turn)
+    assert [r["verdict"] for r in rows] == [
+        "**DPO higher**",
+        "**not compared** (PPO's checkpoints never at this KL)",
+    ]
+    assert (
+        "KL 5.0: DPO +2.350, PPO +1.100; difference +1.250" in rows[0]["measured"]
+    )  # (+0.35: the prompts' offset)
+    assert "below: linear from the base" in rows[0]["measured"] and "below" not in rows[1]["measured"]
+    worse = rep.matched_claims(_evals([[0, 5]] * 2, [[0, 0.2]] * 2), runs[:2], turn)
+    assert worse[0]["verdict"] == "**PPO higher**"
+
+
 def test_the_plan_counts_a_dpo_step_as_two_responses_of_policy_update_and_reference_forward(capsys):
     from experiments.llm_turn import N_PARAMS as N
 
