@@ -55,12 +55,12 @@ HERE = Path(__file__).resolve().parent
 if not __package__:
     sys.path.insert(0, str(HERE.parent))
 
-# the cpu preset is what ran on the 2-core machine (FINDINGS, fourth round): prepare 43 min, the turn arm's 32
-# iterations and 25 evaluations within 90 min; ctrl, grpo and 3-seed dpo are sized, not yet run
+# the cpu preset is what ran on the 2-core machine (FINDINGS, fourth round): prepare 43 min; the turn arm's 64
+# iterations as 32, then --extend to 64 (64 + 70 min); dpo seed 0, then --extend seeds 1, 2; ctrl, grpo sized
 _CPU: dict[str, Any] = {
     "batch": 16, "response_len": 24, "prompt_len": 40, "per_prompt": 6, "heldout": 32, "bon_k": 8,
     "pairs_strong": 8000, "pairs_weak": 400, "weak_noise": 0.3, "seeds": "0,1,2", "rm_epochs": 4,
-    "turn_betas": "0.01", "turn_iterations": 32, "turn_lr": 2e-3,
+    "turn_betas": "0.01", "turn_iterations": 64, "turn_lr": 2e-3,
     "ctrl_settle": 0.1, "ctrl_target": 6.0, "ctrl_iterations": 48, "ctrl_lr": 3e-4,
     "grpo_coefs": "0.04,0.001", "grpo_iterations": 100, "group_size": 4,
     "eval_every": 4, "eval_n": 1, "minibatches": 2, "epochs": 1, "advantage": "rloo",
