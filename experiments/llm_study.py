@@ -318,8 +318,8 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
         print(f"{name} iteration {i}: exact KL {kl}", flush=True)
 
     t0, out = time.time(), Path(ns.out) / f"llm_study-{name}"
-    old = load(res / f"{name}_eval.jsonl.gz") if ns.extend else []
-    resume = out if ns.extend else None
+    stored = res / f"{name}_eval.jsonl.gz"  # --extend with none stored: a killed first run, continued
+    old, resume = (load(stored) if stored.is_file() else []) if ns.extend else [], out if ns.extend else None
     results = list(klrl.sweep(members, out_dir=out, resume=resume, on_step=on_step))
     t1 = time.time()
     sweep_dir, done = results[0].dir.parent, tuple(sorted({r["step"] for r in old if r["member"] >= 0}))
