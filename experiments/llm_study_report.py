@@ -436,7 +436,7 @@ def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None, dpo: dict
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 6.5))
     for i, (key, bkey) in enumerate((("gold", "gold_gain"), ("proxy", "proxy_gain"))):
         ax = axes[i]
         for tag, f in bon.items():
@@ -471,8 +471,9 @@ def figure(res: Path, bon: dict, turn: dict | None, grpo: dict | None, dpo: dict
         ax.set_xlabel("sqrt(KL) to the reference, sqrt(nats/seq) (held-out, exact)")
         ax.set_ylabel(f"{'gold' if key == 'gold' else 'the proxy optimised'} - that of the reference")
         ax.set_title("Gold against sqrt(KL)" if key == "gold" else "The proxy each method optimised")
-    axes[0].legend(fontsize=6, ncol=2, loc="lower left", framealpha=0.9)
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()  # below the panels, clear of the curves
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.022 * ((len(names) + 3) // 4), 1, 1))
     fig.savefig(res / "llm_study.png", dpi=110)
     plt.close(fig)
     return "llm_study.png"
