@@ -335,8 +335,8 @@ def gold_pairs(
     from all such pairs, as TRL's ``prompt``/``chosen``/``rejected`` records: ``chosen`` the higher gold,
     flipped with probability ``noise`` (``gold_chosen`` says whether the label agrees with the gold;
     ``rows``: the indices of chosen and rejected in ``rows``). ``rows`` are scored responses
-    (``prompt_idx``, ``gold``, ``completion``), e.g. a study's pool; the label noise is symmetric, as the
-    noisy-label proxies of Gao et al. 2023 (arXiv:2210.10760, section 4.3)."""
+    (``prompt_idx``, ``gold``, ``completion``), e.g. a study's pool; the label noise is symmetric (each label
+    flipped independently with probability ``noise``), a weaker proxy's data."""
     rng = np.random.default_rng(seed)
     by: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
