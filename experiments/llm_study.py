@@ -319,8 +319,8 @@ def run_arm(name: str, ns: argparse.Namespace, P: dict, study: dict, res: Path) 
 
     t0, out = time.time(), Path(ns.out) / f"llm_study-{name}"
     stored = res / f"{name}_eval.jsonl.gz"  # --extend with none stored: a killed first run, continued
-    old, resume = (load(stored) if stored.is_file() else []) if ns.extend else [], out if ns.extend else None
-    results = list(klrl.sweep(members, out_dir=out, resume=resume, on_step=on_step))
+    old = load(stored) if ns.extend and stored.is_file() else []
+    results = list(klrl.sweep(members, out_dir=out, resume=out if ns.extend else None, on_step=on_step))
     t1 = time.time()
     sweep_dir, done = results[0].dir.parent, tuple(sorted({r["step"] for r in old if r["member"] >= 0}))
     dirs = [sweep_dir / d for d in read_sweep_members(sweep_dir)]

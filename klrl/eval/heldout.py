@@ -108,8 +108,11 @@ def evaluate_runs(
     ref = (src0.model, src0.ref_params)
     pool = load_prompts(data, src0.tok).eval
     kw = {"max_new": max_new, "proxies": proxies(src0) if proxies else None, "seed": seed, "n": n}
-    rows = [{"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, free, **kw)]
-    rows = rows if reference else []
+    rows = (
+        [{"member": -1, "step": 0, **r} for r in evaluate(ref, ref, src0.tok, pool, judge, free, **kw)]
+        if reference
+        else []
+    )  # (not sampled at all when left out)
     for step in [s for s in steps if s not in skip]:
         for j, d in enumerate(dirs):
             src = policy_at(d, step)
